@@ -1,0 +1,367 @@
+"""Advantage estimators, chosen by name (verl's ``algorithm.adv_estimator`` values).
+
+Every estimator has the same keyword-only signature (``AdvantageEstimatorFn``) and returns
+``(advantages [B, T], returns [B, T])``, zero outside ``response_mask`` unless stated.
+Arguments an estimator does not use are accepted and ignored, so a trainer calls them all
+the same way::
+
+    adv, ret = get_adv_estimator(cfg.adv_estimator)(
+        token_level_rewards=r, response_mask=m, index=prompt_ids, values=v, gamma=1.0, lam=1.0)
+
+Outcome-reward estimators use the sequence score ``s_i = sum_t r_it`` and a baseline over
+the group of responses sharing a prompt (``index``).  Group statistics are computed with
+``index_add_`` / ``scatter_reduce`` (no Python loop over samples).  Degenerate groups follow
+verl: a group of one has mean 0 and std 1; a group whose scores are all equal gets exactly
+zero advantage (verl can return rounding noise divided by ``epsilon`` there; we zero it).
+
+Numbers match verl's ``verl/trainer/ppo/core_algos.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from rlhf.algos.masked import masked_whiten
+
+__all__ = [
+    "AdvantageEstimatorFn",
+    "ADV_ESTIMATOR_REGISTRY",
+    "register_adv_estimator",
+    "get_adv_estimator",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_opo_outcome_advantage",
+    "group_ids",
+]
+
+GroupIndex = torch.Tensor | np.ndarray | Sequence[Any]
+
+
+class AdvantageEstimatorFn(Protocol):
+    """Uniform estimator signature; shapes ``[B, T]`` unless noted."""
+
+    def __call__(
+        self,
+        *,
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        index: GroupIndex | None = None,
+        values: torch.Tensor | None = None,
+        reward_baselines: torch.Tensor | None = None,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        norm_adv_by_std_in_grpo: bool = True,
+        epsilon: float = 1e-6,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+ADV_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimatorFn] = {}
+
+
+def register_adv_estimator(name: str) -> Callable[[AdvantageEstimatorFn], AdvantageEstimatorFn]:
+    """Decorator: register an estimator under ``name`` (a second, different fn is an error)."""
+
+    def decorator(fn: AdvantageEstimatorFn) -> AdvantageEstimatorFn:
+        if name in ADV_ESTIMATOR_REGISTRY and ADV_ESTIMATOR_REGISTRY[name] is not fn:
+            raise ValueError(f"Advantage estimator {name!r} is already registered")
+        ADV_ESTIMATOR_REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_adv_estimator(name: str) -> AdvantageEstimatorFn:
+    """Look up an estimator by name; unknown names raise ``ValueError`` listing valid ones."""
+    if name not in ADV_ESTIMATOR_REGISTRY:
+        raise ValueError(
+            f"Unknown adv_estimator {name!r}; valid names: {', '.join(sorted(ADV_ESTIMATOR_REGISTRY))}"
+        )
+    return ADV_ESTIMATOR_REGISTRY[name]
+
+
+# ----------------------------------------------------------------------------- group statistics
+
+
+def group_ids(index: GroupIndex, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
+    """Map arbitrary group labels ``[B]`` (ints, strings, uuids) to dense ids ``[B]`` in ``[0, G)``."""
+    if isinstance(index, torch.Tensor):
+        uniq, inv = torch.unique(index.reshape(-1), return_inverse=True)
+        return inv.to(device=device, dtype=torch.long), int(uniq.numel())
+    uniq, inv = np.unique(np.asarray(index), return_inverse=True)
+    return torch.as_tensor(inv.reshape(-1), dtype=torch.long, device=device), len(uniq)
+
+
+@dataclass(frozen=True)
+class _GroupStats:
+    """Per-sample view ``[B]`` of the statistics of the sample's group."""
+
+    count: torch.Tensor  # group size
+    mean: torch.Tensor  # group mean (verl's 0 for a group of one)
+    std: torch.Tensor  # unbiased group std (verl's 1 for a group of one)
+    constant: torch.Tensor  # bool: every score in the group is equal
+    gid: torch.Tensor  # dense group id
+    n_groups: int
+
+
+def _group_stats(scores: torch.Tensor, index: GroupIndex | None) -> _GroupStats:
+    if index is None:
+        raise ValueError("this advantage estimator needs `index` (group id of each sample, [B])")
+    if len(index) != scores.shape[0]:
+        raise ValueError(f"`index` has {len(index)} entries but the batch has {scores.shape[0]} samples")
+    gid, n_groups = group_ids(index, scores.device)
+    zeros = scores.new_zeros(n_groups)
+    count_g = zeros.index_add(0, gid, torch.ones_like(scores))
+    mean_g = zeros.index_add(0, gid, scores) / count_g
+    # Two-pass variance (as torch.std) rather than E[x^2]-E[x]^2, which cancels badly.
+    sq_dev_g = zeros.index_add(0, gid, (scores - mean_g[gid]) ** 2)
+    std_g = (sq_dev_g / (count_g - 1).clamp(min=1)).sqrt()
+    max_g = zeros.scatter_reduce(0, gid, scores, reduce="amax", include_self=False)
+    min_g = zeros.scatter_reduce(0, gid, scores, reduce="amin", include_self=False)
+
+    count = count_g[gid]
+    single = count <= 1
+    return _GroupStats(
+        count=count,
+        mean=torch.where(single, torch.zeros_like(scores), mean_g[gid]),
+        std=torch.where(single, torch.ones_like(scores), std_g[gid]),
+        constant=(max_g == min_g)[gid],
+        gid=gid,
+        n_groups=n_groups,
+    )
+
+
+def _zero_if_constant(centered: torch.Tensor, stats: _GroupStats) -> torch.Tensor:
+    # A group of one keeps its (uncentred) score, as verl; only real groups are zeroed.
+    return torch.where(stats.constant & (stats.count > 1), torch.zeros_like(centered), centered)
+
+
+# ----------------------------------------------------------------------------- estimators
+
+
+@register_adv_estimator("gae")
+@torch.no_grad()
+def compute_gae_advantage_return(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16), PPO with a critic.
+
+    ``delta_t = r_t + gamma V_{t+1} - V_t``,  ``A_t = delta_t + gamma lam A_{t+1}``,
+    ``R_t = A_t + V_t``; masked-out positions are skipped (they pass ``V`` and ``A`` through),
+    then ``A`` is whitened over the mask of the whole batch (as verl).
+
+    Shapes: ``token_level_rewards``, ``values``, ``response_mask`` ``[B, T]`` ->
+    ``advantages [B, T]`` (whitened), ``returns [B, T]`` (not whitened).
+    """
+    if values is None:
+        raise ValueError("adv_estimator 'gae' needs `values` (critic values, [B, T])")
+    mask = response_mask.to(values.dtype)
+    next_values = torch.zeros_like(values[:, 0])
+    last_gae = torch.zeros_like(values[:, 0])
+    reversed_adv = []
+    # A loop over time is inherent to the recursion; each step is vectorised over the batch.
+    for t in reversed(range(token_level_rewards.shape[-1])):
+        delta = token_level_rewards[:, t] + gamma * next_values - values[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        next_values = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_values
+        last_gae = gae_t * mask[:, t] + (1 - mask[:, t]) * last_gae
+        reversed_adv.append(last_gae)
+    advantages = torch.stack(reversed_adv[::-1], dim=1)
+    returns = advantages + values
+    advantages = masked_whiten(advantages, response_mask)
+    return advantages, returns
+
+
+@register_adv_estimator("grpo")
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath eq. 3 / sec. 4.1.2).
+
+    ``A_i = (s_i - mean_g(s)) / (std_g(s) + epsilon)`` broadcast over the response tokens;
+    ``std`` is the unbiased std of the group.  With ``norm_adv_by_std_in_grpo=False`` it is
+    Dr.GRPO's ``A_i = s_i - mean_g(s)`` (Liu et al. 2025, eq. 4).
+
+    Shapes: ``token_level_rewards``, ``response_mask`` ``[B, T]``; ``index [B]`` ->
+    ``(advantages, returns)`` both ``[B, T]`` and equal.
+    """
+    scores = token_level_rewards.sum(dim=-1)  # [B]
+    stats = _group_stats(scores, index)
+    adv = _zero_if_constant(scores - stats.mean, stats)
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (stats.std + epsilon)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("rloo")
+@torch.no_grad()
+def compute_rloo_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024, eq. 7).
+
+    ``A_i = s_i - 1/(n-1) sum_{j != i} s_j = n/(n-1) (s_i - mean_g(s))``; a group of one keeps
+    ``A_i = s_i`` (verl).  Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    stats = _group_stats(scores, index)
+    n = stats.count
+    loo = (scores - stats.mean) * n / (n - 1).clamp(min=1)
+    adv = torch.where(n > 1, loo, scores)
+    adv = _zero_if_constant(adv, stats)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("opo")
+@torch.no_grad()
+def compute_opo_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-Policy RL with Optimal reward baseline (Hao et al. 2025, eq. 6).
+
+    ``b = sum_j |y_j| s_j / sum_j |y_j|`` over the group (length-weighted mean),
+    ``A_i = s_i - b``; a group of one has ``b = 0`` (verl).
+    Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    lengths = response_mask.sum(dim=-1).to(scores.dtype)
+    stats = _group_stats(scores, index)
+    gid = stats.gid
+    zeros = scores.new_zeros(stats.n_groups)
+    weighted_g = zeros.index_add(0, gid, lengths * scores)
+    length_g = zeros.index_add(0, gid, lengths)
+    baseline = weighted_g[gid] / length_g[gid].clamp(min=1e-8)
+    baseline = torch.where(stats.count > 1, baseline, torch.zeros_like(baseline))
+    adv = _zero_if_constant(scores - baseline, stats)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("reinforce_plus_plus")
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, eq. 7-9): discounted return, whitened over the whole batch.
+
+    ``G_t = sum_{k>=t} gamma^{k-t} r_k`` (the running return resets at masked positions),
+    ``A = whiten_batch(G) * mask``.  Shapes: ``[B, T]`` -> ``advantages [B, T]``, ``returns [B, T]``.
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = torch.zeros_like(token_level_rewards)
+    running = torch.zeros_like(token_level_rewards[:, 0])
+    for t in reversed(range(token_level_rewards.shape[-1])):
+        running = token_level_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    advantages = masked_whiten(returns, response_mask) * response_mask
+    return advantages, returns
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu 2025, sec. 3): group-mean baseline, then batch whitening.
+
+    ``A_it = whiten_batch(s_i - mean_g(s)) * m_it`` (group of one: mean 0).
+    Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    stats = _group_stats(scores, index)
+    centered = _zero_if_constant(scores - stats.mean, stats)
+    adv = centered.unsqueeze(-1) * response_mask
+    adv = masked_whiten(adv, response_mask) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("remax")
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023, eq. 7): baseline = reward of the greedy response to the prompt.
+
+    ``G_t = sum_{k>=t} r_k m_k``, ``A_t = G_t - b m_t`` with ``b = reward_baselines [B]``.
+    Shapes: ``[B, T]`` -> ``advantages [B, T]``, ``returns [B, T]``.
+    """
+    if reward_baselines is None:
+        raise ValueError("adv_estimator 'remax' needs `reward_baselines` (greedy-rollout reward, [B])")
+    returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
+    return advantages, returns

@@ -1,0 +1,91 @@
+"""The typed rollout batch that flows through the RL phases, and its splitting helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """All per-sequence data of one step on this rank. N = local prompts x n samples.
+
+    Rows of one prompt are contiguous (row i*n+j = sample j of prompt i), so GRPO groups
+    never span ranks.
+    """
+
+    input_ids: torch.Tensor            # [N, P+R] left-padded prompt | right-padded response
+    attention_mask: torch.Tensor       # [N, P+R]
+    responses: torch.Tensor            # [N, R]
+    response_mask: torch.Tensor        # [N, R] float, 1 on generated tokens
+    index: torch.Tensor                # [N] global prompt id (group id)
+    rollout_log_probs: torch.Tensor    # [N, R] sampler log-probs
+    truncated: torch.Tensor            # [N] bool, hit max_response_length
+    token_level_scores: Optional[torch.Tensor] = None   # [N, R] reward on the last token
+    token_level_rewards: Optional[torch.Tensor] = None  # [N, R] scores minus in-reward KL
+    old_log_probs: Optional[torch.Tensor] = None        # [N, R]
+    ref_log_probs: Optional[torch.Tensor] = None        # [N, R]
+    values: Optional[torch.Tensor] = None               # [N, R] critic values
+    advantages: Optional[torch.Tensor] = None           # [N, R]
+    returns: Optional[torch.Tensor] = None              # [N, R]
+    reward_baselines: Optional[torch.Tensor] = None     # [N] (ReMax greedy baseline reward)
+    acc: Optional[torch.Tensor] = None                  # [N] 1.0 where the response is correct
+    # Python-side per-row data (not tensors).
+    response_texts: list = field(default_factory=list)
+    ground_truths: list = field(default_factory=list)
+    data_sources: list = field(default_factory=list)
+    extra_infos: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.responses.shape[1]
+
+    def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
+        """Rows `idx` of every per-row field (tensors and lists)."""
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        idx_l = idx_t.tolist()
+        kw = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                kw[f.name] = v[idx_t.to(v.device)]
+            elif isinstance(v, list) and v:
+                kw[f.name] = [v[i] for i in idx_l]
+            else:
+                kw[f.name] = v
+        return RolloutBatch(**kw)
+
+    @staticmethod
+    def concat(parts: list["RolloutBatch"]) -> "RolloutBatch":
+        kw = {}
+        for f in dataclasses.fields(RolloutBatch):
+            vals = [getattr(p, f.name) for p in parts]
+            if all(isinstance(v, torch.Tensor) for v in vals):
+                width = max(v.shape[1] for v in vals) if vals[0].dim() > 1 else None
+                if width is not None and any(v.shape[1] != width for v in vals):
+                    raise ValueError(f"cannot concat field {f.name} of different widths")
+                kw[f.name] = torch.cat(vals)
+            elif all(isinstance(v, list) for v in vals):
+                kw[f.name] = [x for v in vals for x in v]
+            else:
+                kw[f.name] = None
+        return RolloutBatch(**kw)
+
+    def to(self, device: torch.device) -> "RolloutBatch":
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                setattr(self, f.name, v.to(device))
+        return self
+
+
+def split_rows(n_rows: int, size: int) -> Iterator[torch.Tensor]:
+    """Consecutive chunks of row indices of at most `size`."""
+    for start in range(0, n_rows, size):
+        yield torch.arange(start, min(start + size, n_rows))

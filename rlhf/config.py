@@ -1,0 +1,411 @@
+"""Typed run configuration: one dataclass per section, yaml + dotted CLI overrides.
+
+Every field has a default and a one-line doc (the ``doc`` metadata). Loading is strict:
+an unknown key, a value of the wrong type or an impossible value fails at start-up with
+the dotted key and, for unknown keys, the nearest valid names. Names follow verl where a
+setting has the same meaning (``actor.ppo_mini_batch_size``, ``algorithm.adv_estimator``,
+``actor.clip_ratio_low`` ...), flattened from verl's ``actor_rollout_ref.*`` tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message names the dotted key."""
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
+    return field(default=default, metadata={"doc": doc}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", "Local HF causal-LM directory (or hub cache snapshot path).")
+    tokenizer_path: str = _f("", "Tokenizer directory; empty = model.path.")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "Dtype of the master weights held by the optimizer.")
+    mixed_precision: bool = _f(True, "On CUDA: compute in bf16 with fp32 master weights and fp32 gradient reduce.")
+    trust_remote_code: bool = _f(False, "Pass trust_remote_code to transformers.")
+    attn_implementation: str = _f("sdpa", "HF attention kernel: sdpa, eager or flash_attention_2.")
+    enable_gradient_checkpointing: bool = _f(False, "Activation checkpointing per decoder block.")
+    use_remove_padding: bool = _f(False, "Padding-free (packed) forward/backward for actor, critic and reference.")
+    lora_rank: int = _f(0, "LoRA rank; 0 disables LoRA (full fine-tuning).")
+    lora_alpha: int = _f(16, "LoRA alpha (scale = alpha / rank).")
+    target_modules: Union[str, list] = _f("all-linear", "LoRA target modules: 'all-linear' or a list of names.")
+    param_offload: bool = _f(False, "FSDP2 CPU offload of parameters, gradients and optimizer state.")
+
+
+@dataclass
+class DataConfig:
+    train_files: Union[str, list] = _f("", "Parquet or jsonl prompt files (verl schema).")
+    val_files: Union[str, list] = _f("", "Held-out prompt files for validation; empty disables validation.")
+    prompt_key: str = _f("prompt", "Column holding the prompt (chat messages or a string).")
+    max_prompt_length: int = _f(512, "Prompts longer than this (tokens) are filtered or truncated.")
+    max_response_length: int = _f(512, "Maximum generated tokens per response.")
+    train_batch_size: int = _f(1024, "Prompts per step, global over all dp ranks.")
+    val_batch_size: int = _f(0, "Prompts per validation generation chunk (0 = all at once).")
+    truncation: Literal["error", "left", "right"] = _f("error", "How to shorten over-long prompts when not filtering.")
+    filter_overlong_prompts: bool = _f(True, "Drop (and count) prompts longer than max_prompt_length.")
+    apply_chat_template: bool = _f(True, "Render prompts with the tokenizer's chat template when it has one.")
+    shuffle: bool = _f(True, "Shuffle the training prompts each epoch.")
+    seed: int = _f(1, "Seed of the data order.")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = _f(1, "Responses sampled per prompt (group size for GRPO).")
+    temperature: float = _f(1.0, "Sampling temperature; 0 = greedy.")
+    top_k: int = _f(-1, "Top-k sampling; -1 disables.")
+    top_p: float = _f(1.0, "Nucleus sampling threshold; 1.0 disables.")
+    min_p: float = _f(0.0, "Min-p sampling threshold; 0 disables.")
+    stop: list = _f([], "Extra stop strings (EOS always stops).")
+    tp: int = _f(1, "Tensor-parallel size of the rollout layout (divides parallel.tp x pp x dp).")
+    max_num_seqs: int = _f(256, "Concurrent sequences (KV-cache slots) per rank.")
+    kv_cache_tokens: int = _f(0, "KV-cache budget in tokens per rank; 0 = max_num_seqs x max sequence length.")
+    val_temperature: float = _f(0.0, "Validation sampling temperature (0 = greedy, like verl val_kwargs.do_sample=False).")
+    seed: int = _f(0, "Sampling seed; samples are keyed by (seed, step, prompt index, sample index).")
+    compile: bool = _f(False, "On CUDA: capture the decode step (CUDA graphs / torch.compile).")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = _f(1e-6, "Peak learning rate (verl actor.optim.lr).")
+    weight_decay: float = _f(0.01, "AdamW weight decay.")
+    betas: list = _f([0.9, 0.999], "AdamW betas.")
+    lr_warmup_steps: int = _f(-1, "Warmup steps; -1 uses lr_warmup_steps_ratio.")
+    lr_warmup_steps_ratio: float = _f(0.0, "Warmup steps as a fraction of total steps.")
+    warmup_style: Literal["constant", "cosine"] = _f("constant", "LR schedule after warmup.")
+    min_lr_ratio: float = _f(0.0, "Cosine floor as a fraction of lr.")
+    ppo_mini_batch_size: int = _f(256, "Prompts per optimizer step (global; multiplied by rollout.n).")
+    ppo_micro_batch_size_per_gpu: int = _f(8, "Sequences per forward/backward micro-batch per rank.")
+    log_prob_micro_batch_size_per_gpu: int = _f(16, "Sequences per micro-batch for forward-only log-prob passes.")
+    use_dynamic_bsz: bool = _f(False, "Form micro-batches by token budget instead of a fixed count.")
+    ppo_max_token_len_per_gpu: int = _f(16384, "Token budget per micro-batch when use_dynamic_bsz.")
+    log_prob_max_token_len_per_gpu: int = _f(32768, "Token budget for forward-only passes when use_dynamic_bsz.")
+    ppo_epochs: int = _f(1, "Passes over each rollout batch.")
+    shuffle: bool = _f(False, "Shuffle sequences between mini-batches each epoch.")
+    policy_loss: str = _f("vanilla", "Policy loss by name: vanilla (PPO clip) or gspo.")
+    clip_ratio: float = _f(0.2, "PPO clip epsilon; default for clip_ratio_low/high.")
+    clip_ratio_low: float = _f(-1.0, "Lower clip epsilon; -1 = clip_ratio.")
+    clip_ratio_high: float = _f(-1.0, "Upper clip epsilon (DAPO clip-higher); -1 = clip_ratio.")
+    clip_ratio_c: float = _f(3.0, "Dual-clip constant for negative advantages.")
+    loss_agg_mode: str = _f("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.")
+    entropy_coeff: float = _f(0.0, "Entropy bonus coefficient.")
+    use_kl_loss: bool = _f(False, "Add KL(actor || reference) as a loss term (GRPO style).")
+    kl_loss_coef: float = _f(0.001, "Coefficient of the KL loss.")
+    kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss: kl(k1), abs, mse(k2), low_var_kl(k3).")
+    tis_imp_ratio_cap: float = _f(-1.0, "Truncated importance sampling cap between sampler and trainer; -1 off.")
+    grad_clip: float = _f(1.0, "Max global gradient norm.")
+
+
+@dataclass
+class CriticConfig:
+    model_path: str = _f("", "Critic backbone; empty = the actor's model.path.")
+    lr: float = _f(1e-5, "Critic learning rate.")
+    weight_decay: float = _f(0.01, "AdamW weight decay.")
+    lr_warmup_steps: int = _f(-1, "Warmup steps; -1 uses lr_warmup_steps_ratio.")
+    lr_warmup_steps_ratio: float = _f(0.0, "Warmup steps as a fraction of total steps.")
+    warmup_style: Literal["constant", "cosine"] = _f("constant", "LR schedule after warmup.")
+    ppo_mini_batch_size: int = _f(256, "Prompts per critic optimizer step (global).")
+    ppo_micro_batch_size_per_gpu: int = _f(8, "Sequences per critic micro-batch per rank.")
+    ppo_max_token_len_per_gpu: int = _f(32768, "Critic token budget per micro-batch when use_dynamic_bsz.")
+    ppo_epochs: int = _f(1, "Critic passes over each batch.")
+    cliprange_value: float = _f(0.5, "Value clipping range.")
+    loss_agg_mode: str = _f("token-mean", "Aggregation of the value loss.")
+    grad_clip: float = _f(1.0, "Max critic gradient norm.")
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = _f(False, "Score responses with an HF sequence-classification reward model.")
+    path: str = _f("", "Reward model directory.")
+    tokenizer_path: str = _f("", "Reward model tokenizer; empty = path.")
+    micro_batch_size_per_gpu: int = _f(16, "Sequences per reward-model forward.")
+    max_length: int = _f(2048, "Maximum prompt+response tokens for the reward model.")
+    combine: Literal["replace", "add"] = _f("replace", "Replace rule-based rewards or add to them.")
+
+
+@dataclass
+class RewardConfig:
+    reward_fn: str = _f("default", "Registered reward name or path/to/file.py:function.")
+    overlong_buffer_enable: bool = _f(False, "DAPO overlong reward shaping.")
+    overlong_buffer_len: int = _f(0, "Length of the soft overlong penalty window (tokens).")
+    overlong_penalty_factor: float = _f(1.0, "Penalty at the maximum response length.")
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig, metadata={"doc": "Reward model."})
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = _f("fixed", "KL coefficient controller.")
+    kl_coef: float = _f(0.001, "Initial / fixed KL coefficient.")
+    target_kl: float = _f(0.1, "Adaptive controller target KL.")
+    horizon: int = _f(10000, "Adaptive controller horizon.")
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = _f(False, "DAPO dynamic sampling: drop prompt groups whose metric is all-equal.")
+    metric: str = _f("acc", "Metric whose spread decides: acc or score.")
+    max_num_gen_batches: int = _f(10, "Generation batches allowed to fill one training batch; 0 = unbounded.")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = _f("grpo", "Advantage estimator by name (gae, grpo, rloo, reinforce_plus_plus, ...).")
+    norm_adv_by_std_in_grpo: bool = _f(True, "GRPO std normalisation; False = Dr.GRPO mean-only.")
+    gamma: float = _f(1.0, "Discount factor.")
+    lam: float = _f(1.0, "GAE lambda.")
+    use_kl_in_reward: bool = _f(False, "Subtract a per-token KL penalty from the reward (PPO style).")
+    kl_penalty: str = _f("kl", "KL estimator for the in-reward penalty.")
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig, metadata={"doc": "KL controller."})
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig, metadata={"doc": "Dynamic sampling."})
+    filter_truncated: bool = _f(False, "Mask out responses that hit max_response_length from the loss.")
+    critic_warmup: int = _f(0, "Steps that update only the critic.")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = _f(-1, "Data-parallel size; -1 = world size / (tp x pp).")
+    tp: int = _f(1, "Tensor-parallel size of training.")
+    pp: int = _f(1, "Pipeline-parallel size of training.")
+    pp_schedule: str = _f("1F1B", "Pipeline schedule: 1F1B or GPipe.")
+    pp_microbatches: int = _f(2, "Pipeline micro-batches per forward/backward.")
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = _f(1, "Epochs over the training prompts.")
+    total_training_steps: int = _f(-1, "Stop after this many steps; -1 = total_epochs x steps per epoch.")
+    seed: int = _f(42, "Seed for model init pieces and anything else random.")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto = cuda when available.")
+    test_freq: int = _f(-1, "Validate every N steps; -1 = only before and after training.")
+    val_before_train: bool = _f(True, "Run validation at step 0.")
+    output_dir: str = _f("outputs/run", "Run directory: resolved config, metrics, checkpoints, export.")
+    project_name: str = _f("rlhf", "Project name for loggers.")
+    experiment_name: str = _f("run", "Experiment name for loggers.")
+    logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, tensorboard, mlflow.")
+    detect_anomaly_nan: bool = _f(True, "Skip (and count) optimizer steps whose loss or grad norm is not finite.")
+    max_nan_steps: int = _f(3, "Abort after this many consecutive non-finite steps.")
+
+
+@dataclass
+class CheckpointConfig:
+    save_freq: int = _f(-1, "Save every N steps; -1 never (except final if save_final).")
+    save_final: bool = _f(False, "Save a checkpoint after the last step.")
+    resume: str = _f("auto", "auto = latest complete checkpoint in output_dir; disable; or a checkpoint path.")
+    max_to_keep: int = _f(2, "Keep only this many checkpoints; 0 = all.")
+    export_hf: bool = _f(True, "Write an HF save_pretrained (safetensors) export at the end.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Check (and gently coerce) `value` against annotation `tp`; returns (ok, value)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True, value
+    if origin is Literal:
+        return value in typing.get_args(tp), value
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, v = _type_ok(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if tp is list or origin is list:
+        if isinstance(value, tuple):
+            value = list(value)
+        return isinstance(value, list), value
+    if tp is dict or origin is dict:
+        return isinstance(value, dict), value
+    return isinstance(value, tp), value
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(prefix + n for n in near)}?" if near else ""
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint} (valid keys in "
+                              f"'{prefix.rstrip('.') or 'config'}': {', '.join(names)})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp, value, dotted = hints[f.name], data[f.name], prefix + f.name
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, value if value is not None else {}, dotted + ".")
+            continue
+        ok, value = _type_ok(value, tp)
+        if not ok:
+            raise ConfigError(f"config key '{dotted}' must be {_type_name(tp)}, got {data[f.name]!r}")
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``actor.lr=1e-6`` -> (["actor", "lr"], 1e-6); the value is parsed as yaml."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else ""
+    # yaml reads 1e-6 as a string (no dot); accept it as a float.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value.lower() for c in "e.") and value.strip() else value
+        except ValueError:
+            pass
+    return key.strip().split("."), value
+
+
+def _set_dotted(tree: dict, keys: list[str], value: Any) -> None:
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{'.'.join(keys)}': '{k}' is not a section")
+    node[keys[-1]] = value
+
+
+def _fix_yaml_floats(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _fix_yaml_floats(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_fix_yaml_floats(v) for v in tree]
+    if isinstance(tree, str):
+        try:
+            if any(c in tree.lower() for c in "e") and tree.strip()[0] in "0123456789.-+":
+                return float(tree)
+        except ValueError:
+            pass
+    return tree
+
+
+def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (), *,
+                cls: type = Config, check=None) -> Any:
+    """Read a yaml file (optional), apply dotted overrides, type-check and validate.
+
+    `cls` is the root dataclass (Config for RL, SFTConfig for SFT); `check` its validator.
+    """
+    tree: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid yaml: {e}") from None
+        tree = _fix_yaml_floats(tree)
+    for ov in overrides:
+        keys, value = parse_override(ov)
+        _set_dotted(tree, keys, value)
+    cfg = _build(cls, tree, "")
+    (check or validate)(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that do not need the world size or the data (those are in parallel.py / trainer)."""
+
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"config key '{key}': {msg}")
+
+    need(bool(cfg.model.path), "model.path", "is required (a local HF model directory)")
+    need(bool(cfg.data.train_files), "data.train_files", "is required (parquet or jsonl prompt files)")
+    need(cfg.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")
+    need(cfg.data.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")
+    need(cfg.data.max_response_length > 0, "data.max_response_length", "must be > 0")
+    need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
+    need(cfg.rollout.temperature >= 0, "rollout.temperature", "must be >= 0")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    need(cfg.rollout.top_k == -1 or cfg.rollout.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
+    need(cfg.rollout.tp >= 1, "rollout.tp", "must be >= 1")
+    need(cfg.actor.ppo_mini_batch_size > 0, "actor.ppo_mini_batch_size", "must be > 0")
+    need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
+         f"must divide data.train_batch_size ({cfg.data.train_batch_size}), got {cfg.actor.ppo_mini_batch_size}")
+    need(cfg.actor.ppo_micro_batch_size_per_gpu > 0, "actor.ppo_micro_batch_size_per_gpu", "must be > 0")
+    need(cfg.actor.ppo_epochs >= 1, "actor.ppo_epochs", "must be >= 1")
+    need(cfg.actor.lr >= 0, "actor.lr", "must be >= 0")
+    need(cfg.actor.clip_ratio > 0, "actor.clip_ratio", "must be > 0")
+    need(cfg.actor.grad_clip > 0, "actor.grad_clip", "must be > 0")
+    need(len(cfg.actor.betas) == 2, "actor.betas", "must be a list of two floats")
+    for name in ("dp", "tp", "pp"):
+        v = getattr(cfg.parallel, name)
+        need(v >= 1 or (name == "dp" and v == -1), f"parallel.{name}",
+             "must be >= 1" + (" or -1 (infer)" if name == "dp" else ""))
+    need(cfg.checkpoint.save_freq == -1 or cfg.checkpoint.save_freq > 0, "checkpoint.save_freq", "must be -1 or > 0")
+    need(cfg.trainer.total_epochs >= 1, "trainer.total_epochs", "must be >= 1")
+    if cfg.model.lora_rank < 0:
+        raise ConfigError("config key 'model.lora_rank': must be >= 0")
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[str]:
+    """Lines ``dotted.key: default  # doc`` for the README / --help."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines += describe(tp, prefix + f.name + ".")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"{prefix}{f.name}: {default!r}  # {f.metadata.get('doc', '')}")
+    return lines

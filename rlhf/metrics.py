@@ -1,0 +1,264 @@
+"""Metrics: a per-step logger with pluggable backends, phase timers, summaries.
+
+* :class:`MetricsLogger` — only rank 0 writes. ``log(step, metrics)`` appends one JSON line
+  per step to ``<output_dir>/metrics.jsonl`` (``{"step": 3, "time": ..., "reward/mean": ...}``),
+  prints a one-line progress bar with ETA and a few key metrics, and forwards to
+  tensorboard / mlflow / wandb when asked (imported lazily; a clear error if missing).
+* :class:`PhaseTimer` — ``with timer("generate"):`` accumulates wall-clock seconds per
+  phase; it synchronises the accelerator first so asynchronous kernels are counted in
+  the phase that launched them.
+* :func:`summarize_metrics` — ``{k/mean, k/std, k/max, k/min}`` of per-sample values.
+* :func:`read_metrics` — the jsonl back as a list of dicts.
+
+Metric names follow verl where one exists: ``reward/mean``, ``val/acc``,
+``timing/<phase>``, ``perf/tokens_per_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence, TextIO
+
+import torch
+
+BACKENDS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")
+# Shown on the console line when present (in this order); others only go to files.
+DEFAULT_CONSOLE_KEYS = (
+    "reward/mean",
+    "val/acc",
+    "actor/pg_loss",
+    "actor/kl",
+    "response_length/mean",
+    "timing/step",
+)
+
+
+def _to_float(key: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric '{key}' is a tensor of shape {tuple(value.shape)}; log a scalar "
+                             f"(e.g. summarize_metrics for per-sample values)")
+        return float(value.item())
+    return float(value)
+
+
+def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _fmt_value(v: float) -> str:
+    if not math.isfinite(v):
+        return str(v)
+    if v != 0 and (abs(v) >= 1e4 or abs(v) < 1e-3):
+        return f"{v:.3g}"
+    return f"{v:.4g}"
+
+
+def progress_line(step: int, total_steps: int, elapsed_s: float, steps_done: int, metrics: Mapping[str, float],
+                  keys: Sequence[str], width: int = 20) -> str:
+    """``step 12/100 [####----------------]  12% ETA 3m10s | reward/mean 0.53 | ...``"""
+    frac = min(max(step / total_steps, 0.0), 1.0) if total_steps > 0 else 0.0
+    filled = int(round(frac * width))
+    bar = "#" * filled + "-" * (width - filled)
+    eta = elapsed_s / steps_done * max(total_steps - step, 0) if steps_done > 0 else float("nan")
+    parts = [f"step {step}/{total_steps} [{bar}] {frac * 100:3.0f}% ETA {_fmt_duration(eta)}"]
+    parts += [f"{k} {_fmt_value(metrics[k])}" for k in keys if k in metrics]
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Per-step metrics to the console, ``metrics.jsonl`` and optional trackers (rank 0 only).
+
+    Args:
+        output_dir: run directory; ``metrics.jsonl`` is appended to (a resumed run continues the file).
+        backends: any of ``console``, ``jsonl``, ``tensorboard``, ``mlflow``, ``wandb``.
+        total_steps: for the progress bar and ETA.
+        project, experiment: names given to tensorboard's subdirectory / mlflow / wandb.
+        rank: global rank; ranks other than 0 do nothing.
+        console_keys: metrics shown on the console line when present.
+        stream: console stream (stdout by default).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        backends: Sequence[str] = ("console", "jsonl"),
+        total_steps: int,
+        project: str = "rlhf",
+        experiment: str = "run",
+        rank: int = 0,
+        console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
+        stream: TextIO | None = None,
+    ) -> None:
+        unknown = [b for b in backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown logger backend(s) {unknown}; valid: {list(BACKENDS)}")
+        self.output_dir = Path(output_dir)
+        self.backends = tuple(backends)
+        self.total_steps = total_steps
+        self.project = project
+        self.experiment = experiment
+        self.rank = rank
+        self.console_keys = tuple(console_keys)
+        self.enabled = rank == 0
+        self.path = self.output_dir / "metrics.jsonl"
+        self._stream = stream
+        self._start = time.perf_counter()
+        self._first_step: int | None = None
+        self._file: TextIO | None = None
+        self._tb: Any = None
+        self._mlflow: Any = None
+        self._wandb: Any = None
+        if not self.enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if "jsonl" in self.backends:
+            self._file = self.path.open("a")
+        if "tensorboard" in self.backends:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(
+                    "logger backend 'tensorboard' needs the tensorboard package: pip install tensorboard"
+                ) from e
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard" / experiment))
+        if "mlflow" in self.backends:
+            try:
+                import mlflow
+            except ImportError as e:
+                raise ImportError("logger backend 'mlflow' needs the mlflow package: pip install mlflow") from e
+            mlflow.set_experiment(project)
+            mlflow.start_run(run_name=experiment)
+            self._mlflow = mlflow
+        if "wandb" in self.backends:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("logger backend 'wandb' needs the wandb package: pip install wandb") from e
+            wandb.init(project=project, name=experiment, dir=str(self.output_dir))
+            self._wandb = wandb
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record ``metrics`` (floats, ints or scalar tensors) for ``step``."""
+        if not self.enabled:
+            return
+        values = {k: _to_float(k, v) for k, v in metrics.items()}
+        if self._first_step is None:
+            # ETA from steps done in *this* process, so a resumed run estimates correctly.
+            self._first_step = step - 1
+        if self._file is not None:
+            # Non-finite values become null: strict JSON readers (jq, JS) reject NaN.
+            row = {"step": step, "time": time.time()}
+            row.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        if "console" in self.backends:
+            line = progress_line(
+                step, self.total_steps, time.perf_counter() - self._start, step - self._first_step,
+                values, self.console_keys,
+            )
+            print(line, file=self._stream or sys.stdout, flush=True)
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, global_step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics(values, step=step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def close(self) -> None:
+        """Flush and close every backend."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._mlflow is not None:
+            self._mlflow.end_run()
+            self._mlflow = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _synchronize(device: torch.device | None) -> None:
+    if device is None or device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps ...
+    sync = getattr(backend, "synchronize", None)
+    if sync is not None:
+        sync() if device.type == "mps" else sync(device)
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase, accumulated until :meth:`pop`.
+
+    ``device``: when it is an accelerator, the device is synchronised at the start and
+    end of each phase, so kernels launched in a phase are charged to it. On CPU nothing
+    device-specific is called.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        self._totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        _synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize(self.device)
+            self._totals[phase] = self._totals.get(phase, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        """``{"timing/<phase>": seconds}`` since the last pop; resets the totals."""
+        out = {f"timing/{k}": v for k, v in self._totals.items()}
+        self._totals = {}
+        return out
+
+
+def summarize_metrics(values: Mapping[str, Sequence[float] | torch.Tensor]) -> dict[str, float]:
+    """``{k/mean, k/std, k/max, k/min}`` for each entry (population std; NaNs ignored; empty entries skipped)."""
+    out: dict[str, float] = {}
+    for key, vals in values.items():
+        t = torch.as_tensor(vals, dtype=torch.float64).flatten() if not isinstance(vals, torch.Tensor) \
+            else vals.detach().to("cpu", torch.float64).flatten()
+        t = t[~torch.isnan(t)]
+        if t.numel() == 0:
+            continue
+        out[f"{key}/mean"] = t.mean().item()
+        out[f"{key}/std"] = t.std(unbiased=False).item()
+        out[f"{key}/max"] = t.max().item()
+        out[f"{key}/min"] = t.min().item()
+    return out
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (``null`` values come back as NaN)."""
+    rows = []
+    with Path(path).open() as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                rows.append({k: (math.nan if v is None else v) for k, v in row.items()})
+    return rows

@@ -1,0 +1,1 @@
+"""Model loading, parallelisation (FSDP2, TP, PP, activation checkpointing), LoRA and forward passes."""

@@ -1,0 +1,72 @@
+"""Loading HF checkpoints and tokenizers with errors a user can act on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
+                          PreTrainedTokenizerBase, PreTrainedTokenizerFast)
+
+from rlhf.config import ConfigError
+
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_model_dir(path: str, key: str = "model.path") -> Path:
+    """A local HF directory (or hub cache snapshot) with a config.json, else one clear error."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"{key}: model directory not found: {path}")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{key}: {path} has no config.json (expected a HF save_pretrained directory)")
+    return p
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.tokenizer_path") -> PreTrainedTokenizerBase:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"{key}: tokenizer directory not found: {path}")
+    tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    cfg_file = p / "tokenizer_config.json"
+    if cfg_file.is_file() and json.loads(cfg_file.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZERS:
+        # transformers 5 maps a model_type (e.g. qwen2) to its own tokenizer class, which
+        # rebuilds the pre-tokenizer and ignores tokenizer.json. A generic tokenizer.json
+        # (like the project's character tokenizer) must be loaded as written.
+        tok = PreTrainedTokenizerFast.from_pretrained(str(p))
+    if tok.pad_token_id is None:
+        # Causal LMs often ship without a pad token; padding is always masked, so EOS is safe.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str, *, dtype: str = "float32", attn_implementation: str = "sdpa",
+                   trust_remote_code: bool = False, key: str = "model.path") -> PreTrainedModel:
+    """`AutoModelForCausalLM` on CPU in the master dtype; FSDP2 moves shards to the device."""
+    p = check_model_dir(path, key)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code)
+    model.config.use_cache = False
+    return model
+
+
+def model_config(path: str, trust_remote_code: bool = False, key: str = "model.path"):
+    return AutoConfig.from_pretrained(str(check_model_dir(path, key)), trust_remote_code=trust_remote_code)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The list of decoder blocks of a HF causal LM (through PEFT / wrappers)."""
+    # CausalLM.model.layers, or PeftModel.base_model.model.model.layers
+    m, seen = model, 0
+    while seen < 6:
+        if hasattr(m, "layers") and isinstance(m.layers, torch.nn.ModuleList):
+            return m.layers
+        nxt = getattr(m, "model", None) or getattr(m, "base_model", None)
+        if nxt is None or nxt is m:
+            break
+        m, seen = nxt, seen + 1
+    raise ConfigError(f"cannot find decoder layers in {type(model).__name__} (expected .model.layers)")

@@ -1,0 +1,188 @@
+"""Padding-free forward passes for the actor, the reference and the critic.
+
+Same contract as the padded ``rlhf.models.logprobs.forward_log_probs``: for a batch
+``input_ids [B, L]`` = left-padded prompt (``P = L - R``) + right-padded response (``R``),
+
+    log_probs[b, t] = log_softmax(logits[b, P+t-1] / temperature)[input_ids[b, P+t]]
+
+with ``position_ids = cumsum(attention_mask) - 1``. Here the real tokens are packed into
+one row (:func:`rlhf.data.packing.unpad`), attention runs per sequence
+(:mod:`rlhf.models.varlen_attention`) and the vocabulary projection is applied only to
+the positions that predict a real response token (``logits_to_keep`` with an index
+tensor), so neither pad tokens nor prompt tokens ever reach the ``[*, V]`` logits.
+Entries for pad response tokens are 0 (the caller masks them).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlhf.data.packing import PackedBatch, unpad
+from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention
+
+__all__ = [
+    "ResponsePositions",
+    "response_positions",
+    "packed_forward_log_probs",
+    "packed_forward_hidden",
+    "entropy_from_logits",
+]
+
+
+@dataclass
+class ResponsePositions:
+    """Where the response predictions sit in the packed row.
+
+    Attributes:
+        rows: ``[N]`` packed index of the position ``P+t-1`` for every kept ``(b, t)``.
+        flat: ``[N]`` index ``b * R + t`` into the flattened ``[B, R]`` output.
+        labels: ``[N]`` the token ``input_ids[b, P+t]`` predicted there.
+    """
+
+    rows: torch.Tensor
+    flat: torch.Tensor
+    labels: torch.Tensor
+
+
+def response_positions(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: PackedBatch, response_length: int
+) -> ResponsePositions:
+    """Map response tokens ``(b, t)`` to the packed positions whose output predicts them.
+
+    A pair is kept when the response token ``P+t`` is real and the position before it,
+    ``P+t-1``, is real too (true for every real response token of a rollout batch).
+    """
+    B, L = input_ids.shape
+    R = int(response_length)
+    if not 0 < R < L:
+        raise ValueError(f"response_length must be in [1, L-1] = [1, {L - 1}] (a prompt token is needed); got {R}")
+    P = L - R
+    device = input_ids.device
+    inverse = torch.full((B * L,), -1, dtype=torch.int64, device=device)
+    inverse[packed.indices] = torch.arange(packed.total, device=device)
+    src = torch.arange(B, device=device)[:, None] * L + (P - 1) + torch.arange(R, device=device)[None, :]  # [B, R]
+    rows = inverse[src]  # [B, R]
+    keep = (rows >= 0) & attention_mask[:, P:].bool()  # [B, R]
+    flat = torch.nonzero(keep.flatten(), as_tuple=False).flatten()  # [N]
+    return ResponsePositions(rows=rows.flatten()[flat], flat=flat, labels=input_ids[:, P:].flatten()[flat])
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``H = logsumexp(z) - sum_v softmax(z)_v z_v`` for ``logits [N, V]`` -> ``[N]`` (verl's form)."""
+    pd = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(dim=-1)
+
+
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            return "logits_to_keep" in inspect.signature(m.forward).parameters
+    return False
+
+
+def _packed_call(model: nn.Module, packed: PackedBatch, **extra) -> object:
+    """Run ``model`` on a packed row through its own top-level ``forward`` (so FSDP2 root
+    hooks and peft wrappers run as usual).
+
+    The model is switched to varlen attention for good (it behaves as sdpa for padded
+    calls): an activation-checkpointed backward recomputes blocks after this returns.
+    """
+    plan = build_varlen_plan(packed.cu_seqlens) if not packed.input_ids.is_cuda else None
+    kwargs = dict(packed.attention_kwargs())
+    if plan is not None:
+        kwargs["varlen_plan"] = plan
+    enable_varlen_attention(model)
+    return model(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        **kwargs,
+        **extra,
+    )
+
+
+def packed_forward_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    response_length: int,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of the response, padding-free.
+
+    Args:
+        model: an HF causal LM (optionally peft-wrapped / FSDP2-sharded).
+        input_ids: ``[B, L]`` left-padded prompt + right-padded response.
+        attention_mask: ``[B, L]``.
+        response_length: ``R``; the response occupies the last ``R`` columns.
+        temperature: logits are divided by it before the softmax (the sampler's value).
+        compute_entropy: also return the entropy of ``softmax(logits / temperature)``.
+
+    Returns:
+        ``log_probs [B, R]`` float32 and ``entropy [B, R]`` float32 (or None); 0 at pad
+        response tokens. Differentiable with respect to the model parameters.
+    """
+    B, L = input_ids.shape
+    R = int(response_length)
+    packed = unpad(input_ids, attention_mask)
+    pos = response_positions(input_ids, attention_mask, packed, R)
+    if _accepts_logits_to_keep(model):
+        out = _packed_call(model, packed, logits_to_keep=pos.rows)
+        logits = out.logits[0]  # [N, V]
+    else:
+        out = _packed_call(model, packed)
+        logits = out.logits[0].index_select(0, pos.rows)  # [N, V]
+    # fp32 for the softmax: bf16 log-probs are too coarse for PPO ratios.
+    logits = logits.float() / temperature
+    lp = logits.gather(-1, pos.labels[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [N]
+    log_probs = lp.new_zeros(B * R).index_put((pos.flat,), lp).view(B, R)
+    entropy = None
+    if compute_entropy:
+        ent = entropy_from_logits(logits)
+        entropy = ent.new_zeros(B * R).index_put((pos.flat,), ent).view(B, R)
+    return log_probs, entropy
+
+
+def packed_forward_hidden(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    response_length: int,
+) -> torch.Tensor:
+    """Last hidden states (after the final norm) at the positions predicting the response.
+
+    For a critic, ``values[b, t] = head(hidden[b, t])`` is the value of the state before
+    response token ``t`` — verl's ``values = output[:, -R-1:-1]`` convention.
+
+    Args:
+        model: an HF backbone (``*Model``) or a model with an LM / token head; for a
+            causal LM no logits are computed beyond one position.
+        input_ids, attention_mask: ``[B, L]`` as in :func:`packed_forward_log_probs`.
+        response_length: ``R``.
+
+    Returns:
+        ``[B, R, H]`` in the model's dtype; zeros at pad response tokens.
+    """
+    B, L = input_ids.shape
+    R = int(response_length)
+    packed = unpad(input_ids, attention_mask)
+    pos = response_positions(input_ids, attention_mask, packed, R)
+    extra: dict = {"output_hidden_states": True}
+    if _accepts_logits_to_keep(model):
+        extra["logits_to_keep"] = 1  # the hidden states are what we want; skip the [total, V] logits
+    out = _packed_call(model, packed, **extra)
+    hidden = getattr(out, "last_hidden_state", None)
+    if hidden is None:
+        hidden = out.hidden_states[-1]
+    hidden = hidden[0].index_select(0, pos.rows)  # [N, H]
+    full = hidden.new_zeros(B * R, hidden.shape[-1]).index_put((pos.flat,), hidden)
+    return full.view(B, R, -1)

@@ -1,0 +1,366 @@
+"""Attention over packed (padding-free) sequences, plugged into HF models.
+
+transformers (5.x) lets a model call any function registered in ``AttentionInterface``
+under the name stored in ``config._attn_implementation``. Every keyword argument given to
+``model(**kwargs)`` travels unchanged through the decoder layers into that function, so
+a packed forward passes the sequence boundaries as ``cu_seq_lens_q/k`` and
+``max_length_q/k`` (transformers' ``FlashAttentionKwargs`` names). The mask builder
+calls the function registered under the same name in ``AttentionMaskInterface``; ours
+(:func:`varlen_attention_mask`) returns None whenever the mask would only say "causal",
+which is always the case for a packed row: nothing of size ``[total, total]`` is built.
+
+Packed calls (``cu_seq_lens_q`` given), two back ends with the same semantics (causal
+inside each sequence, no attention across sequences, GQA, optional sliding window):
+
+* GPU with ``flash_attn`` installed and fp16/bf16 inputs: ``flash_attn_varlen_func``.
+* Otherwise (CPU, fp32, no flash-attn): sequences are sorted by length and grouped into
+  buckets whose lengths are within ``bucket_ratio`` of the bucket's longest; each bucket is
+  gathered into ``[n_b, H, L_b, D]`` (right-padded inside the bucket) and runs one
+  ``scaled_dot_product_attention(is_causal=True)``. Right padding is harmless under a
+  causal mask (a real query never sees a later pad key), and the pad rows are dropped on
+  the way back. Peak attention memory is ``max_b n_b * L_b^2`` per head instead of
+  ``total^2``; the gathers are differentiable index ops.
+
+Regular calls (no ``cu_seq_lens_q``: padded batches, KV-cache decoding) behave exactly
+like ``sdpa``. The implementation can therefore stay switched on for the whole run,
+which matters with activation checkpointing: the backward recomputes blocks after the
+forward has returned, and must find the same attention implementation.
+Limitation: a packed row passed *without* ``cu_seq_lens_q`` is treated as one sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "VARLEN_ATTN_IMPLEMENTATION",
+    "VarlenPlan",
+    "build_varlen_plan",
+    "varlen_attention_forward",
+    "varlen_attention_mask",
+    "register_varlen_attention",
+    "enable_varlen_attention",
+    "varlen_attention_enabled",
+    "flash_attn_available",
+]
+
+VARLEN_ATTN_IMPLEMENTATION = "rlhf_varlen"
+DEFAULT_BUCKET_RATIO = 0.75
+
+
+@dataclass
+class VarlenPlan:
+    """Gather plan for the bucketed SDPA path (built once per packed forward).
+
+    Attributes:
+        gather: per bucket, ``[n_b * L_b]`` int64 packed-row indices (row-major over
+            ``[n_b, L_b]``; pad slots repeat the sequence's last token).
+        shape: per bucket, ``(n_b, L_b)``.
+        valid: per bucket, ``[n_b * L_b]`` bool, True for real tokens.
+        inverse: ``[total]`` int64; ``cat(real rows of all buckets)[inverse]`` restores
+            packed order.
+        cu_seqlens: the boundaries the plan was built from (identity is the cache key).
+    """
+
+    gather: list[torch.Tensor]
+    shape: list[tuple[int, int]]
+    valid: list[torch.Tensor]
+    inverse: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+def build_varlen_plan(cu_seqlens: torch.Tensor, bucket_ratio: float = DEFAULT_BUCKET_RATIO) -> VarlenPlan:
+    """Group sequences of similar length into buckets.
+
+    Args:
+        cu_seqlens: ``[B+1]`` cumulative lengths.
+        bucket_ratio: a sequence joins the current bucket while its length is at least
+            ``bucket_ratio * L_b`` (``L_b`` = the bucket's longest). 1.0 gives one bucket
+            per distinct length; smaller values mean fewer, more padded buckets.
+
+    Returns:
+        A :class:`VarlenPlan`.
+    """
+    if not 0.0 < bucket_ratio <= 1.0:
+        raise ValueError(f"bucket_ratio must be in (0, 1], got {bucket_ratio}")
+    device = cu_seqlens.device
+    cu = cu_seqlens.to("cpu", torch.int64)
+    lens = cu[1:] - cu[:-1]  # [B]
+    order = torch.argsort(lens, descending=True, stable=True).tolist()
+    lens_l = lens.tolist()
+    starts_l = cu[:-1].tolist()
+    gather, shapes, valid, real_rows = [], [], [], []
+    i = 0
+    while i < len(order) and lens_l[order[i]] > 0:
+        longest = lens_l[order[i]]
+        j = i
+        while j < len(order) and lens_l[order[j]] > 0 and lens_l[order[j]] >= bucket_ratio * longest:
+            j += 1
+        members = order[i:j]
+        b_starts = torch.tensor([starts_l[m] for m in members], dtype=torch.int64)
+        b_lens = torch.tensor([lens_l[m] for m in members], dtype=torch.int64)
+        offs = torch.arange(longest, dtype=torch.int64)
+        ok = offs[None, :] < b_lens[:, None]  # [n_b, L_b]
+        idx = b_starts[:, None] + torch.minimum(offs[None, :], b_lens[:, None] - 1)  # [n_b, L_b]
+        gather.append(idx.flatten().to(device))
+        valid.append(ok.flatten().to(device))
+        shapes.append((len(members), longest))
+        real_rows.append(idx[ok])
+        i = j
+    total = int(cu[-1])
+    order_packed = torch.cat(real_rows) if real_rows else torch.zeros(0, dtype=torch.int64)
+    inverse = torch.empty(total, dtype=torch.int64)
+    inverse[order_packed] = torch.arange(order_packed.numel(), dtype=torch.int64)
+    return VarlenPlan(gather=gather, shape=shapes, valid=valid, inverse=inverse.to(device), cu_seqlens=cu_seqlens)
+
+
+# One-entry cache: every layer of one forward receives the very same cu_seqlens tensor.
+_PLAN_CACHE: dict[str, Any] = {"key": None, "version": None, "ratio": None, "plan": None}
+
+
+def _get_plan(cu_seqlens: torch.Tensor, bucket_ratio: float) -> VarlenPlan:
+    c = _PLAN_CACHE
+    if c["key"] is cu_seqlens and c["version"] == cu_seqlens._version and c["ratio"] == bucket_ratio:
+        return c["plan"]
+    plan = build_varlen_plan(cu_seqlens, bucket_ratio)
+    c.update(key=cu_seqlens, version=cu_seqlens._version, ratio=bucket_ratio, plan=plan)
+    return plan
+
+
+def _sliding_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[L, L]`` bool: causal and ``q - k < window`` (transformers' sliding overlay)."""
+    q = torch.arange(length, device=device)[:, None]
+    k = torch.arange(length, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+def _bucketed_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: VarlenPlan,
+    scaling: float | None,
+    dropout: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, H, D]``."""
+    q, k, v = query[0], key[0], value[0]  # [H, T, D]
+    H, D = q.shape[0], q.shape[-1]
+    outs = []
+    for idx, (n_b, l_b), ok in zip(plan.gather, plan.shape, plan.valid):
+        qb = q.index_select(1, idx).view(H, n_b, l_b, D).transpose(0, 1)  # [n_b, H, L_b, D]
+        kb = k.index_select(1, idx).view(k.shape[0], n_b, l_b, D).transpose(0, 1)
+        vb = v.index_select(1, idx).view(v.shape[0], n_b, l_b, v.shape[-1]).transpose(0, 1)
+        if sliding_window is not None and l_b > sliding_window:
+            mask = _sliding_mask(l_b, sliding_window, q.device)
+            ob = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        else:
+            ob = F.scaled_dot_product_attention(
+                qb, kb, vb, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        ob = ob.transpose(1, 2).reshape(n_b * l_b, H, ob.shape[-1])  # [n_b*L_b, H, Dv]
+        outs.append(ob[ok])
+    out = torch.cat(outs, dim=0)[plan.inverse]  # [T, H, Dv]
+    return out.unsqueeze(0)
+
+
+_FLASH: dict[str, Any] = {}
+
+
+def flash_attn_available() -> bool:
+    """True when the optional ``flash_attn`` package can be imported (not imported here)."""
+    if "available" not in _FLASH:
+        _FLASH["available"] = importlib.util.find_spec("flash_attn") is not None
+    return _FLASH["available"]
+
+
+def _flash_varlen() -> Callable:
+    if "fn" not in _FLASH:
+        from flash_attn import flash_attn_varlen_func  # optional GPU dependency
+
+        _FLASH["fn"] = flash_attn_varlen_func
+    return _FLASH["fn"]
+
+
+def _unpacked_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    sliding_window: int | None,
+    kwargs: dict,
+) -> tuple[torch.Tensor, None]:
+    """A regular (padded / cached) call: same result as transformers' sdpa."""
+    if attention_mask is None and query.shape[2] == key.shape[2]:
+        # :func:`varlen_attention_mask` dropped a plain causal (or sliding) mask.
+        L = query.shape[2]
+        if sliding_window is not None and L > sliding_window:
+            mask = _sliding_mask(L, sliding_window, query.device)
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                query, key, value, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=True
+            )
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+        **kwargs,
+    )
+
+
+def varlen_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """``AttentionMaskInterface`` entry for our implementation.
+
+    Returns None whenever the mask would only encode causality (+ sliding window) - always
+    the case for a packed row, whose boundaries travel as ``cu_seq_lens`` - so no
+    ``[total, total]`` mask is ever built; a padded or cached call gets sdpa's mask.
+    """
+    causal_only = (
+        not kwargs.get("allow_is_bidirectional_skip", False)
+        and q_length == kv_length
+        and not kv_offset
+        and (attention_mask is None or bool(attention_mask.all()))
+    )
+    if causal_only:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(
+        batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask, **kwargs
+    )
+
+
+def varlen_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    varlen_plan: VarlenPlan | None = None,
+    varlen_bucket_ratio: float = DEFAULT_BUCKET_RATIO,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` function for packed sequences.
+
+    Args:
+        module: the attention module (unused; part of the interface).
+        query: ``[1, H, total, D]``.
+        key, value: ``[1, Hkv, total, D]`` (``H % Hkv == 0``, GQA).
+        attention_mask: must be None in packed mode (no mask is built for this
+            implementation).
+        scaling: softmax scale (``D ** -0.5`` when None).
+        dropout: attention dropout probability.
+        sliding_window: look back at most this many tokens (Mistral / Qwen2 sliding layers).
+        cu_seq_lens_q, cu_seq_lens_k: ``[B+1]`` int32 sequence boundaries (must be equal).
+        max_length_q, max_length_k: longest sequence (flash-attn needs it).
+        varlen_plan: a precomputed :class:`VarlenPlan` for the SDPA path.
+        varlen_bucket_ratio: bucketing ratio for the SDPA path.
+
+    Returns:
+        ``(attn_output [1, total, H, D], None)``.
+    """
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("varlen attention does not support attention softcap or sinks")
+    if cu_seq_lens_q is None:
+        return _unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects batch size 1 ([1, H, total, D]); got query {tuple(query.shape)}")
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+        raise ValueError("varlen attention supports self-attention only (cu_seq_lens_k must equal cu_seq_lens_q)")
+
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
+        max_len = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+        window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+        out = _flash_varlen()(
+            query[0].transpose(0, 1),  # [total, H, D]
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu_seqlens_q=cu_seq_lens_q.to(torch.int32),
+            cu_seqlens_k=cu_seq_lens_q.to(torch.int32),
+            max_seqlen_q=max_len,
+            max_seqlen_k=max_len,
+            dropout_p=dropout,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=window,
+        )
+        return out.unsqueeze(0), None
+
+    plan = varlen_plan if varlen_plan is not None else _get_plan(cu_seq_lens_q, varlen_bucket_ratio)
+    return _bucketed_sdpa(query, key, value, plan, scaling, dropout, sliding_window), None
+
+
+def register_varlen_attention() -> str:
+    """Register :func:`varlen_attention_forward` (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if VARLEN_ATTN_IMPLEMENTATION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(VARLEN_ATTN_IMPLEMENTATION, varlen_attention_forward)
+    if VARLEN_ATTN_IMPLEMENTATION not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(VARLEN_ATTN_IMPLEMENTATION, varlen_attention_mask)
+    return VARLEN_ATTN_IMPLEMENTATION
+
+
+def _pretrained_root(model: nn.Module) -> nn.Module:
+    """The outermost ``PreTrainedModel`` inside ``model`` (unwraps peft / compile wrappers)."""
+    from transformers import PreTrainedModel
+
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            return m
+    raise TypeError(f"{type(model).__name__} contains no transformers PreTrainedModel; cannot set its attention")
+
+
+def enable_varlen_attention(model: nn.Module) -> str:
+    """Switch ``model`` to packed attention; returns the implementation it had before."""
+    root = _pretrained_root(model)
+    previous = root.config._attn_implementation
+    if previous != VARLEN_ATTN_IMPLEMENTATION:
+        register_varlen_attention()
+        root.set_attn_implementation(VARLEN_ATTN_IMPLEMENTATION)
+    return previous
+
+
+@contextlib.contextmanager
+def varlen_attention_enabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Context manager: packed attention inside, the previous implementation after.
+    Do not leave it before the backward of a checkpointed forward; prefer
+    :func:`enable_varlen_attention` once for training models."""
+    previous = enable_varlen_attention(model)
+    try:
+        yield model
+    finally:
+        if previous != VARLEN_ATTN_IMPLEMENTATION:
+            _pretrained_root(model).set_attn_implementation(previous)

@@ -1,0 +1,128 @@
+"""The distributed layout: ParallelDims, process-group init and the one named DeviceMesh.
+
+The same program runs as plain ``python train_grpo.py`` (one process, world size 1, no
+process group needed but one is created so every code path is the same) and under
+``torchrun`` on any number of nodes. nccl on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from rlhf.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the (pp, dp, tp) mesh, validated against the world size.
+
+    The mesh is laid out pp-major, tp-minor so TP groups are adjacent ranks (same node).
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, dp: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
+        if tp < 1 or pp < 1:
+            raise ConfigError(f"parallel.tp ({tp}) and parallel.pp ({pp}) must be >= 1")
+        if dp == -1:
+            if world_size % (tp * pp) != 0:
+                raise ConfigError(
+                    f"impossible parallel layout: world size {world_size} is not divisible by "
+                    f"parallel.tp x parallel.pp = {tp} x {pp} = {tp * pp}")
+            dp = world_size // (tp * pp)
+        if dp * tp * pp != world_size:
+            raise ConfigError(
+                f"impossible parallel layout: parallel.dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} "
+                f"but the world size is {world_size} (set parallel.dp: -1 to infer it)")
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+    def check_batch(self, *, train_batch_size: int, n: int, mini_batch_size: int) -> None:
+        """Global prompt counts must split evenly over dp ranks."""
+        for key, value in (("data.train_batch_size", train_batch_size), ("actor.ppo_mini_batch_size", mini_batch_size)):
+            if value % self.dp != 0:
+                raise ConfigError(f"impossible parallel layout: {key} ({value}) is not divisible by dp ({self.dp})")
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device is 'cuda' but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto") -> DistEnv:
+    """Initialise the default process group from torchrun's env vars (or a 1-process group)."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = pick_device(device, local_rank)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            # Plain `python train_grpo.py`: a private 1-process group on a free port.
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=30))
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend)
+
+
+def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    return mesh["dp"].get_group()
+
+
+def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def all_gather_object(obj, group: Optional[dist.ProcessGroup] = None) -> list:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

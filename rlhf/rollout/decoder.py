@@ -1,0 +1,352 @@
+"""Functional forward of HF decoder-only LMs (Llama / Mistral / Qwen2 / Qwen3) over a weight dict.
+
+The rollout gathers the trainer's parameters into ``dict[str, Tensor]`` keyed by HF
+state-dict names and runs this forward on them: no ``nn.Module``, no HF cache objects,
+two entry points (``prefill`` over right-padded prompts, ``decode`` of one token per slot).
+
+Per layer (pre-norm transformer, HF numerics):
+
+    h = x + o_proj(Attn(rope(q), rope(k), v))      q, k, v = qkv_proj(RMSNorm(x))
+    y = h + down_proj(silu(gate_proj(g)) * up_proj(g))   g = RMSNorm(h)
+
+RMSNorm(x) = w * (x / sqrt(mean(x^2) + eps)) computed in fp32; rotary embedding
+``x * cos + rotate_half(x) * sin`` with HF's inverse frequencies (any static rope type HF
+knows, e.g. default / linear / llama3 / yarn). q/k/v and gate/up are fused into one matmul
+each at load time.
+
+Tensor parallel hook: every function takes ``tp_group``. A tensor-parallel rollout passes
+column-sharded q/k/v and gate/up weights, row-sharded o_proj / down_proj weights, a spec
+with the local head counts (``DecoderSpec.shard``) and the group; the partial outputs of
+o_proj and down_proj are all-reduced over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Architecture numbers the functional forward needs (read from an HF config)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config: Any) -> DecoderSpec:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"rollout sampler: model_type {model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise NotImplementedError(f"rollout sampler: hidden_act {act!r} of {model_type} is not supported (only silu)")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        window = None
+        layer_types = getattr(config, "layer_types", None) or []
+        if model_type == "mistral" or "sliding_attention" in layer_types:
+            window = getattr(config, "sliding_window", None)
+        return cls(
+            model_type=model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=window,
+        )
+
+    def shard(self, tp_size: int) -> DecoderSpec:
+        """Spec with the per-rank head / MLP sizes of a ``tp_size``-way tensor-parallel rollout."""
+        if self.num_heads % tp_size or self.num_kv_heads % tp_size or self.intermediate_size % tp_size:
+            raise ValueError(
+                f"tp_size={tp_size} must divide num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads} and intermediate_size={self.intermediate_size}"
+            )
+        return dataclasses.replace(
+            self,
+            num_heads=self.num_heads // tp_size,
+            num_kv_heads=self.num_kv_heads // tp_size,
+            intermediate_size=self.intermediate_size // tp_size,
+        )
+
+    def check_seq_len(self, max_seq_len: int) -> None:
+        """Sliding-window attention is not implemented: refuse lengths where it would matter."""
+        if self.sliding_window is not None and max_seq_len > self.sliding_window:
+            raise NotImplementedError(
+                f"rollout sampler: {self.model_type} uses sliding-window attention "
+                f"(sliding_window={self.sliding_window}) and max_seq_len={max_seq_len} exceeds it; "
+                "sliding windows are not implemented"
+            )
+
+
+def rope_inv_freq(config: Any, head_dim: int) -> tuple[Tensor, float]:
+    """HF's inverse frequencies ``[head_dim // 2]`` float32 and cos/sin scaling factor."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # transformers < 5
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rollout sampler: rope_type {rope_type!r} of {config.model_type} is not supported; "
+            f"supported: {', '.join(_STATIC_ROPE_TYPES)}"
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+def rope_tables(inv_freq: Tensor, scale: float, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos / sin tables ``[max_seq_len, head_dim]`` computed as HF does (fp32, then cast)."""
+    pos = torch.arange(max_seq_len, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, with fused projections (``[out, in]`` like ``nn.Linear``)."""
+
+    input_norm: Tensor  # [hidden]
+    qkv_w: Tensor  # [(H + 2 Hkv) * D, hidden]
+    qkv_b: Tensor | None
+    q_norm: Tensor | None  # [D] (qwen3)
+    k_norm: Tensor | None
+    o_w: Tensor  # [hidden, H * D]
+    o_b: Tensor | None
+    post_norm: Tensor  # [hidden]
+    gate_up_w: Tensor  # [2 * I, hidden]
+    gate_up_b: Tensor | None
+    down_w: Tensor  # [hidden, I]
+    down_b: Tensor | None
+
+
+@dataclass
+class DecoderWeights:
+    embed: Tensor  # [V, hidden]
+    layers: list[LayerWeights]
+    norm: Tensor  # [hidden]
+    lm_head: Tensor  # [V, hidden]
+
+
+def prepare_weights(
+    spec: DecoderSpec, weights: Mapping[str, Tensor], *, device: torch.device, dtype: torch.dtype
+) -> DecoderWeights:
+    """Move / cast the HF-named weights and fuse q|k|v and gate|up; raise listing missing names."""
+    missing: list[str] = []
+
+    def get(name: str, required: bool = True) -> Tensor | None:
+        t = weights.get(name)
+        if t is None:
+            if required:
+                missing.append(name)
+            return None
+        return t.detach().to(device=device, dtype=dtype)
+
+    def cat(*ts: Tensor | None) -> Tensor | None:
+        if any(t is None for t in ts):
+            return None
+        return torch.cat(ts, dim=0).contiguous()  # type: ignore[arg-type]
+
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        q_b = get(a + "q_proj.bias", required=False)
+        layers.append(
+            LayerWeights(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv_w=cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+                qkv_b=None if q_b is None else cat(q_b, get(a + "k_proj.bias"), get(a + "v_proj.bias")),
+                q_norm=get(a + "q_norm.weight") if spec.qk_norm else None,
+                k_norm=get(a + "k_norm.weight") if spec.qk_norm else None,
+                o_w=get(a + "o_proj.weight"),
+                o_b=get(a + "o_proj.bias", required=False),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up_w=cat(get(m + "gate_proj.weight"), get(m + "up_proj.weight")),
+                gate_up_b=cat(get(m + "gate_proj.bias", False), get(m + "up_proj.bias", False)),
+                down_w=get(m + "down_proj.weight"),
+                down_b=get(m + "down_proj.bias", required=False),
+            )
+        )
+    embed = get("model.embed_tokens.weight")
+    norm = get("model.norm.weight")
+    lm_head = get("lm_head.weight", required=not spec.tie_word_embeddings)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        given = ", ".join(list(weights)[:4])
+        raise KeyError(f"rollout sampler: weights for {spec.model_type} are missing {shown}; got keys like {given}")
+    return DecoderWeights(embed=embed, layers=layers, norm=norm, lm_head=embed if lm_head is None else lm_head)
+
+
+# --------------------------------------------------------------------------- math
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF RMSNorm: normalise in fp32, cast back, then scale. ``x`` ``[..., C]``, ``weight`` ``[C]``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x * cos + rotate_half(x) * sin`` (HF ordering); cos/sin broadcast to ``x`` ``[..., D]``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+def _all_reduce(x: Tensor, tp_group: Any) -> Tensor:
+    if tp_group is not None:
+        dist.all_reduce(x, group=tp_group)
+    return x
+
+
+def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any) -> Tensor:
+    gu = F.linear(rms_norm(x, lw.post_norm, spec.rms_norm_eps), lw.gate_up_w, lw.gate_up_b)
+    gate, up = gu.split(spec.intermediate_size, dim=-1)
+    out = _all_reduce(F.linear(F.silu(gate) * up, lw.down_w), tp_group)
+    return out if lw.down_b is None else out + lw.down_b
+
+
+def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``x`` ``[..., hidden]`` -> q ``[..., H, D]``, k, v ``[..., Hkv, D]`` (q/k normed for qwen3)."""
+    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    qkv = F.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw.qkv_w, lw.qkv_b)
+    q, k, v = qkv.split((h * d, hkv * d, hkv * d), dim=-1)
+    lead = x.shape[:-1]
+    q, k, v = q.view(*lead, h, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d)
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, spec.rms_norm_eps)
+        k = rms_norm(k, lw.k_norm, spec.rms_norm_eps)
+    return q, k, v
+
+
+def _attn_out(spec: DecoderSpec, lw: LayerWeights, attn: Tensor, tp_group: Any) -> Tensor:
+    out = _all_reduce(F.linear(attn, lw.o_w), tp_group)
+    return out if lw.o_b is None else out + lw.o_b
+
+
+def _logits(spec: DecoderSpec, w: DecoderWeights, x: Tensor) -> Tensor:
+    return F.linear(rms_norm(x, w.norm, spec.rms_norm_eps), w.lm_head).float()
+
+
+def prefill(
+    spec: DecoderSpec,
+    w: DecoderWeights,
+    cache: Any,
+    input_ids: Tensor,
+    lengths: Tensor,
+    slots: Tensor,
+    rows: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    tp_group: Any = None,
+) -> Tensor:
+    """Forward of right-padded prompts; stores their K/V in the cache; returns last-token logits.
+
+    Args:
+        input_ids: ``[P, Tp]`` prompts, right-padded (pad positions are computed, never read:
+            causal attention keeps real tokens from seeing later pads).
+        lengths: ``[P]`` true prompt lengths.
+        slots: ``[M]`` cache slots to fill; ``rows`` ``[M]`` the prompt (row of ``input_ids``)
+            each slot receives, so one prefill serves the ``n`` samples of a prompt.
+        cos, sin: rope tables ``[>= Tp, D]``.
+    Returns:
+        ``[P, V]`` float32 logits of the token after each prompt.
+    """
+    p, tp = input_ids.shape
+    c, s = cos[:tp], sin[:tp]  # [Tp, D] broadcast over heads
+    scale = spec.head_dim**-0.5
+    gqa = spec.num_heads != spec.num_kv_heads
+    x = F.embedding(input_ids, w.embed)  # [P, Tp, hidden]
+    for layer, lw in enumerate(w.layers):
+        q, k, v = _qkv(spec, lw, x)  # [P, Tp, H|Hkv, D]
+        q = apply_rope(q.transpose(1, 2), c, s)  # [P, H, Tp, D]
+        k = apply_rope(k.transpose(1, 2), c, s)  # [P, Hkv, Tp, D]
+        v = v.transpose(1, 2)
+        cache.write_prefill(layer, slots, k.index_select(0, rows), v.index_select(0, rows))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        x = x + _attn_out(spec, lw, a.transpose(1, 2).reshape(p, tp, -1), tp_group)
+        x = x + _mlp(spec, lw, x, tp_group)
+    last = x[torch.arange(p, device=x.device), lengths - 1]  # [P, hidden]
+    return _logits(spec, w, last)
+
+
+def decode(
+    spec: DecoderSpec,
+    w: DecoderWeights,
+    cache: Any,
+    tokens: Tensor,
+    pos: Tensor,
+    window: int,
+    cos: Tensor,
+    sin: Tensor,
+    tp_group: Any = None,
+) -> Tensor:
+    """One decode step for slots ``[0, B)``: token ``tokens[b]`` at position ``pos[b]``.
+
+    Writes the new K/V into the cache and attends over cache positions ``[0, window)``
+    masked to ``<= pos[b]``. Grouped-query attention without repeating K/V: the ``G = H /
+    Hkv`` query heads that share a kv head are laid out as G query rows of that head
+    (``[B, Hkv, G, D]``), which is exact for a single-token step.
+
+    Args:
+        tokens, pos: ``[B]`` int64; ``window`` > max(pos).
+    Returns:
+        ``[B, V]`` float32 logits.
+    """
+    b = tokens.shape[0]
+    hkv, d = spec.num_kv_heads, spec.head_dim
+    g = spec.num_heads // hkv
+    scale = d**-0.5
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]  # [B, 1, D]
+    index = cache.decode_index(pos)  # [B * Hkv]
+    mask = (torch.arange(window, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,W]
+    x = F.embedding(tokens, w.embed)  # [B, hidden]
+    for layer, lw in enumerate(w.layers):
+        q, k, v = _qkv(spec, lw, x)  # [B, H|Hkv, D]
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        cache.write_decode(layer, index, k, v)
+        kc, vc = cache.view(layer, b, window)  # [B, Hkv, W, D]
+        a = F.scaled_dot_product_attention(q.view(b, hkv, g, d), kc, vc, attn_mask=mask, scale=scale)
+        x = x + _attn_out(spec, lw, a.reshape(b, -1), tp_group)
+        x = x + _mlp(spec, lw, x, tp_group)
+    return _logits(spec, w, x)

@@ -1,0 +1,188 @@
+"""Token sampling for the rollout: sampling parameters, counter-based seeding, processing.
+
+Everything here is tensor ops on the device, batched over the sequences of a decode step;
+there is no Python work per sequence.
+
+Seeding. Each sampled token consumes exactly one uniform number ``u`` in (0, 1) derived
+from a counter-based hash of ``(seed, step, prompt_key, sample_index, position)``
+(``position`` = index of the token in the response). Nothing depends on the rank, the
+batch composition, the slot a sequence lives in or the order of admission, so the same
+prompt key draws the same responses on any parallel layout. A token is drawn by inverse-CDF
+sampling: the first token (in candidate order) whose cumulative processed probability
+exceeds ``u * total``.
+
+Log-probabilities. The returned log-prob of a sampled token ``y_t`` is
+
+    log pi(y_t | ...) = log_softmax(logits / T)[y_t]          (T = 1 for greedy)
+
+i.e. the temperature-scaled distribution over the FULL vocabulary, BEFORE top-k / top-p /
+min-p truncation. This is exactly what the trainer recomputes in a teacher-forced forward
+(verl also divides the logits by the rollout temperature when it recomputes old
+log-probs), so the two agree to fp32 round-off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+# Multiplier of the "0x45d9f3b" integer hash; it is < 2**27 so the product of a 32-bit
+# value with it stays below 2**59 and never overflows int64.
+_MIX_MUL = 0x45D9F3B
+_TWO_POW_24 = float(1 << 24)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one ``Sampler.generate`` call (names follow verl / vLLM).
+
+    ``temperature == 0`` means greedy (argmax). ``top_k = -1`` (or 0) disables top-k.
+    ``stop_token_ids``: EOS ids and other single-token stops; the stop token is part of the
+    response. ``stop_sequences``: stop strings pre-tokenised by the caller; generation of a
+    sequence stops once its response ends with one of them, and the matched tokens stay in
+    the response. ``seed`` keys the counter-based sampler together with the training step,
+    the prompt key and the sample index.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_new_tokens: int = 256
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    stop_sequences: Sequence[Sequence[int]] = field(default_factory=tuple)
+    seed: int = 0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1), got {self.min_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for t in self.stop_token_ids:
+            if not 0 <= int(t) < vocab_size:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+        for s in self.stop_sequences:
+            if len(s) == 0:
+                raise ValueError("SamplingParams.stop_sequences contains an empty sequence")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def mix32(x: Tensor) -> Tensor:
+    """Integer avalanche hash of 32-bit values held in int64 tensors (any shape).
+
+    Every multiply is followed by an explicit ``& 0xFFFFFFFF`` and the operands are
+    < 2**32 and < 2**27, so nothing relies on integer overflow.
+    """
+    x = ((x >> 16) ^ x) * _MIX_MUL & _M32
+    x = ((x >> 16) ^ x) * _MIX_MUL & _M32
+    x = ((x >> 16) ^ x) * _MIX_MUL & _M32
+    return (x >> 16) ^ x
+
+
+def _absorb(h: Tensor, value: Tensor) -> Tensor:
+    """Fold a 64-bit integer tensor into the running 32-bit hash ``h``."""
+    h = mix32(h ^ (value & _M32))
+    return mix32(h ^ ((value >> 32) & _M32))
+
+
+def sequence_keys(seed: int, step: int, prompt_keys: Tensor, sample_index: Tensor) -> Tensor:
+    """Per-sequence hash state from ``(seed, step, prompt_key, sample_index)``.
+
+    Args:
+        prompt_keys: ``[N]`` int64, global dataset index of each sequence's prompt.
+        sample_index: ``[N]`` int64, index ``j`` of the sample among the ``n`` of its prompt.
+    Returns:
+        ``[N]`` int64 in ``[0, 2**32)``.
+    """
+    dev = prompt_keys.device
+    h = torch.full_like(prompt_keys, 0x9E3779B9)
+    h = _absorb(h, torch.tensor(int(seed), dtype=torch.int64, device=dev))
+    h = _absorb(h, torch.tensor(int(step), dtype=torch.int64, device=dev))
+    h = _absorb(h, prompt_keys.long())
+    return _absorb(h, sample_index.long())
+
+
+def position_keys(max_new_tokens: int, device: torch.device) -> Tensor:
+    """``[max_new_tokens]`` int64 hash of each response position (a lookup table)."""
+    pos = torch.arange(max_new_tokens, dtype=torch.int64, device=device)
+    return mix32(mix32(pos ^ 0x7F4A7C15) ^ 0x2545F491)
+
+
+def uniforms(seq_keys: Tensor, pos_keys: Tensor) -> Tensor:
+    """One uniform in (0, 1) per sequence: ``[B]`` float64 from ``[B]`` keys x ``[B]`` positions.
+
+    24 random bits, offset by half a bit so 0 and 1 are never drawn.
+    """
+    h = mix32(seq_keys ^ pos_keys)
+    return ((h >> 8).double() + 0.5) / _TWO_POW_24
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Pick one token per row and return its log-prob under the temperature-scaled distribution.
+
+    Processing order follows HF / vLLM: temperature, then top-k, top-p (computed on the
+    distribution renormalised after top-k), min-p (relative to the max probability).
+
+    Args:
+        logits: ``[B, V]`` float32 next-token logits.
+        params: sampling settings (shared by the whole batch).
+        u: ``[B]`` float64 uniforms in (0, 1); ignored (may be None) for greedy.
+    Returns:
+        tokens ``[B]`` int64 and log_probs ``[B]`` float32 = ``log_softmax(logits / T)[token]``
+        with ``T = 1`` for greedy.
+    """
+    if params.greedy:
+        tok = logits.argmax(dim=-1)
+        logp = logits.gather(1, tok[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        return tok, logp
+    assert u is not None
+    scaled = logits / params.temperature if params.temperature != 1.0 else logits
+    lse = torch.logsumexp(scaled, dim=-1)
+    vocab = scaled.shape[-1]
+    cand_idx: Tensor | None = None
+    if 0 < params.top_k < vocab:
+        cand, cand_idx = scaled.topk(params.top_k, dim=-1, sorted=True)  # [B, k] descending
+    elif params.top_p < 1.0:
+        cand, cand_idx = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    else:
+        cand = scaled  # natural vocabulary order: no sort needed for inverse-CDF sampling
+    probs = torch.softmax(cand, dim=-1)  # renormalised over the candidates
+    if params.top_p < 1.0:
+        # keep a token when the mass strictly before it (in descending order) is < top_p;
+        # this is HF's TopPLogitsWarper rule and always keeps the most likely token.
+        before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(before >= params.top_p, 0.0)
+    if params.min_p > 0.0:
+        pmax = probs[:, :1] if cand_idx is not None else probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < params.min_p * pmax, 0.0)
+    # inverse CDF in float64: u < 1 makes u * total < total exactly, so the pick never
+    # lands past the last token with positive probability.
+    cdf = probs.double().cumsum(dim=-1)
+    thresh = (u * cdf[:, -1]).unsqueeze(1)
+    choice = torch.searchsorted(cdf, thresh, right=True).clamp_(max=cdf.shape[-1] - 1)  # [B, 1]
+    tok = cand_idx.gather(1, choice) if cand_idx is not None else choice
+    logp = scaled.gather(1, tok).squeeze(1) - lse
+    return tok.squeeze(1), logp

@@ -1,0 +1,193 @@
+"""Supervised fine-tuning (the warm-start before RL), on the same FSDP2 / optim / export code.
+
+Data: jsonl or parquet rows ``{"prompt": chat messages or string, "response": str}``.
+Loss: cross-entropy on response tokens (and the closing EOS) only, normalised by the
+global number of response tokens of the batch, so it is independent of the dp size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+
+from rlhf.config import ConfigError, ModelConfig, ParallelConfig, _f
+from rlhf.checkpoint import export_hf
+from rlhf.data.dataset import DataError
+from rlhf.data.loader import PromptLoader
+from rlhf.metrics import MetricsLogger
+from rlhf.models.fsdp import apply_fsdp, grad_scale
+from rlhf.models.loading import check_model_dir, load_causal_lm, load_tokenizer
+from rlhf.models.logprobs import position_ids_from_mask
+from rlhf.optim import build_optimizer, build_scheduler, clip_grad_norm
+from rlhf.parallel import ParallelDims, all_reduce_sum, init_distributed
+
+
+@dataclass
+class SFTSettings:
+    train_files: str = _f("", "jsonl/parquet with prompt + response columns.")
+    prompt_key: str = _f("prompt", "Prompt column (chat messages or string).")
+    response_key: str = _f("response", "Response column.")
+    max_length: int = _f(256, "Prompt + response tokens; longer rows are skipped and counted.")
+    train_batch_size: int = _f(64, "Sequences per optimizer step (global).")
+    micro_batch_size_per_gpu: int = _f(32, "Sequences per forward/backward per rank.")
+    total_epochs: int = _f(1, "Epochs over the data.")
+    lr: float = _f(1e-3, "Peak learning rate.")
+    weight_decay: float = _f(0.01, "AdamW weight decay.")
+    betas: list = _f([0.9, 0.95], "AdamW betas.")
+    lr_warmup_steps_ratio: float = _f(0.05, "Warmup fraction.")
+    warmup_style: str = _f("cosine", "constant or cosine.")
+    grad_clip: float = _f(1.0, "Max gradient norm.")
+    seed: int = _f(0, "Data order seed.")
+
+
+@dataclass
+class SFTRunConfig:
+    output_dir: str = _f("outputs/sft", "Run directory; the model is exported to <output_dir>/hf_export.")
+    device: str = _f("auto", "auto, cpu or cuda.")
+    seed: int = _f(0, "Torch seed.")
+    logger: list = _f(["console", "jsonl"], "Metric backends.")
+    log_freq: int = _f(10, "Log every N steps.")
+
+
+@dataclass
+class SFTConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTSettings = field(default_factory=SFTSettings)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: SFTRunConfig = field(default_factory=SFTRunConfig)
+
+    def to_yaml(self) -> str:
+        import yaml
+        return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+
+
+def validate_sft(cfg: SFTConfig) -> None:
+    if not cfg.model.path:
+        raise ConfigError("config key 'model.path': is required")
+    if not cfg.sft.train_files:
+        raise ConfigError("config key 'sft.train_files': is required")
+    if cfg.sft.train_batch_size <= 0 or cfg.sft.micro_batch_size_per_gpu <= 0:
+        raise ConfigError("config keys 'sft.train_batch_size' and 'sft.micro_batch_size_per_gpu' must be > 0")
+
+
+def _read_rows(path: str) -> list:
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"sft.train_files: file not found: {path}")
+    if p.suffix == ".parquet":
+        return pq.read_table(p).to_pylist()
+    rows = []
+    for i, line in enumerate(p.read_text().splitlines()):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                rows.append(DataError(f"line {i + 1}: invalid JSON ({e.msg})"))
+    return rows
+
+
+def tokenize_sft(rows: list, tokenizer, s: SFTSettings) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """(prompt_ids, response_ids + eos) per usable row; bad or too-long rows skipped and counted."""
+    out, bad, too_long = [], 0, 0
+    for row in rows:
+        if not isinstance(row, dict) or s.prompt_key not in row or not isinstance(row.get(s.response_key), str):
+            bad += 1
+            continue
+        prompt = row[s.prompt_key]
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if tokenizer.chat_template:
+            p_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            if isinstance(p_ids, dict) or hasattr(p_ids, "input_ids"):
+                p_ids = p_ids["input_ids"]
+        else:
+            p_ids = tokenizer.encode("\n".join(m["content"] for m in prompt))
+        r_ids = tokenizer.encode(row[s.response_key], add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(p_ids) + len(r_ids) > s.max_length:
+            too_long += 1
+            continue
+        out.append((list(p_ids), r_ids))
+    if not out:
+        raise DataError(f"sft.train_files: no usable rows ({bad} malformed, {too_long} longer than sft.max_length)")
+    return out, {"n_rows": len(rows), "n_malformed": bad, "n_too_long": too_long, "n_loaded": len(out)}
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded input_ids, attention_mask and a loss mask over response tokens, [B, L]."""
+    L = max(len(p) + len(r) for p, r in examples)
+    ids = torch.full((len(examples), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), L), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), L), dtype=torch.float32)
+    for i, (p, r) in enumerate(examples):
+        seq = p + r
+        ids[i, :len(seq)] = torch.tensor(seq)
+        attn[i, :len(seq)] = 1
+        loss_mask[i, len(p):len(seq)] = 1.0
+    return ids, attn, loss_mask
+
+
+def run_sft(cfg: SFTConfig) -> dict:
+    env = init_distributed(cfg.trainer.device)
+    torch.manual_seed(cfg.trainer.seed)
+    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, env.world_size)
+    if dims.tp != 1 or dims.pp != 1:
+        raise ConfigError("SFT supports data parallel only: set parallel.tp=1 parallel.pp=1")
+    if cfg.sft.train_batch_size % dims.dp:
+        raise ConfigError(f"sft.train_batch_size ({cfg.sft.train_batch_size}) is not divisible by dp ({dims.dp})")
+    mesh = dims.build_mesh(env.device.type)
+    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+    check_model_dir(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    data, stats = tokenize_sft(_read_rows(cfg.sft.train_files), tokenizer, cfg.sft)
+    out_dir = Path(cfg.trainer.output_dir)
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(cfg.to_yaml())
+        print(f"[rlhf.sft] data: {stats}", flush=True)
+    model = load_causal_lm(cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation)
+    model = apply_fsdp(model, mesh["dp"], device=env.device, mixed_precision=cfg.model.mixed_precision)
+    loader = PromptLoader(len(data), cfg.sft.train_batch_size, seed=cfg.sft.seed, shuffle=True)
+    total = cfg.sft.total_epochs * loader.steps_per_epoch
+    opt = build_optimizer(model.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay, betas=cfg.sft.betas)
+    sched = build_scheduler(opt, total_steps=total, warmup_steps=-1, warmup_ratio=cfg.sft.lr_warmup_steps_ratio,
+                            style=cfg.sft.warmup_style)
+    logger = MetricsLogger(out_dir, backends=cfg.trainer.logger, total_steps=total, rank=env.rank,
+                           experiment="sft", console_keys=("sft/loss", "sft/grad_norm", "sft/lr"))
+    model.train()
+    last = {}
+    for step in range(1, total + 1):
+        rows = loader.shard(loader.next_batch(), dp_rank, dims.dp)
+        ids, attn, lmask = (t.to(env.device) for t in collate([data[i] for i in rows], tokenizer.pad_token_id))
+        # Predict token t+1 from position t: shift the loss mask by one.
+        targets, tmask = ids[:, 1:], lmask[:, 1:]
+        n_tok = all_reduce_sum(tmask.sum().double(), dp_group)
+        opt.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        mbs = cfg.sft.micro_batch_size_per_gpu
+        for s in range(0, ids.shape[0], mbs):
+            sl = slice(s, s + mbs)
+            logits = model(input_ids=ids[sl], attention_mask=attn[sl], position_ids=position_ids_from_mask(attn[sl]),
+                           use_cache=False).logits[:, :-1].float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[sl].reshape(-1), reduction="none")
+            loss = (ce * tmask[sl].reshape(-1)).sum() / n_tok
+            (loss * grad_scale(mesh["dp"])).backward()
+            loss_sum += loss.detach().double()
+        all_reduce_sum(loss_sum, dp_group)
+        gn = clip_grad_norm(model.parameters(), cfg.sft.grad_clip)
+        opt.step()
+        sched.step()
+        last = {"sft/loss": loss_sum.item(), "sft/grad_norm": float(gn), "sft/lr": opt.param_groups[0]["lr"]}
+        if step % cfg.trainer.log_freq == 0 or step == total:
+            logger.log(step, last)
+    export_hf(model, tokenizer, str(out_dir / "hf_export"))
+    if env.is_main:
+        print(f"[rlhf.sft] exported {out_dir / 'hf_export'} after {total} steps, final loss {last.get('sft/loss'):.4f}",
+              flush=True)
+    logger.close()
+    return last

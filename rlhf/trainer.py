@@ -1,0 +1,319 @@
+"""The RL loop, phase by phase, run identically on every rank (SPMD).
+
+    prompts -> reshard + generate -> score -> old/ref log-probs (+ values)
+            -> advantages -> update (critic, actor) -> log / validate / checkpoint
+
+Each dp rank owns a contiguous slice of the global prompt batch with all `n` samples of
+its prompts, so group statistics (GRPO, RLOO) are local; every loss is normalised by
+global counts, so results do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf.actor import PolicyWorker
+from rlhf.algos.advantages import get_adv_estimator
+from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
+from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
+from rlhf.batch import RolloutBatch
+from rlhf.checkpoint import ModelOptimState, export_hf, find_resume_path, load_checkpoint, save_checkpoint
+from rlhf.config import Config
+from rlhf.data.dataset import load_prompt_dataset
+from rlhf.data.loader import PromptLoader
+from rlhf.metrics import MetricsLogger, PhaseTimer
+from rlhf.models.loading import load_tokenizer
+from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed
+from rlhf.rewards.registry import get_reward_fn
+from rlhf.rewards.scoring import score_responses
+from rlhf.rollout.engine import PromptBatch, RolloutEngine
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+class RLTrainer:
+    """GRPO / PPO-family trainer. Build once per process, then `fit()`."""
+
+    def __init__(self, cfg: Config, *, dry_run: bool = False):
+        self.cfg = cfg
+        self.env = init_distributed(cfg.trainer.device)
+        torch.manual_seed(cfg.trainer.seed)
+        self.dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, self.env.world_size)
+        self.dims.check_batch(train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n,
+                              mini_batch_size=cfg.actor.ppo_mini_batch_size)
+        self.mesh = self.dims.build_mesh(self.env.device.type)
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.dp_group = self.mesh["dp"].get_group()
+        self.device = self.env.device
+        self.out_dir = Path(cfg.trainer.output_dir)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+        self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
+        self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
+        self.loader = PromptLoader(len(self.train_data), cfg.data.train_batch_size, seed=cfg.data.seed,
+                                   shuffle=cfg.data.shuffle)
+        steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
+        self.total_steps = steps if cfg.trainer.total_training_steps < 0 else cfg.trainer.total_training_steps
+        self.reward_fn = get_reward_fn(cfg.reward.reward_fn)
+        get_adv_estimator(cfg.algorithm.adv_estimator)  # fail early on a bad name
+        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
+                                         cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
+        self._print_setup()
+        if dry_run:
+            return
+        self.actor = PolicyWorker(cfg.model, self.mesh, self.device, trainable=True, actor_cfg=cfg.actor,
+                                  total_steps=self.total_steps)
+        self.actor.max_nan_steps = cfg.trainer.max_nan_steps
+        self.need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False) if self.need_ref else None
+        self.rollout = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
+                                     max_response_length=cfg.data.max_response_length, device=self.device,
+                                     dtype=torch.bfloat16 if self.device.type == "cuda" else None)
+        self.timer = PhaseTimer(self.device)
+        self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,
+                                    project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
+                                    rank=self.env.rank)
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _load_data(self, files, key: str):
+        d = self.cfg.data
+        ds = load_prompt_dataset(files, self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                                 truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
+                                 apply_chat_template=d.apply_chat_template)
+        if self.env.is_main:
+            print(f"[rlhf] {key}: {ds.stats.summary()}", flush=True)
+        return ds
+
+    def _print_setup(self) -> None:
+        if not self.env.is_main:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        text = self.cfg.to_yaml()
+        (self.out_dir / "config.yaml").write_text(text)
+        print("[rlhf] resolved config:\n" + text, flush=True)
+        print(f"[rlhf] world={self.env.world_size} layout dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} "
+              f"device={self.device} backend={self.env.backend} steps={self.total_steps}", flush=True)
+
+    def _prompts(self, indices: list[int], examples) -> PromptBatch:
+        ex = [examples[i] for i in indices]
+        return PromptBatch(prompt_ids=[e.prompt_ids for e in ex], keys=[e.index for e in ex],
+                           ground_truths=[e.ground_truth for e in ex], data_sources=[e.data_source for e in ex],
+                           extra_infos=[e.extra_info for e in ex])
+
+    # ------------------------------------------------------------------ phases
+
+    def generate(self, step: int) -> tuple[RolloutBatch, dict]:
+        """Next global prompt batch -> this rank's slice -> reshard + sample."""
+        global_idx = self.loader.next_batch()
+        local_idx = self.loader.shard(global_idx, self.dp_rank, self.dims.dp)
+        prompts = self._prompts(local_idx, self.train_data.examples)
+        return self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
+                                     n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature)
+
+    def score(self, batch: RolloutBatch) -> dict[str, float]:
+        """Rule-based rewards on the last response token, plus DAPO overlong shaping."""
+        res = score_responses(self.reward_fn, batch.response_texts, batch.ground_truths, batch.data_sources,
+                              batch.extra_infos)
+        scores = res.scores.to(self.device)
+        acc = torch.tensor(res.extra_metrics["acc"], device=self.device) if "acc" in res.extra_metrics \
+            else (scores >= 1.0).float()
+        metrics = {"reward/score_mean": float(scores.mean()), "reward/acc": float(acc.nan_to_num(0).mean()),
+                   "reward/errors": float(res.n_errors)}
+        if res.n_errors and self.env.is_main:
+            print(f"[rlhf] reward function raised on {res.n_errors} samples (scored 0): {res.first_error}", flush=True)
+        r = self.cfg.reward
+        if r.overlong_buffer_enable:
+            lengths = batch.response_mask.sum(-1)
+            penalty = overlong_reward_penalty(lengths, max_response_length=self.cfg.data.max_response_length,
+                                              overlong_buffer_len=r.overlong_buffer_len,
+                                              penalty_factor=r.overlong_penalty_factor)
+            scores = scores + penalty
+            metrics["reward/overlong_penalty"] = float(penalty.mean())
+        batch.token_level_scores = place_reward_on_last_token(scores, batch.response_mask)
+        batch.acc = acc
+        return metrics
+
+    def compute_log_probs(self, batch: RolloutBatch) -> dict[str, float]:
+        """Old log-probs of the actor (training layout) and reference log-probs."""
+        a = self.cfg.actor
+        T = self.cfg.rollout.temperature or 1.0
+        batch.old_log_probs, entropy = self.actor.compute_log_probs(
+            batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu, compute_entropy=True)
+        mask = batch.response_mask
+        metrics = {"actor/entropy": _masked_mean(entropy, mask),
+                   "rollout/logprob_diff_max": float(((batch.old_log_probs - batch.rollout_log_probs).abs() * mask).max())}
+        if self.ref is not None:
+            batch.ref_log_probs, _ = self.ref.compute_log_probs(
+                batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu)
+            kl = kl_penalty(batch.old_log_probs, batch.ref_log_probs, a.kl_loss_type)
+            metrics["actor/kl_to_ref"] = _masked_mean(kl, mask)
+        return metrics
+
+    def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        metrics = {}
+        if alg.use_kl_in_reward:
+            batch.token_level_rewards, kl_metrics = apply_kl_penalty(
+                batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
+                kl_coef=self.kl_ctrl.value, kl_penalty=alg.kl_penalty)
+            metrics.update({f"kl_penalty/{k}": float(v) for k, v in kl_metrics.items()})
+            metrics["kl_penalty/coef"] = self.kl_ctrl.value
+        else:
+            batch.token_level_rewards = batch.token_level_scores
+        fn = get_adv_estimator(alg.adv_estimator)
+        batch.advantages, batch.returns = fn(
+            token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask, index=batch.index,
+            values=batch.values, reward_baselines=batch.reward_baselines, gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        if alg.filter_truncated:
+            batch.response_mask = batch.response_mask * (~batch.truncated).float().unsqueeze(-1)
+        metrics["advantage/mean"] = _masked_mean(batch.advantages, batch.response_mask)
+        return metrics
+
+    def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
+        a = self.cfg.actor
+        mini_rows = a.ppo_mini_batch_size * self.cfg.rollout.n // self.dims.dp
+        return self.actor.update_policy(batch, mini_batch_rows=mini_rows, temperature=self.cfg.rollout.temperature or 1.0,
+                                        max_response_length=self.cfg.data.max_response_length)
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batch, metrics = self.generate(step)
+        with self.timer("score"):
+            metrics.update(self.score(batch))
+        with self.timer("logprobs"):
+            metrics.update(self.compute_log_probs(batch))
+        with self.timer("advantage"):
+            metrics.update(self.compute_advantages(batch))
+        with self.timer("update"):
+            metrics.update(self.update_actor(batch))
+        if self.cfg.algorithm.use_kl_in_reward and "kl_penalty/kl" in metrics:
+            self.kl_ctrl.update(metrics["kl_penalty/kl"], n_steps=self.cfg.data.train_batch_size)
+        metrics.update(self.timer.pop())
+        metrics.update(self.batch_metrics(batch))
+        elapsed = time.perf_counter() - t0
+        tokens = all_reduce_sum(torch.tensor(float(batch.attention_mask.sum()), device=self.device), self.dp_group)
+        metrics["timing/step"] = elapsed
+        metrics["perf/tokens_per_s"] = float(tokens) / elapsed
+        return metrics
+
+    def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        """Global reward / length statistics (summed over dp, so layout-independent)."""
+        lengths = batch.response_mask.sum(-1)
+        seq_scores = batch.token_level_scores.sum(-1)
+        stats = torch.stack([seq_scores.sum(), (seq_scores ** 2).sum(), lengths.sum(), batch.acc.nan_to_num(0).sum(),
+                             batch.truncated.float().sum(), torch.tensor(float(len(batch)), device=self.device)]).double()
+        all_reduce_sum(stats, self.dp_group)
+        mx = lengths.max().clone()
+        if dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=self.dp_group)
+        n = stats[5]
+        mean = stats[0] / n
+        return {"reward/mean": float(mean), "reward/std": float((stats[1] / n - mean ** 2).clamp(min=0).sqrt()),
+                "reward/acc": float(stats[3] / n), "response_length/mean": float(stats[2] / n),
+                "response_length/max": float(mx), "response_length/clip_ratio": float(stats[4] / n)}
+
+    # ------------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self, step: int) -> dict[str, float]:
+        """Greedy (val_temperature) accuracy on the whole held-out set, split over dp ranks."""
+        if self.val_data is None:
+            return {}
+        n_val = len(self.val_data)
+        idx = list(range(self.dp_rank, n_val, self.dims.dp))
+        prompts = self._prompts(idx, self.val_data.examples)
+        batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step, n=1,
+                                             temperature=self.cfg.rollout.val_temperature)
+        res = score_responses(self.reward_fn, batch.response_texts, batch.ground_truths, batch.data_sources,
+                              batch.extra_infos)
+        acc = res.extra_metrics.get("acc")
+        acc = [0.0 if math.isnan(a) else a for a in acc] if acc else [float(s >= 1.0) for s in res.scores.tolist()]
+        pieces = all_gather_object((acc, res.scores.tolist(), batch.response_mask.sum(-1).tolist()), self.dp_group)
+        accs = [a for p in pieces for a in p[0]]
+        scores = [s for p in pieces for s in p[1]]
+        lens = [x for p in pieces for x in p[2]]
+        return {"val/acc": sum(accs) / len(accs), "val/score": sum(scores) / len(scores),
+                "val/response_length": sum(lens) / len(lens), "val/n": float(len(accs)),
+                "timing/validate_generate": stats["timing/generate"]}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _stateful(self) -> dict:
+        return {"actor": ModelOptimState(self.actor.model, self.actor.optimizer)}
+
+    def trainer_state(self) -> dict:
+        return {"global_step": self.global_step, "loader": self.loader.state_dict(),
+                "actor_scheduler": self.actor.scheduler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "skipped_steps": self.actor.skipped_steps}
+
+    def save(self) -> None:
+        path = save_checkpoint(str(self.out_dir), self.global_step, self._stateful(), self.trainer_state(),
+                               max_to_keep=self.cfg.checkpoint.max_to_keep)
+        if self.env.is_main:
+            print(f"[rlhf] checkpoint saved: {path}", flush=True)
+
+    def maybe_resume(self) -> None:
+        path = find_resume_path(self.cfg.checkpoint.resume, str(self.out_dir))
+        if path is None:
+            return
+        st = load_checkpoint(path, self._stateful())
+        self.global_step = st["global_step"]
+        self.loader.load_state_dict(st["loader"])
+        self.actor.scheduler.load_state_dict(st["actor_scheduler"])
+        self.kl_ctrl.load_state_dict(st["kl_ctrl"])
+        self.actor.skipped_steps = st.get("skipped_steps", 0)
+        if self.env.is_main:
+            print(f"[rlhf] resumed from {path} at step {self.global_step}", flush=True)
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg.trainer
+        self.maybe_resume()
+        first_val = {}
+        if self.val_data is not None and cfg.val_before_train and self.global_step == 0:
+            first_val = self.validate(0)
+            self.logger.log(0, first_val)
+        last = {}
+        while self.global_step < self.total_steps:
+            step = self.global_step + 1
+            metrics = self.train_step(step)
+            self.global_step = step
+            is_last = step == self.total_steps
+            if self.val_data is not None and ((cfg.test_freq > 0 and step % cfg.test_freq == 0) or is_last):
+                metrics.update(self.validate(step))
+            self.logger.log(step, metrics)
+            last = metrics
+            ck = self.cfg.checkpoint
+            if (ck.save_freq > 0 and step % ck.save_freq == 0) or (is_last and ck.save_final):
+                self.save()
+        summary = self.summarize(first_val, last)
+        if self.cfg.checkpoint.export_hf:
+            export_hf(self.actor.model, self.tokenizer, str(self.out_dir / "hf_export"))
+        self.logger.close()
+        return summary
+
+    def summarize(self, first_val: dict, last: dict) -> dict[str, float]:
+        summary = {"summary/steps": float(self.global_step)}
+        if "val/acc" in first_val:
+            summary["summary/val_acc_initial"] = first_val["val/acc"]
+        if "val/acc" in last:
+            summary["summary/val_acc_final"] = last["val/acc"]
+        if "val/acc" in first_val and "val/acc" in last:
+            summary["summary/val_acc_gain"] = last["val/acc"] - first_val["val/acc"]
+        self.logger.log(self.global_step, summary)
+        if self.env.is_main:
+            print("[rlhf] final summary: " + ", ".join(f"{k}={v:.4f}" for k, v in summary.items()), flush=True)
+        return summary

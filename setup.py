@@ -1,0 +1,29 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = {}
+exec((Path(__file__).parent / "rlhf" / "__init__.py").read_text(), version)
+
+setup(
+    name="rlhf",
+    version=version["__version__"],
+    description="RL post-training (PPO, GRPO, DAPO, ...) of causal LMs in plain PyTorch with torchrun",
+    long_description=(Path(__file__).parent / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["rlhf", "rlhf.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=4.51",
+        "peft>=0.15",
+        "pyyaml",
+        "numpy",
+        "pyarrow",
+    ],
+    extras_require={
+        "test": ["pytest", "matplotlib"],
+        "gpu": ["flash-attn"],
+        "log": ["tensorboard", "mlflow"],
+    },
+)

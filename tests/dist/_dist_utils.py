@@ -1,0 +1,72 @@
+"""Spawn N gloo processes on CPU and run one function in each (multi-process tests).
+
+Usage::
+
+    def _check(rank: int, world_size: int, x: int) -> None:   # module level, picklable
+        ...  # torch.distributed is initialised (gloo), assert freely
+
+    def test_something():
+        run_distributed(_check, 4, 123)
+
+Each worker uses one thread (the test machines have few cores), a FileStore rendezvous
+in a temporary directory (no port to collide on), and a process-group timeout so that
+a collective mismatch fails the test instead of hanging it. An exception or failed
+assert in any worker fails the call with that worker's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(
+    rank: int,
+    fn: Callable[..., None],
+    world_size: int,
+    store_path: str,
+    args: tuple[Any, ...],
+    timeout_s: float,
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., None], world_size: int, *args: Any, timeout_s: float = 180.0
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
+
+    ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Raises
+    ``torch.multiprocessing.ProcessRaisedException`` carrying the failing rank's
+    traceback when any worker raises.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(
+            _worker,
+            args=(fn, world_size, os.path.join(tmp, "store"), args, timeout_s),
+            nprocs=world_size,
+            join=True,
+        )

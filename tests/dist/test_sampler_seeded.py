@@ -1,0 +1,45 @@
+"""Seeded sampling on 2 gloo ranks equals the 1-process result (keys are global prompt indices)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from rlhf.rollout import Sampler, SamplingParams
+from tests.dist._dist_utils import run_distributed
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [5], [33, 34, 35, 36], [40, 41], [2, 9, 4]]
+PARAMS = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_new_tokens=12, seed=21, stop_token_ids=[3, 7])
+STEP = 4
+
+
+def _sampler(max_num_seqs: int) -> Sampler:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    return Sampler(cfg, model.state_dict(), pad_token_id=0, max_num_seqs=max_num_seqs)
+
+
+def _generate_shard(rank: int, world_size: int, expected: dict) -> None:
+    # interleaved split (prompt i goes to rank i % world), a different slot count per rank
+    mine = list(range(rank, len(PROMPTS), world_size))
+    out = _sampler(max_num_seqs=3 + rank).generate([PROMPTS[i] for i in mine], PARAMS, step=STEP, prompt_keys=mine)
+    n = PARAMS.n
+    local = torch.zeros(len(PROMPTS) * n, PARAMS.max_new_tokens, dtype=torch.int64)
+    local_lp = torch.zeros(len(PROMPTS) * n, PARAMS.max_new_tokens)
+    for j, i in enumerate(mine):
+        local[i * n : (i + 1) * n] = out.response_ids[j * n : (j + 1) * n]
+        local_lp[i * n : (i + 1) * n] = out.log_probs[j * n : (j + 1) * n]
+    dist.all_reduce(local)
+    dist.all_reduce(local_lp)
+    assert torch.equal(local, expected["ids"])
+    torch.testing.assert_close(local_lp, expected["log_probs"], atol=1e-5, rtol=0)
+
+
+def test_two_ranks_match_single_process():
+    torch.set_num_threads(1)
+    ref = _sampler(max_num_seqs=64).generate(PROMPTS, PARAMS, step=STEP)
+    assert ref.response_lengths.min() < PARAMS.max_new_tokens  # stops happen, lengths are uneven
+    run_distributed(_generate_shard, 2, {"ids": ref.response_ids, "log_probs": ref.log_probs})

@@ -1,0 +1,32 @@
+"""GRPO (and its relatives) post-training of a causal LM, one SPMD program per rank.
+
+Every rank runs this same script: the actor's FSDP2 shards are redistributed into a
+rollout copy, the built-in KV-cache sampler draws `rollout.n` responses per prompt,
+rule-based rewards score them, group-normalised advantages drive a PPO-clip update.
+
+    python train_grpo.py --config configs/quickstart.yaml               # 1 process
+    torchrun --nproc_per_node=2 train_grpo.py --config configs/quickstart.yaml
+    torchrun --nnodes=4 --nproc_per_node=8 ... train_grpo.py --config x.yaml parallel.tp=2
+
+Change the algorithm with `algorithm.adv_estimator` (grpo, rloo, reinforce_plus_plus, ...)
+and the layout with `parallel.*`. PPO with a critic lives in train_ppo.py.
+"""
+
+from rlhf.cli import load, parse_args, run_main
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    cfg = load(args)
+    from rlhf.trainer import RLTrainer
+
+    trainer = RLTrainer(cfg, dry_run=args.dry_run)
+    if args.dry_run:
+        if trainer.env.is_main:
+            print("dry run OK: config, data and parallel layout are valid")
+        return
+    trainer.fit()
+
+
+if __name__ == "__main__":
+    run_main(main)
