@@ -13,7 +13,7 @@ per repeat so a noisy shared machine hits them alike):
               ``micro_batch * (prompt + max_response)`` (the padded micro-batch's size);
   tokens/s counts real tokens only (identical numerator for every configuration).
 * peak memory of forward+backward over the whole batch with and without activation
-  checkpointing, each in a fresh subprocess (CPU: ``ru_maxrss`` growth; CUDA:
+  checkpointing, each in a fresh subprocess (CPU: polled RSS growth; CUDA:
   ``max_memory_allocated``).
 * LoRA on the ~100M Qwen2-like config (hidden 768, 12 layers, vocab 32000; built on the
   meta device, no compute): bytes the per-step rollout sync moves with LoRA (adapters
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rlhf.data.batching import make_token_budget_micro_batches, seq_lens_from_mask  # noqa: E402
 from rlhf.models.activation_checkpointing import apply_ac  # noqa: E402
 from rlhf.models.lora import apply_lora  # noqa: E402
-from rlhf.models.packed import packed_forward_log_probs  # noqa: E402
+from rlhf.models.packed import packed_forward_hidden, packed_forward_log_probs  # noqa: E402
 
 try:
     from rlhf.models.logprobs import forward_log_probs as padded_forward_log_probs
@@ -151,39 +150,84 @@ def throughput(args, device) -> dict:
     }
 
 
-def memory_child(args, device, use_ac: bool) -> dict:
-    """Peak extra memory of forward+backward of the whole batch in one packed micro-batch."""
+class PeakRSS:
+    """Peak resident-set growth over a block, sampled from /proc/self/statm every ~0.5 ms.
+    (``ru_maxrss`` cannot be reset and already holds the import/model-init peak.)"""
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def memory_child(args, device, use_ac: bool, what: str) -> dict:
+    """Peak extra memory of forward+backward of the whole batch in one packed micro-batch.
+    ``what="logprobs"``: the actor loss (incl. the un-checkpointed LM-head logits);
+    ``what="hidden"``: the decoder stack only (what checkpointing acts on)."""
     torch.manual_seed(0)
     ids, mask, adv = make_batch(args, device)
     model = transformers.Qwen2ForCausalLM(model_config(args)).to(device).train()
     if use_ac:
         apply_ac(model)
     R = args.max_response
+
+    def fwd_bwd():
+        if what == "hidden":
+            h = packed_forward_hidden(model, ids, mask, response_length=R)
+            (h.float().pow(2).mean(-1) * adv * mask[:, -R:]).sum().backward()
+        else:
+            lp, _ = packed_forward_log_probs(model, ids, mask, response_length=R)
+            (-(lp * adv * mask[:, -R:]).sum()).backward()
+
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    else:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    lp, _ = packed_forward_log_probs(model, ids, mask, response_length=R)
-    (-(lp * adv * mask[:, -R:]).sum()).backward()
-    if device.type == "cuda":
+        fwd_bwd()
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with PeakRSS() as rss:
+            fwd_bwd()
+        before, peak = rss.base, rss.peak
     return {"peak_extra_bytes": int(peak - before)}
 
 
 def activation_memory(args, device, argv: list[str]) -> dict:
-    res = {}
-    for tag in ("noac", "ac"):
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--_mem-child", tag]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        res[tag] = json.loads(out.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
-    return {
-        "peak_mem_bytes_no_ac": res["noac"], "peak_mem_bytes_ac": res["ac"],
-        "peak_mem_ratio_ac_vs_no_ac": round(res["ac"] / max(res["noac"], 1), 3),
-        "peak_mem_method": "cuda max_memory_allocated" if device.type == "cuda" else "ru_maxrss growth, fresh process",
-    }
+    out: dict = {"peak_mem_method": "cuda max_memory_allocated" if device.type == "cuda"
+                 else "RSS growth (polled), fresh process"}
+    for what in ("logprobs", "hidden"):
+        res = {}
+        for tag in ("noac", "ac"):
+            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--_mem-child", f"{tag}:{what}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            res[tag] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
+        suffix = "" if what == "logprobs" else "_decoder_only"
+        out[f"peak_mem_bytes_no_ac{suffix}"] = res["noac"]
+        out[f"peak_mem_bytes_ac{suffix}"] = res["ac"]
+        out[f"peak_mem_ratio_ac_vs_no_ac{suffix}"] = round(res["ac"] / max(res["noac"], 1), 3)
+    return out
 
 
 def lora_figures(rank: int) -> dict:
@@ -216,25 +260,28 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--max-response", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch default)")
-    ap.add_argument("--_mem-child", dest="mem_child", choices=["ac", "noac"], help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: on a shared machine OpenMP threads spin against other "
+                    "processes and a step gets ~20x slower; 0 keeps torch's default)")
+    ap.add_argument("--_mem-child", dest="mem_child", choices=["ac:logprobs", "noac:logprobs", "ac:hidden", "noac:hidden"], help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     if args.quick:
-        args.batch, args.max_response, args.hidden, args.layers, args.vocab = 8, 128, 128, 2, 8192
+        args.batch, args.max_response, args.hidden, args.layers, args.heads, args.vocab = 8, 128, 128, 2, 4, 8192
         args.micro_batch = 2
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if args.mem_child:
-        print(json.dumps(memory_child(args, device, args.mem_child == "ac")))
+        tag, what = args.mem_child.split(":")
+        print(json.dumps(memory_child(args, device, tag == "ac", what)))
         return
 
     figures: dict = {"device": str(device), "torch_threads": torch.get_num_threads(), "quick": args.quick,
@@ -251,8 +298,10 @@ def main(argv=None) -> None:
           f" tok <= budget {t['token_budget']}, spread {t['dynamic_mb_token_spread']})")
     m = activation_memory(args, device, argv)
     figures.update(m)
-    print(f"peak fwd+bwd memory: no AC {m['peak_mem_bytes_no_ac'] / 2**20:.1f} MiB, AC "
-          f"{m['peak_mem_bytes_ac'] / 2**20:.1f} MiB ({m['peak_mem_ratio_ac_vs_no_ac']:.2f}x)")
+    print(f"peak fwd+bwd memory, actor loss: no AC {m['peak_mem_bytes_no_ac'] / 2**20:.1f} MiB, AC "
+          f"{m['peak_mem_bytes_ac'] / 2**20:.1f} MiB ({m['peak_mem_ratio_ac_vs_no_ac']:.2f}x); decoder only: "
+          f"{m['peak_mem_bytes_no_ac_decoder_only'] / 2**20:.1f} -> {m['peak_mem_bytes_ac_decoder_only'] / 2**20:.1f}"
+          f" MiB ({m['peak_mem_ratio_ac_vs_no_ac_decoder_only']:.2f}x)")
     lo = lora_figures(args.lora_rank)
     figures.update(lo)
     print(f"LoRA r={args.lora_rank} on {lo['lora_model_params'] / 1e6:.1f}M params: per-step sync "

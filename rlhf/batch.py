@@ -89,3 +89,21 @@ def split_rows(n_rows: int, size: int) -> Iterator[torch.Tensor]:
     """Consecutive chunks of row indices of at most `size`."""
     for start in range(0, n_rows, size):
         yield torch.arange(start, min(start + size, n_rows))
+
+
+def minibatch_major_shard(items: list, dp_rank: int, dp_size: int, mini_batch_size: int) -> list:
+    """This rank's items when a global batch is cut into mini-batches first, then over dp.
+
+    Rank r gets the r-th 1/dp of every mini-batch, in order, so its k-th local mini-batch
+    is part of the global k-th mini-batch on every layout: the sequence of optimizer
+    steps is the same on 1 rank and on N ranks.
+    """
+    if len(items) % mini_batch_size or mini_batch_size % dp_size:
+        raise ValueError(f"batch of {len(items)} does not split into mini-batches of {mini_batch_size} "
+                         f"over {dp_size} dp ranks")
+    per_rank = mini_batch_size // dp_size
+    out = []
+    for start in range(0, len(items), mini_batch_size):
+        lo = start + dp_rank * per_rank
+        out.extend(items[lo:lo + per_rank])
+    return out

@@ -22,7 +22,7 @@ from rlhf.actor import PolicyWorker
 from rlhf.algos.advantages import get_adv_estimator
 from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
-from rlhf.batch import RolloutBatch
+from rlhf.batch import RolloutBatch, minibatch_major_shard
 from rlhf.checkpoint import ModelOptimState, export_hf, find_resume_path, load_checkpoint, save_checkpoint
 from rlhf.config import Config
 from rlhf.data.dataset import load_prompt_dataset
@@ -73,6 +73,11 @@ class RLTrainer:
         self.actor.max_nan_steps = cfg.trainer.max_nan_steps
         self.need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False) if self.need_ref else None
+        self.reward_model = None
+        if cfg.reward.reward_model.enable:
+            from rlhf.rewards.reward_model import RewardModelScorer
+
+            self.reward_model = RewardModelScorer(cfg.reward.reward_model, self.mesh, self.device, self.tokenizer)
         self.rollout = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                      max_response_length=cfg.data.max_response_length, device=self.device,
                                      dtype=torch.bfloat16 if self.device.type == "cuda" else None)
@@ -114,7 +119,7 @@ class RLTrainer:
     def generate(self, step: int) -> tuple[RolloutBatch, dict]:
         """Next global prompt batch -> this rank's slice -> reshard + sample."""
         global_idx = self.loader.next_batch()
-        local_idx = self.loader.shard(global_idx, self.dp_rank, self.dims.dp)
+        local_idx = minibatch_major_shard(global_idx, self.dp_rank, self.dims.dp, self.cfg.actor.ppo_mini_batch_size)
         prompts = self._prompts(local_idx, self.train_data.examples)
         return self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
                                      n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature)
@@ -131,6 +136,10 @@ class RLTrainer:
         if res.n_errors and self.env.is_main:
             print(f"[rlhf] reward function raised on {res.n_errors} samples (scored 0): {res.first_error}", flush=True)
         r = self.cfg.reward
+        if self.reward_model is not None:
+            rm_scores = self.reward_model.score(batch).to(self.device).float()  # [N]
+            metrics["reward/rm_score_mean"] = float(rm_scores.mean())
+            scores = rm_scores if r.reward_model.combine == "replace" else scores + rm_scores
         if r.overlong_buffer_enable:
             lengths = batch.response_mask.sum(-1)
             penalty = overlong_reward_penalty(lengths, max_response_length=self.cfg.data.max_response_length,
@@ -179,6 +188,14 @@ class RLTrainer:
         metrics["advantage/mean"] = _masked_mean(batch.advantages, batch.response_mask)
         return metrics
 
+    def compute_values(self, batch: RolloutBatch) -> dict[str, float]:
+        """Critic values [N, R]; none in critic-free algorithms (PPOTrainer overrides)."""
+        return {}
+
+    def update_critic(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        """Critic update; none in critic-free algorithms (PPOTrainer overrides)."""
+        return {}
+
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
         a = self.cfg.actor
         mini_rows = a.ppo_mini_batch_size * self.cfg.rollout.n // self.dims.dp
@@ -194,10 +211,13 @@ class RLTrainer:
             metrics.update(self.score(batch))
         with self.timer("logprobs"):
             metrics.update(self.compute_log_probs(batch))
+            metrics.update(self.compute_values(batch))
         with self.timer("advantage"):
             metrics.update(self.compute_advantages(batch))
         with self.timer("update"):
-            metrics.update(self.update_actor(batch))
+            metrics.update(self.update_critic(batch, step))
+            if step > self.cfg.algorithm.critic_warmup:
+                metrics.update(self.update_actor(batch))
         if self.cfg.algorithm.use_kl_in_reward and "kl_penalty/kl" in metrics:
             self.kl_ctrl.update(metrics["kl_penalty/kl"], n_steps=self.cfg.data.train_batch_size)
         metrics.update(self.timer.pop())
@@ -251,12 +271,21 @@ class RLTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _stateful(self) -> dict:
+        """DCP Statefuls to checkpoint; subclasses add theirs (e.g. "critic")."""
         return {"actor": ModelOptimState(self.actor.model, self.actor.optimizer)}
 
     def trainer_state(self) -> dict:
+        """JSON-able state; subclasses extend it and `load_trainer_state`."""
         return {"global_step": self.global_step, "loader": self.loader.state_dict(),
                 "actor_scheduler": self.actor.scheduler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "skipped_steps": self.actor.skipped_steps}
+
+    def load_trainer_state(self, st: dict) -> None:
+        self.global_step = st["global_step"]
+        self.loader.load_state_dict(st["loader"])
+        self.actor.scheduler.load_state_dict(st["actor_scheduler"])
+        self.kl_ctrl.load_state_dict(st["kl_ctrl"])
+        self.actor.skipped_steps = st.get("skipped_steps", 0)
 
     def save(self) -> None:
         path = save_checkpoint(str(self.out_dir), self.global_step, self._stateful(), self.trainer_state(),
@@ -268,12 +297,7 @@ class RLTrainer:
         path = find_resume_path(self.cfg.checkpoint.resume, str(self.out_dir))
         if path is None:
             return
-        st = load_checkpoint(path, self._stateful())
-        self.global_step = st["global_step"]
-        self.loader.load_state_dict(st["loader"])
-        self.actor.scheduler.load_state_dict(st["actor_scheduler"])
-        self.kl_ctrl.load_state_dict(st["kl_ctrl"])
-        self.actor.skipped_steps = st.get("skipped_steps", 0)
+        self.load_trainer_state(load_checkpoint(path, self._stateful()))
         if self.env.is_main:
             print(f"[rlhf] resumed from {path} at step {self.global_step}", flush=True)
 

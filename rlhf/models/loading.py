@@ -58,13 +58,15 @@ def model_config(path: str, trust_remote_code: bool = False, key: str = "model.p
     return AutoConfig.from_pretrained(str(check_model_dir(path, key)), trust_remote_code=trust_remote_code)
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The list of decoder blocks of a HF causal LM (through PEFT / wrappers)."""
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder blocks of a HF causal LM (through PEFT / wrappers / pipeline stages)."""
     # CausalLM.model.layers, or PeftModel.base_model.model.model.layers
     m, seen = model, 0
     while seen < 6:
         if hasattr(m, "layers") and isinstance(m.layers, torch.nn.ModuleList):
-            return m.layers
+            return list(m.layers)
+        if hasattr(m, "layers") and isinstance(m.layers, torch.nn.ModuleDict):  # pipeline stage
+            return list(m.layers.values())
         nxt = getattr(m, "model", None) or getattr(m, "base_model", None)
         if nxt is None or nxt is m:
             break

@@ -133,11 +133,19 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[Tensor, float]:
 
 
 def rope_tables(inv_freq: Tensor, scale: float, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos / sin tables ``[max_seq_len, head_dim]`` computed as HF does (fp32, then cast)."""
+    """cos and signed sin tables ``[max_seq_len, D]`` (fp32 like HF, then cast).
+
+    HF's ``rotate_half(x) * sin`` equals ``roll(x, D/2) * sin_signed`` with
+    ``sin_signed = [-sin[:D/2], sin[D/2:]]`` (both halves of ``sin`` are equal), which
+    saves the negation of half of x at every layer.
+    """
     pos = torch.arange(max_seq_len, dtype=torch.int64).float()
     freqs = pos[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    half = inv_freq.shape[0]
+    sin[:, :half].neg_()
+    return cos.to(device, dtype), sin.to(device, dtype)
 
 
 @dataclass
@@ -147,8 +155,7 @@ class LayerWeights:
     input_norm: Tensor  # [hidden]
     qkv_w: Tensor  # [(H + 2 Hkv) * D, hidden]
     qkv_b: Tensor | None
-    q_norm: Tensor | None  # [D] (qwen3)
-    k_norm: Tensor | None
+    qk_norm: Tensor | None  # [H + Hkv, D] (qwen3): q_norm weight on q heads, k_norm on k heads
     o_w: Tensor  # [hidden, H * D]
     o_b: Tensor | None
     post_norm: Tensor  # [hidden]
@@ -164,6 +171,12 @@ class DecoderWeights:
     layers: list[LayerWeights]
     norm: Tensor  # [hidden]
     lm_head: Tensor  # [V, hidden]
+
+
+def _qk_norm_table(spec: DecoderSpec, q: Tensor | None, k: Tensor | None) -> Tensor | None:
+    if q is None or k is None:
+        return None
+    return torch.cat((q.expand(spec.num_heads, -1), k.expand(spec.num_kv_heads, -1))).contiguous()
 
 
 def prepare_weights(
@@ -195,8 +208,9 @@ def prepare_weights(
                 input_norm=get(p + "input_layernorm.weight"),
                 qkv_w=cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
                 qkv_b=None if q_b is None else cat(q_b, get(a + "k_proj.bias"), get(a + "v_proj.bias")),
-                q_norm=get(a + "q_norm.weight") if spec.qk_norm else None,
-                k_norm=get(a + "k_norm.weight") if spec.qk_norm else None,
+                qk_norm=_qk_norm_table(spec, get(a + "q_norm.weight"), get(a + "k_norm.weight"))
+                if spec.qk_norm
+                else None,
                 o_w=get(a + "o_proj.weight"),
                 o_b=get(a + "o_proj.bias", required=False),
                 post_norm=get(p + "post_attention_layernorm.weight"),
@@ -219,49 +233,63 @@ def prepare_weights(
 # --------------------------------------------------------------------------- math
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF RMSNorm: normalise in fp32, cast back, then scale. ``x`` ``[..., C]``, ``weight`` ``[C]``."""
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """HF RMSNorm over the last dim: normalise in fp32, cast back, then scale by ``weight``."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused op, same fp32 math
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return xf.to(x.dtype) if weight is None else weight * xf.to(x.dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``x * cos + rotate_half(x) * sin`` (HF ordering); cos/sin broadcast to ``x`` ``[..., D]``."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+def head_rope(cos: Tensor, sin: Tensor, spec: DecoderSpec) -> tuple[Tensor, Tensor]:
+    """Per-head rope factors ``[..., H + 2Hkv, D]`` for a fused q|k|v tensor.
+
+    q and k heads get ``cos`` / signed ``sin`` (``[..., D]`` rows of the tables), v heads get
+    cos = 1, sin = 0 so that rotating the whole fused tensor leaves v unchanged (exactly).
+    """
+    n_rot = spec.num_heads + spec.num_kv_heads
+    is_rot = (torch.arange(n_rot + spec.num_kv_heads, device=cos.device) < n_rot)[:, None]  # [Hall, 1]
+    c = torch.where(is_rot, cos.unsqueeze(-2), torch.ones((), dtype=cos.dtype, device=cos.device))
+    s = torch.where(is_rot, sin.unsqueeze(-2), torch.zeros((), dtype=sin.dtype, device=sin.device))
+    return c, s
 
 
-def _all_reduce(x: Tensor, tp_group: Any) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin = roll(x, D/2) * sin_signed``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def _residual_linear(x: Tensor, a: Tensor, w: Tensor, b: Tensor | None, tp_group: Any) -> Tensor:
+    """``x + a @ w.T (+ b)`` for 2-D ``x`` ``[M, C]``; the partial product is all-reduced under TP."""
+    if tp_group is None and b is None:
+        return torch.addmm(x, a, w.t())  # residual fused into the matmul
+    out = F.linear(a, w)
     if tp_group is not None:
-        dist.all_reduce(x, group=tp_group)
-    return x
+        dist.all_reduce(out, group=tp_group)
+    return x + (out if b is None else out + b)
+
+
+def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], cos: Tensor, sin: Tensor) -> Tensor:
+    """Fused, normed (qwen3) and rotated q|k|v: ``x`` ``[M, hidden]`` -> ``[*lead, H + 2Hkv, D]``.
+
+    ``lead`` splits the M rows (``(B,)`` or ``(P, Tp)``); ``cos, sin`` are the per-head
+    factors of ``head_rope``, broadcastable to the result.
+    """
+    qkv = F.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw.qkv_w, lw.qkv_b)
+    qkv = qkv.view(*lead, -1, spec.head_dim)
+    if lw.qk_norm is not None:  # per-head RMSNorm of q and k (not v) before rope
+        n_qk = spec.num_heads + spec.num_kv_heads
+        normed = rms_norm(qkv[..., :n_qk, :], None, spec.rms_norm_eps) * lw.qk_norm
+        qkv = torch.cat((normed, qkv[..., n_qk:, :]), dim=-2)
+    return apply_rope(qkv, cos, sin)
 
 
 def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any) -> Tensor:
+    """``x + down(silu(gate(g)) * up(g))``, ``g = RMSNorm(x)``; ``x`` ``[M, hidden]``."""
     gu = F.linear(rms_norm(x, lw.post_norm, spec.rms_norm_eps), lw.gate_up_w, lw.gate_up_b)
-    gate, up = gu.split(spec.intermediate_size, dim=-1)
-    out = _all_reduce(F.linear(F.silu(gate) * up, lw.down_w), tp_group)
-    return out if lw.down_b is None else out + lw.down_b
-
-
-def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``x`` ``[..., hidden]`` -> q ``[..., H, D]``, k, v ``[..., Hkv, D]`` (q/k normed for qwen3)."""
-    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    qkv = F.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw.qkv_w, lw.qkv_b)
-    q, k, v = qkv.split((h * d, hkv * d, hkv * d), dim=-1)
-    lead = x.shape[:-1]
-    q, k, v = q.view(*lead, h, d), k.view(*lead, hkv, d), v.view(*lead, hkv, d)
-    if lw.q_norm is not None:
-        q = rms_norm(q, lw.q_norm, spec.rms_norm_eps)
-        k = rms_norm(k, lw.k_norm, spec.rms_norm_eps)
-    return q, k, v
-
-
-def _attn_out(spec: DecoderSpec, lw: LayerWeights, attn: Tensor, tp_group: Any) -> Tensor:
-    out = _all_reduce(F.linear(attn, lw.o_w), tp_group)
-    return out if lw.o_b is None else out + lw.o_b
+    i = spec.intermediate_size
+    return _residual_linear(x, F.silu(gu[:, :i]) * gu[:, i:], lw.down_w, lw.down_b, tp_group)
 
 
 def _logits(spec: DecoderSpec, w: DecoderWeights, x: Tensor) -> Tensor:
@@ -288,25 +316,24 @@ def prefill(
         lengths: ``[P]`` true prompt lengths.
         slots: ``[M]`` cache slots to fill; ``rows`` ``[M]`` the prompt (row of ``input_ids``)
             each slot receives, so one prefill serves the ``n`` samples of a prompt.
-        cos, sin: rope tables ``[>= Tp, D]``.
+        cos, sin: rope tables ``[>= Tp, D]`` from ``rope_tables``.
     Returns:
         ``[P, V]`` float32 logits of the token after each prompt.
     """
     p, tp = input_ids.shape
-    c, s = cos[:tp], sin[:tp]  # [Tp, D] broadcast over heads
-    scale = spec.head_dim**-0.5
-    gqa = spec.num_heads != spec.num_kv_heads
-    x = F.embedding(input_ids, w.embed)  # [P, Tp, hidden]
+    h, hkv = spec.num_heads, spec.num_kv_heads
+    c, s = head_rope(cos[:tp], sin[:tp], spec)  # [Tp, Hall, D], broadcast over prompts
+    x = F.embedding(input_ids.reshape(-1), w.embed)  # [P*Tp, hidden]
     for layer, lw in enumerate(w.layers):
-        q, k, v = _qkv(spec, lw, x)  # [P, Tp, H|Hkv, D]
-        q = apply_rope(q.transpose(1, 2), c, s)  # [P, H, Tp, D]
-        k = apply_rope(k.transpose(1, 2), c, s)  # [P, Hkv, Tp, D]
-        v = v.transpose(1, 2)
-        cache.write_prefill(layer, slots, k.index_select(0, rows), v.index_select(0, rows))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        x = x + _attn_out(spec, lw, a.transpose(1, 2).reshape(p, tp, -1), tp_group)
-        x = x + _mlp(spec, lw, x, tp_group)
-    last = x[torch.arange(p, device=x.device), lengths - 1]  # [P, hidden]
+        qkv = _qkv(spec, lw, x, (p, tp), c, s).transpose(1, 2)  # [P, Hall, Tp, D]
+        cache.write_prefill(layer, slots, qkv[:, h:].index_select(0, rows))
+        a = F.scaled_dot_product_attention(
+            qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :],
+            is_causal=True, scale=spec.head_dim**-0.5, enable_gqa=h != hkv,
+        )  # [P, H, Tp, D]
+        x = _residual_linear(x, a.transpose(1, 2).reshape(p * tp, -1), lw.o_w, lw.o_b, tp_group)
+        x = _mlp(spec, lw, x, tp_group)
+    last = x.view(p, tp, -1)[torch.arange(p, device=x.device), lengths - 1]  # [P, hidden]
     return _logits(spec, w, last)
 
 
@@ -334,19 +361,16 @@ def decode(
         ``[B, V]`` float32 logits.
     """
     b = tokens.shape[0]
-    hkv, d = spec.num_kv_heads, spec.head_dim
-    g = spec.num_heads // hkv
-    scale = d**-0.5
-    c, s = cos[pos][:, None, :], sin[pos][:, None, :]  # [B, 1, D]
-    index = cache.decode_index(pos)  # [B * Hkv]
-    mask = (torch.arange(window, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]  # [B,1,1,W]
+    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    c, s = head_rope(cos[pos], sin[pos], spec)  # [B, Hall, D]
+    index = cache.decode_index(pos)  # [B * 2Hkv]
+    mask = (torch.arange(window, device=pos.device) <= pos[:, None])[:, None, None, :]  # [B, 1, 1, W]
     x = F.embedding(tokens, w.embed)  # [B, hidden]
     for layer, lw in enumerate(w.layers):
-        q, k, v = _qkv(spec, lw, x)  # [B, H|Hkv, D]
-        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-        cache.write_decode(layer, index, k, v)
-        kc, vc = cache.view(layer, b, window)  # [B, Hkv, W, D]
-        a = F.scaled_dot_product_attention(q.view(b, hkv, g, d), kc, vc, attn_mask=mask, scale=scale)
-        x = x + _attn_out(spec, lw, a.reshape(b, -1), tp_group)
-        x = x + _mlp(spec, lw, x, tp_group)
+        qkv = _qkv(spec, lw, x, (b,), c, s)  # [B, Hall, D]
+        cache.write_decode(layer, index, qkv[:, h:])
+        k, v = cache.view(layer, b, window)  # [B, Hkv, W, D]
+        a = F.scaled_dot_product_attention(qkv[:, :h].view(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=d**-0.5)
+        x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group)
+        x = _mlp(spec, lw, x, tp_group)
     return _logits(spec, w, x)

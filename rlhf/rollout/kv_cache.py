@@ -1,10 +1,11 @@
 """Preallocated (static) key/value cache of the rollout sampler.
 
-One contiguous buffer per K and V of shape ``[L, S, Hkv, T, D]`` (layers, slots, kv heads,
-max sequence length, head dim) allocated once. A slot holds one sequence (prompt +
-response). Writes are ``index_copy_`` into the buffer; nothing is concatenated or
-reallocated while generating. Slots are addressed by index, so the scheduler can keep the
-live sequences in a prefix ``[0, B)`` of the slots and run decode on a contiguous view.
+One contiguous buffer ``[L, S, 2*Hkv, T, D]`` (layers, slots, K heads then V heads, max
+sequence length, head dim) allocated once. Keeping K and V of a token next to each other
+along the head axis lets one ``index_copy_`` per layer store both. A slot holds one
+sequence (prompt + response). Nothing is concatenated or reallocated while generating.
+Slots are addressed by index, so the scheduler can keep the live sequences in a prefix
+``[0, B)`` of the slots and run decode on contiguous views.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def num_slots_for(max_num_seqs: int, max_seq_len: int, kv_cache_tokens: int | No
 
 
 class StaticKVCache:
-    """K/V buffers ``[L, S, Hkv, T, D]`` with slot-indexed writes and views."""
+    """K/V buffer ``[L, S, 2*Hkv, T, D]`` with slot-indexed writes and views."""
 
     def __init__(
         self,
@@ -40,45 +41,38 @@ class StaticKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
         # zeros, not empty: masked-out positions are still multiplied by 0 in attention and
         # uninitialised memory could hold NaN/inf.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_layers, self.num_slots, self.num_kv_heads, self.max_seq_len, self.head_dim = shape
+        self.kv = torch.zeros((num_layers, num_slots, 2 * num_kv_heads, max_seq_len, head_dim), dtype=dtype, device=device)
+        self.num_layers, self.num_slots, self.num_kv_heads = num_layers, num_slots, num_kv_heads
+        self.max_seq_len, self.head_dim = max_seq_len, head_dim
+        # row offset of (slot, head) in a layer viewed as [S * 2Hkv * T, D]: decode adds pos
+        heads = torch.arange(num_slots * 2 * num_kv_heads, device=device).view(num_slots, 2 * num_kv_heads)
+        self._row_base = heads * max_seq_len  # [S, 2Hkv]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.kv.numel() * self.kv.element_size()
 
-    def write_prefill(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store prompt K/V: ``k, v`` ``[M, Hkv, Tp, D]`` go to ``slots`` ``[M]`` positions ``[0, Tp)``."""
-        tp = k.shape[2]
-        self.k[layer, :, :, :tp].index_copy_(0, slots, k)
-        self.v[layer, :, :, :tp].index_copy_(0, slots, v)
+    def write_prefill(self, layer: int, slots: Tensor, kv: Tensor) -> None:
+        """Store prompt K|V ``[M, 2Hkv, Tp, D]`` in ``slots`` ``[M]`` at positions ``[0, Tp)``."""
+        self.kv[layer, :, :, : kv.shape[2]].index_copy_(0, slots, kv)
 
     def decode_index(self, pos: Tensor) -> Tensor:
-        """Flat row indices ``[B * Hkv]`` of position ``pos[b]`` in slot ``b`` for every kv head.
+        """Rows ``[B * 2Hkv]`` of position ``pos[b]`` of slot ``b`` (every K and V head) in a
+        layer viewed as ``[S*2Hkv*T, D]``; computed once per step, reused by every layer."""
+        return (self._row_base[: pos.shape[0]] + pos[:, None]).view(-1)
 
-        Row ``((b * Hkv + h) * T + pos[b])`` of the layer buffer viewed as ``[S*Hkv*T, D]``;
-        computed once per decode step and reused by every layer.
-        """
-        b = torch.arange(pos.shape[0], device=pos.device)
-        h = torch.arange(self.num_kv_heads, device=pos.device)
-        return ((b[:, None] * self.num_kv_heads + h[None, :]) * self.max_seq_len + pos[:, None]).reshape(-1)
-
-    def write_decode(self, layer: int, index: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store one new token per slot: ``k, v`` ``[B, Hkv, D]`` at rows ``index`` from ``decode_index``."""
-        d = self.head_dim
-        self.k[layer].view(-1, d).index_copy_(0, index, k.reshape(-1, d))
-        self.v[layer].view(-1, d).index_copy_(0, index, v.reshape(-1, d))
+    def write_decode(self, layer: int, index: Tensor, kv: Tensor) -> None:
+        """Store one token per slot: ``kv`` ``[B, 2Hkv, D]`` at rows ``index`` from ``decode_index``."""
+        self.kv[layer].view(-1, self.head_dim).index_copy_(0, index, kv.reshape(-1, self.head_dim))
 
     def view(self, layer: int, batch: int, window: int) -> tuple[Tensor, Tensor]:
-        """K and V of slots ``[0, batch)`` and positions ``[0, window)``: ``[batch, Hkv, window, D]`` views."""
-        return self.k[layer, :batch, :, :window], self.v[layer, :batch, :, :window]
+        """K and V of slots ``[0, batch)``, positions ``[0, window)``: ``[batch, Hkv, window, D]`` views."""
+        h = self.num_kv_heads
+        return self.kv[layer, :batch, :h, :window], self.kv[layer, :batch, h:, :window]
 
     def move(self, src: Tensor, dst: Tensor, upto: int) -> None:
         """Copy positions ``[0, upto)`` of slots ``src`` ``[M]`` into slots ``dst`` ``[M]`` (all layers)."""
-        for buf in (self.k, self.v):
-            part = buf[:, :, :, :upto]
-            part.index_copy_(1, dst, part.index_select(1, src))
+        part = self.kv[:, :, :, :upto]
+        part.index_copy_(1, dst, part.index_select(1, src))

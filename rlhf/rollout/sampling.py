@@ -129,12 +129,12 @@ def position_keys(max_new_tokens: int, device: torch.device) -> Tensor:
 
 
 def uniforms(seq_keys: Tensor, pos_keys: Tensor) -> Tensor:
-    """One uniform in (0, 1) per sequence: ``[B]`` float64 from ``[B]`` keys x ``[B]`` positions.
+    """Uniforms in (0, 1] for keys x positions (broadcasting int64 inputs), float32.
 
-    24 random bits, offset by half a bit so 0 and 1 are never drawn.
+    24 random bits: ``(h24 + 1) / 2**24`` is exact in float32 and never 0.
     """
     h = mix32(seq_keys ^ pos_keys)
-    return ((h >> 8).double() + 0.5) / _TWO_POW_24
+    return ((h >> 8) + 1).float() * (1.0 / _TWO_POW_24)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -145,30 +145,40 @@ def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tup
 
     Processing order follows HF / vLLM: temperature, then top-k, top-p (computed on the
     distribution renormalised after top-k), min-p (relative to the max probability).
+    The token is drawn by inverse CDF: the first candidate ``i`` with ``cdf[i] >= u * cdf[-1]``
+    (``cdf`` = running sum of the processed probabilities in candidate order). With
+    ``u`` in (0, 1] the threshold lies in (0, total], so the pick is always a candidate
+    with positive probability, also with float32 round-off.
 
     Args:
         logits: ``[B, V]`` float32 next-token logits.
         params: sampling settings (shared by the whole batch).
-        u: ``[B]`` float64 uniforms in (0, 1); ignored (may be None) for greedy.
+        u: ``[B]`` float32 uniforms in (0, 1]; ignored (may be None) for greedy.
     Returns:
         tokens ``[B]`` int64 and log_probs ``[B]`` float32 = ``log_softmax(logits / T)[token]``
         with ``T = 1`` for greedy.
     """
     if params.greedy:
-        tok = logits.argmax(dim=-1)
-        logp = logits.gather(1, tok[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-        return tok, logp
+        tok = logits.argmax(dim=-1, keepdim=True)  # first max, like HF
+        return tok.squeeze(1), torch.log_softmax(logits, dim=-1).gather(1, tok).squeeze(1)
     assert u is not None
     scaled = logits / params.temperature if params.temperature != 1.0 else logits
-    lse = torch.logsumexp(scaled, dim=-1)
     vocab = scaled.shape[-1]
+    use_top_k = 0 < params.top_k < vocab
+    if not (use_top_k or params.top_p < 1.0 or params.min_p > 0.0):
+        # plain temperature sampling: natural vocabulary order, no sort, one softmax
+        probs = torch.softmax(scaled, dim=-1)
+        cdf = probs.cumsum(dim=-1)
+        tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1))  # [B, 1]
+        return tok.squeeze(1), probs.gather(1, tok).log_().squeeze(1)
+    logp = torch.log_softmax(scaled, dim=-1)  # [B, V] untruncated, for the returned log-probs
     cand_idx: Tensor | None = None
-    if 0 < params.top_k < vocab:
-        cand, cand_idx = scaled.topk(params.top_k, dim=-1, sorted=True)  # [B, k] descending
+    if use_top_k:
+        cand, cand_idx = logp.topk(params.top_k, dim=-1, sorted=True)  # [B, k] descending
     elif params.top_p < 1.0:
-        cand, cand_idx = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+        cand, cand_idx = logp.sort(dim=-1, descending=True, stable=True)  # [B, V]
     else:
-        cand = scaled  # natural vocabulary order: no sort needed for inverse-CDF sampling
+        cand = logp
     probs = torch.softmax(cand, dim=-1)  # renormalised over the candidates
     if params.top_p < 1.0:
         # keep a token when the mass strictly before it (in descending order) is < top_p;
@@ -178,11 +188,7 @@ def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tup
     if params.min_p > 0.0:
         pmax = probs[:, :1] if cand_idx is not None else probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < params.min_p * pmax, 0.0)
-    # inverse CDF in float64: u < 1 makes u * total < total exactly, so the pick never
-    # lands past the last token with positive probability.
-    cdf = probs.double().cumsum(dim=-1)
-    thresh = (u * cdf[:, -1]).unsqueeze(1)
-    choice = torch.searchsorted(cdf, thresh, right=True).clamp_(max=cdf.shape[-1] - 1)  # [B, 1]
+    cdf = probs.cumsum(dim=-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1))  # [B, 1]
     tok = cand_idx.gather(1, choice) if cand_idx is not None else choice
-    logp = scaled.gather(1, tok).squeeze(1) - lse
-    return tok.squeeze(1), logp
+    return tok.squeeze(1), logp.gather(1, tok).squeeze(1)
