@@ -198,6 +198,8 @@ class TrainerConfig:
     logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, tensorboard, mlflow.")
     detect_anomaly_nan: bool = _f(True, "Skip (and count) optimizer steps whose loss or grad norm is not finite.")
     max_nan_steps: int = _f(3, "Abort after this many consecutive non-finite steps.")
+    stop_after_steps: int = _f(-1, "Exit after this many steps in this process (e.g. a time-limited slurm job); "
+                                   "the schedule still spans total_training_steps and a later run resumes.")
 
 
 @dataclass

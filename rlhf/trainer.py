@@ -24,11 +24,13 @@ from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
 from rlhf.batch import RolloutBatch, minibatch_major_shard
 from rlhf.checkpoint import ModelOptimState, export_hf, find_resume_path, load_checkpoint, save_checkpoint
-from rlhf.config import Config
+from rlhf.algos.aggregation import agg_loss
+from rlhf.algos.policy_loss import get_policy_loss
+from rlhf.config import Config, ConfigError
 from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
 from rlhf.metrics import MetricsLogger, PhaseTimer
-from rlhf.models.loading import load_tokenizer
+from rlhf.models.loading import check_model_dir, load_tokenizer
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import score_responses
@@ -54,6 +56,8 @@ class RLTrainer:
         self.dp_group = self.mesh["dp"].get_group()
         self.device = self.env.device
         self.out_dir = Path(cfg.trainer.output_dir)
+        check_model_dir(cfg.model.path)
+        self._check_names()
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
@@ -61,8 +65,7 @@ class RLTrainer:
                                    shuffle=cfg.data.shuffle)
         steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
         self.total_steps = steps if cfg.trainer.total_training_steps < 0 else cfg.trainer.total_training_steps
-        self.reward_fn = get_reward_fn(cfg.reward.reward_fn)
-        get_adv_estimator(cfg.algorithm.adv_estimator)  # fail early on a bad name
+        self.reward_fn = self._named("reward.reward_fn", get_reward_fn, cfg.reward.reward_fn)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
@@ -88,6 +91,23 @@ class RLTrainer:
         self.global_step = 0
 
     # ------------------------------------------------------------------ setup helpers
+
+    @staticmethod
+    def _named(key: str, lookup, name: str):
+        """Registry lookup whose unknown-name error names the config key (and lists valid names)."""
+        try:
+            return lookup(name)
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+    def _check_names(self) -> None:
+        """Fail at start-up, not at step 1, on a misspelt algorithm name."""
+        c = self.cfg
+        self._named("algorithm.adv_estimator", get_adv_estimator, c.algorithm.adv_estimator)
+        self._named("actor.policy_loss", get_policy_loss, c.actor.policy_loss)
+        self._named("actor.loss_agg_mode", lambda m: agg_loss(torch.zeros(1, 1), torch.ones(1, 1), m), c.actor.loss_agg_mode)
+        for key, name in (("actor.kl_loss_type", c.actor.kl_loss_type), ("algorithm.kl_penalty", c.algorithm.kl_penalty)):
+            self._named(key, lambda n: kl_penalty(torch.zeros(1), torch.zeros(1), n), name)
 
     def _load_data(self, files, key: str):
         d = self.cfg.data
@@ -121,6 +141,9 @@ class RLTrainer:
         global_idx = self.loader.next_batch()
         local_idx = minibatch_major_shard(global_idx, self.dp_rank, self.dims.dp, self.cfg.actor.ppo_mini_batch_size)
         prompts = self._prompts(local_idx, self.train_data.examples)
+        # Fingerprint of the global data order, so a resumed run can be checked against the original.
+        self._data_metrics = {"data/epoch": float(self.loader.epoch),
+                              "data/batch_fingerprint": float(sum((i + 1) * (k + 1) for k, i in enumerate(global_idx)) % 1000003)}
         return self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
                                      n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature)
 
@@ -222,6 +245,7 @@ class RLTrainer:
             self.kl_ctrl.update(metrics["kl_penalty/kl"], n_steps=self.cfg.data.train_batch_size)
         metrics.update(self.timer.pop())
         metrics.update(self.batch_metrics(batch))
+        metrics.update(getattr(self, "_data_metrics", {}))
         elapsed = time.perf_counter() - t0
         tokens = all_reduce_sum(torch.tensor(float(batch.attention_mask.sum()), device=self.device), self.dp_group)
         metrics["timing/step"] = elapsed
@@ -311,7 +335,14 @@ class RLTrainer:
             first_val = self.validate(0)
             self.logger.log(0, first_val)
         last = {}
+        start = self.global_step
         while self.global_step < self.total_steps:
+            if 0 <= cfg.stop_after_steps <= self.global_step - start:
+                if self.env.is_main:
+                    print(f"[rlhf] stopping after {cfg.stop_after_steps} steps in this run "
+                          f"(trainer.stop_after_steps); resume continues from the last checkpoint", flush=True)
+                self.logger.close()
+                return {}
             step = self.global_step + 1
             metrics = self.train_step(step)
             self.global_step = step

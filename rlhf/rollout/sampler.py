@@ -51,15 +51,23 @@ class RolloutOutput:
 
 
 class _Slots:
-    """Per-slot decode state, device tensors of size S (live slots are the prefix [0, B))."""
+    """Per-slot decode state, device tensors with S rows (live slots are the prefix [0, B)).
 
-    def __init__(self, num_slots: int, stop_window: int, device: torch.device) -> None:
-        z = lambda: torch.zeros(num_slots, dtype=torch.int64, device=device)  # noqa: E731
-        self.token, self.pos, self.gen, self.seq, self.key = z(), z(), z(), z(), z()
-        self.window = torch.full((num_slots, max(stop_window, 1)), -1, dtype=torch.int64, device=device)
+    ``token`` / ``pos``: next decode input; ``gen``: tokens generated so far; ``seq``: output
+    row; ``u``: ``[S, R]`` the slot's pre-drawn uniforms, one per response position
+    (sampling only); ``window``: the last generated tokens (stop sequences only).
+    """
+
+    def __init__(self, token: Tensor, pos: Tensor, num_new: int, sampling: bool, stop_window: int) -> None:
+        num_slots, device = token.shape[0], token.device
+        self.token, self.pos = token.zero_(), pos.zero_()
+        self.gen = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.seq = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.u = torch.zeros((num_slots, num_new), dtype=torch.float32, device=device) if sampling else None
+        self.window = torch.full((num_slots, stop_window), -1, dtype=torch.int64, device=device) if stop_window else None
 
     def tensors(self) -> list[Tensor]:
-        return [self.token, self.pos, self.gen, self.seq, self.key, self.window]
+        return [t for t in (self.token, self.pos, self.gen, self.seq, self.u, self.window) if t is not None]
 
 
 class Sampler:
@@ -77,7 +85,9 @@ class Sampler:
         kv_cache_tokens: token budget of the cache; slots = min(max_num_seqs, budget // max_seq_len).
         refill_fraction: admit waiting sequences once this fraction of the slots is free
             (0 = refill after every finish). Batching admissions amortises prefill calls.
-        use_cuda_graph: capture the decode step as a CUDA graph (CUDA devices only).
+        prefill_tokens: padded-token budget of one prefill forward (longer admissions are chunked).
+        use_cuda_graph: run decode on all slots with power-of-two attention windows (static
+            shapes) and capture each window's step as a CUDA graph (CUDA devices only).
         tp_group: process group of a tensor-parallel rollout (sharded weights); None = no TP.
     """
 
@@ -111,12 +121,16 @@ class Sampler:
         self.refill_fraction = refill_fraction
         self.prefill_tokens = prefill_tokens
         self.use_cuda_graph = use_cuda_graph
+        # static decode shapes: all slots, bucketed windows (what a CUDA graph needs; also
+        # runnable on CPU, which is how the static path is tested without a GPU)
+        self.static_shapes = use_cuda_graph
         self.tp_group = tp_group
         self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
         self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype)
         self.cache: StaticKVCache | None = None
         self.max_seq_len = 0
-        self._graph: Any = None
+        self._graphs: dict[int, tuple[Any, Tensor]] = {}  # window -> (CUDAGraph, logits buffer)
+        self._graph_pool: Any = None
         self._fixed_len = max_seq_len is not None
         if max_seq_len is not None:
             self._allocate(max_seq_len)
@@ -126,7 +140,7 @@ class Sampler:
     def load_weights(self, weights: Mapping[str, Tensor]) -> None:
         """Swap in new weights (e.g. after a training step); the KV cache is kept."""
         self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype)
-        self._graph = None
+        self._graphs = {}  # graphs captured the old tensors' addresses
 
     def _allocate(self, max_seq_len: int) -> None:
         self.spec.check_seq_len(max_seq_len)
@@ -138,7 +152,10 @@ class Sampler:
         )
         self.max_seq_len = max_seq_len
         self.cos, self.sin = decoder.rope_tables(self._inv_freq, self._rope_scale, max_seq_len, self.dtype, self.device)
-        self._graph = None
+        # decode inputs live at fixed addresses (CUDA graphs read them in place)
+        self.token_buf = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.pos_buf = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self._graphs = {}
 
     def _ensure_capacity(self, need: int) -> None:
         if need <= self.max_seq_len:
@@ -178,6 +195,43 @@ class Sampler:
         self._ensure_capacity(max(len(p) for p in prompts) + max_new)
         return _Run(self, prompts, params, step, prompt_keys).execute()
 
+    # ------------------------------------------------------------------ decode forward
+
+    def decode_logits(self, live: int, window: int) -> Tensor:
+        """Logits ``[live, V]`` of one decode step of slots ``[0, live)`` (inputs in token/pos_buf)."""
+        if not self.static_shapes:
+            return decoder.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
+                                  window, self.cos, self.sin, self.tp_group)
+        window = min(self.max_seq_len, max(64, 1 << (window - 1).bit_length()))
+        if not self.use_cuda_graph:
+            return decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
+                                  window, self.cos, self.sin, self.tp_group)[:live]
+        if window not in self._graphs:
+            self._capture(window)
+        graph, logits = self._graphs[window]
+        graph.replay()
+        return logits[:live]
+
+    def _capture(self, window: int) -> None:
+        """Capture the all-slot decode step for ``window`` as a CUDA graph (CUDA only).
+
+        The warm-up runs write the K/V of each slot's current token at its current position,
+        the same values the replay writes, so capturing in the middle of a run is harmless.
+        """
+        args = (self.spec, self.weights, self.cache, self.token_buf, self.pos_buf, window, self.cos, self.sin, self.tp_group)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                decoder.decode(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = decoder.decode(*args)
+        self._graphs[window] = (graph, logits)
+
 
 class _Run:
     """State of one ``generate`` call (kept out of ``Sampler`` so calls cannot leak state)."""
@@ -196,11 +250,10 @@ class _Run:
         keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
         self.seq_key = sequence_keys(params.seed, step, keys_t[seq // n], seq % n)  # [N]
         self.pos_key = position_keys(R, dev)  # [R]
-        # one spare row (index N) absorbs writes of rows that are not live (graph path)
-        self.out_ids = torch.full((N + 1, R), s.pad_token_id, dtype=torch.int64, device=dev)
-        self.out_logp = torch.zeros((N + 1, R), dtype=torch.float32, device=dev)
-        self.out_len = torch.zeros(N + 1, dtype=torch.int64, device=dev)
-        self.out_stopped = torch.zeros(N + 1, dtype=torch.bool, device=dev)
+        self.out_ids = torch.full((N, R), s.pad_token_id, dtype=torch.int64, device=dev)
+        self.out_logp = torch.zeros((N, R), dtype=torch.float32, device=dev)
+        self.out_len = torch.zeros(N, dtype=torch.int64, device=dev)
+        self.out_stopped = torch.zeros(N, dtype=torch.bool, device=dev)
         self.stop_ids = torch.tensor(sorted({int(t) for t in params.stop_token_ids}), dtype=torch.int64, device=dev)
         stops = [list(map(int, q)) for q in params.stop_sequences]
         self.stop_len = max((len(q) for q in stops), default=0)
@@ -210,7 +263,7 @@ class _Run:
                 table[i, self.stop_len - len(q):] = torch.tensor(q)
             self.stop_table = table.to(dev)
             self.stop_care = self.stop_table >= 0
-        self.slots = _Slots(self.S, self.stop_len, dev)
+        self.slots = _Slots(s.token_buf, s.pos_buf, R, not params.greedy, self.stop_len)
         # host mirror of slots.pos without per-step Python work: pos = pos_base + decode_steps
         self.pos_base = [0] * self.S
         self.live = 0  # live slots are [0, live)
@@ -276,11 +329,13 @@ class _Run:
         a, b = self.live, self.live + m
         plen = torch.tensor([self.prompt_lens[i] for i in range(first // n, (last - 1) // n + 1)], device=dev)
         sl.seq[a:b] = seqs
-        sl.key[a:b] = self.seq_key[seqs]
         sl.gen[a:b] = 0
         # the first sampled token is fed at position len(prompt); the shared update below adds 1
         sl.pos[a:b] = plen[seq_prompt - prompt_ids[0]] - 1
-        sl.window[a:b] = -1
+        if sl.u is not None:  # all the uniforms these sequences will use, drawn at once
+            sl.u[a:b] = uniforms(self.seq_key[seqs, None], self.pos_key[None, :])
+        if sl.window is not None:
+            sl.window[a:b] = -1
         steps = self.stats["decode_steps"]
         self.pos_base[a:b] = [self.prompt_lens[q // n] - steps for q in range(first, last)]
         self.live = b
@@ -294,8 +349,7 @@ class _Run:
         s, sl, b = self.s, self.slots, self.live
         need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
         window = min(self.cache.max_seq_len, -(-need // 32) * 32)
-        logits = decoder.decode(s.spec, s.weights, self.cache, sl.token[:b], sl.pos[:b], window,
-                                s.cos, s.sin, s.tp_group)
+        logits = s.decode_logits(b, window)
         self.stats["decode_steps"] += 1  # advances every live slot's host position by one
         self.stats["slot_steps"] += b
         self._sample_and_retire(0, b, logits)
@@ -305,29 +359,30 @@ class _Run:
         """Sample the next token of live slots [a, b), record it, retire finished sequences."""
         sl, p = self.slots, self.params
         gen, seq = sl.gen[a:b], sl.seq[a:b]
-        u = None if p.greedy else uniforms(sl.key[a:b], self.pos_key[gen])
+        u = None if sl.u is None else sl.u[a:b].gather(1, gen[:, None]).squeeze(1)
         tok, logp = sample_next(logits, p, u)
         self.out_ids.index_put_((seq, gen), tok)
         self.out_logp.index_put_((seq, gen), logp)
-        stopped = torch.zeros_like(tok, dtype=torch.bool)
+        stopped: Tensor | None = None
         if self.stop_ids.numel():
-            stopped = (tok[:, None] == self.stop_ids[None, :]).any(1)
-        if self.stop_len:
+            stopped = torch.isin(tok, self.stop_ids)
+        if sl.window is not None:
             win = torch.cat((sl.window[a:b, 1:], tok[:, None]), dim=1)
             sl.window[a:b] = win
             match = ((win[:, None, :] == self.stop_table[None]) | ~self.stop_care[None]).all(-1).any(-1)
-            stopped = stopped | match
+            stopped = match if stopped is None else stopped | match
         gen += 1  # in place on the slot state
         sl.token[a:b] = tok
         sl.pos[a:b] += 1
-        done = stopped | (gen >= self.R)
+        done = gen >= self.R if stopped is None else stopped | (gen >= self.R)
         finished = done.nonzero().squeeze(1)
         fin = finished.tolist()  # the one host sync of a step
         if not fin:
             return
         fs = seq[finished]
         self.out_len[fs] = gen[finished]
-        self.out_stopped[fs] = stopped[finished]
+        if stopped is not None:
+            self.out_stopped[fs] = stopped[finished]
         self._compact([a + i for i in fin])
 
     def _compact(self, dead: list[int]) -> None:
@@ -353,10 +408,9 @@ class _Run:
 
     def _finish(self, total_s: float) -> RolloutOutput:
         N, R = self.N, self.R
-        lengths = self.out_len[:N].clone()
+        lengths = self.out_len
         mask = torch.arange(R, device=lengths.device)[None, :] < lengths[:, None]
-        ids = self.out_ids[:N].masked_fill(~mask, self.s.pad_token_id)
-        logp = self.out_logp[:N].masked_fill(~mask, 0.0)
+        ids, logp = self.out_ids, self.out_logp  # never written past a sequence's end
         tokens = int(lengths.sum())
         st = self.stats
         used = min(self.S, N)
@@ -381,7 +435,7 @@ class _Run:
             response_mask=mask,
             log_probs=logp,
             response_lengths=lengths,
-            truncated=~self.out_stopped[:N],
+            truncated=~self.out_stopped,
             prompt_index=torch.arange(N, device=lengths.device) // self.n,
             stats=stats,
         )

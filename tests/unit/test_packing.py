@@ -201,3 +201,16 @@ def test_regular_calls_under_varlen_equal_sdpa(family):
         step = model(input_ids=full[:, 11:], past_key_values=cache).logits
         torch.testing.assert_close(step, want_step, atol=1e-5, rtol=1e-5)
     assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_packed_matches_project_padded_forward_log_probs():
+    """Cross-check against the trainer's padded path (rlhf.models.logprobs) when present."""
+    logprobs = pytest.importorskip("rlhf.models.logprobs")
+    model = _tiny("qwen2")
+    ids, mask, R = _batch([1, 6, 3], [7, 2, 5])
+    want, want_ent = logprobs.forward_log_probs(model, ids, mask, response_length=R, temperature=1.3,
+                                                compute_entropy=True)
+    got, ent = packed_forward_log_probs(model, ids, mask, response_length=R, temperature=1.3, compute_entropy=True)
+    m = mask[:, -R:].bool()
+    torch.testing.assert_close(got[m], want[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent[m], want_ent[m], atol=1e-5, rtol=1e-5)

@@ -156,6 +156,17 @@ def test_continuous_batching_matches_large_batch():
     assert torch.equal(out.response_ids, big.response_ids)
 
 
+def test_static_shape_decode_path_matches_dynamic():
+    """The all-slot, bucketed-window decode (the CUDA-graph shapes) gives the same responses."""
+    params = SamplingParams(n=2, temperature=1.0, top_k=20, max_new_tokens=12, seed=5, stop_token_ids=[4, 8])
+    dynamic = _sampler(max_num_seqs=4).generate(PROMPTS, params)
+    s = _sampler(max_num_seqs=4)
+    s.static_shapes = True
+    static = s.generate(PROMPTS, params)
+    assert torch.equal(static.response_ids, dynamic.response_ids)
+    torch.testing.assert_close(static.log_probs, dynamic.log_probs, atol=1e-5, rtol=0)
+
+
 def test_compaction_keeps_sequences_intact():
     """Uneven stops inside one batch: retired slots are filled by moving live ones."""
     model = _model()
@@ -220,21 +231,21 @@ def test_inverse_cdf_and_truncation_hand_values():
     logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]]))
     p = SamplingParams(temperature=1.0)
     for u, want in ((0.1, 0), (0.19, 0), (0.21, 1), (0.69, 1), (0.71, 2), (0.999, 2)):
-        tok, logp = sample_next(logits, p, torch.tensor([u], dtype=torch.float64))
+        tok, logp = sample_next(logits, p, torch.tensor([u], dtype=torch.float32))
         assert tok.item() == want
         torch.testing.assert_close(logp, logits[0, want : want + 1])
     # top_p=0.6: sorted [0.5, 0.3, 0.2]; mass before 0.3 is 0.5 < 0.6 -> kept; before 0.2 is 0.8 -> dropped.
     # kept {1: 0.5, 2: 0.3} renormalised; u=0.7 -> 0.7*0.8=0.56 > 0.5 -> token 2
     p = SamplingParams(temperature=1.0, top_p=0.6)
-    assert sample_next(logits, p, torch.tensor([0.7], dtype=torch.float64))[0].item() == 2
-    assert sample_next(logits, p, torch.tensor([0.999], dtype=torch.float64))[0].item() == 2
+    assert sample_next(logits, p, torch.tensor([0.7], dtype=torch.float32))[0].item() == 2
+    assert sample_next(logits, p, torch.tensor([0.999], dtype=torch.float32))[0].item() == 2
     # min_p=0.5: threshold 0.25 keeps {1, 2}; natural order cdf [0, 0.5, 0.8]
     p = SamplingParams(temperature=1.0, min_p=0.5)
-    assert sample_next(logits, p, torch.tensor([0.01], dtype=torch.float64))[0].item() == 1
-    assert sample_next(logits, p, torch.tensor([0.7], dtype=torch.float64))[0].item() == 2
+    assert sample_next(logits, p, torch.tensor([0.01], dtype=torch.float32))[0].item() == 1
+    assert sample_next(logits, p, torch.tensor([0.7], dtype=torch.float32))[0].item() == 2
     # top_k=1 picks the argmax whatever u; log-prob is of the untruncated distribution at T
     p = SamplingParams(temperature=2.0, top_k=1)
-    tok, logp = sample_next(logits, p, torch.tensor([0.99], dtype=torch.float64))
+    tok, logp = sample_next(logits, p, torch.tensor([0.99], dtype=torch.float32))
     assert tok.item() == 1
     torch.testing.assert_close(logp, torch.log_softmax(logits / 2.0, -1)[0, 1:2])
 
@@ -282,6 +293,6 @@ def test_errors_name_the_problem():
 def test_cache_grows_when_not_fixed():
     s = _sampler(max_num_seqs=4)
     s.generate([[1, 2]], SamplingParams(temperature=0.0, max_new_tokens=4))
-    assert s.max_seq_len == 64 and s.cache.k.shape[1] == 4
+    assert s.max_seq_len == 64 and s.cache.kv.shape[1] == 4
     out = s.generate([list(range(1, 60))], SamplingParams(temperature=0.0, max_new_tokens=10))
     assert s.max_seq_len == 128 and out.response_lengths.item() == 10

@@ -1,0 +1,160 @@
+"""PPO with a critic (Ouyang et al. 2022; verl's PPO): the RL loop of RLTrainer plus a value model.
+
+Per step, on top of the GRPO phases:
+
+    values   V [N, R]   critic forward in the training layout (same positions as log-probs)
+    rewards  r_t = score_t [last token] - beta KL_t      (algorithm.use_kl_in_reward)
+    GAE      A_t = sum_l (gamma lam)^l delta_{t+l},  delta_t = r_t + gamma V_{t+1} - V_t
+             R_t = A_t + V_t;  A whitened over the GLOBAL batch (all dp ranks)
+    update   critic (clipped value loss) every step; actor (PPO clip) after critic_warmup
+
+Whitening uses masked statistics all-reduced over dp, so the advantages, and hence the
+update, are the same for any dp size (the per-rank GAE helper whitens locally). The
+in-reward KL fed to the adaptive controller is likewise the global mean, so every rank
+keeps the same coefficient.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlhf.algos.aggregation import LOSS_AGG_MODES
+from rlhf.batch import RolloutBatch
+from rlhf.checkpoint import ModelOptimState, export_hf
+from rlhf.config import Config, ConfigError
+from rlhf.critic import CriticWorker
+from rlhf.parallel import all_reduce_sum
+from rlhf.trainer import RLTrainer
+
+
+def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
+    """``masked_whiten`` of the batch concatenated over the ranks of `group`.
+
+    ``mu = sum(x m) / (sum(m) + 1e-8)``, ``var = sum((x - mu)^2 m) / (sum(m) + 1e-8) * n / (n - 1)``
+    (unbiased, as verl), ``out = (x - mu) / sqrt(var + 1e-8)``; sums are all-reduced in fp64.
+    Shapes: ``x``, ``mask`` ``[N, R]`` -> ``[N, R]`` (masked-out positions not zeroed).
+    """
+    m = mask.to(torch.float64)
+    xd = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device)).to(torch.float64)
+    s = torch.stack([(xd * m).sum(), m.sum()])
+    all_reduce_sum(s, group)
+    n = s[1]
+    if n.item() < 2:
+        raise ValueError(f"cannot whiten advantages over {int(n.item())} response token(s); need at least 2")
+    mean = s[0] / (n + 1e-8)
+    sq = (((xd - mean) ** 2) * m).sum()
+    all_reduce_sum(sq, group)
+    var = sq / (n + 1e-8) * (n / (n - 1))
+    return ((x.to(torch.float64) - mean) * torch.rsqrt(var + 1e-8)).to(x.dtype)
+
+
+def global_value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, group=None) -> dict[str, float]:
+    """Explained variance ``1 - Var[R - V] / (Var[R] + 1e-5)`` and means over all ranks' tokens.
+
+    Unbiased variances over masked tokens, as verl's ``critic/vf_explained_var``; fp64 sums.
+    Shapes: ``[N, R]`` each.
+    """
+    m = mask.to(torch.float64)
+    v = values.to(torch.float64) * m
+    r = returns.to(torch.float64) * m
+    d = r - v
+    s = torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum(), v.sum()])
+    all_reduce_sum(s, group)
+    n, sr, srr, sd, sdd, sv = s.tolist()
+    if n < 2:
+        return {}
+    var_r = (srr - sr * sr / n) / (n - 1)
+    var_d = (sdd - sd * sd / n) / (n - 1)
+    ev = 1.0 - var_d / (var_r + 1e-5)
+    return {"critic/vf_explained_var": ev, "critic/explained_variance": ev,
+            "critic/values/mean": sv / n, "critic/returns/mean": sr / n}
+
+
+def check_ppo_config(cfg: Config) -> None:
+    """PPO-specific settings that config.validate does not know about."""
+    c, tb = cfg.critic, cfg.data.train_batch_size
+    if cfg.algorithm.adv_estimator != "gae":
+        raise ConfigError(f"config key 'algorithm.adv_estimator': train_ppo.py trains a critic for GAE, got "
+                          f"{cfg.algorithm.adv_estimator!r}; set it to 'gae' or use train_grpo.py")
+    if c.ppo_mini_batch_size <= 0 or tb % c.ppo_mini_batch_size != 0:
+        raise ConfigError(f"config key 'critic.ppo_mini_batch_size': must be > 0 and divide data.train_batch_size "
+                          f"({tb}), got {c.ppo_mini_batch_size}")
+    for key, ok in (("ppo_micro_batch_size_per_gpu", c.ppo_micro_batch_size_per_gpu > 0),
+                    ("ppo_epochs", c.ppo_epochs >= 1), ("cliprange_value", c.cliprange_value > 0),
+                    ("grad_clip", c.grad_clip > 0), ("lr", c.lr >= 0)):
+        if not ok:
+            raise ConfigError(f"config key 'critic.{key}': must be > 0, got {getattr(c, key)!r}")
+    if c.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ConfigError(f"config key 'critic.loss_agg_mode': unknown mode {c.loss_agg_mode!r}; "
+                          f"valid: {', '.join(LOSS_AGG_MODES)}")
+
+
+class PPOTrainer(RLTrainer):
+    """RLTrainer + CriticWorker. Build once per process, then `fit()`."""
+
+    def __init__(self, cfg: Config, *, dry_run: bool = False):
+        check_ppo_config(cfg)
+        super().__init__(cfg, dry_run=dry_run)
+        if cfg.critic.ppo_mini_batch_size % self.dims.dp != 0:
+            raise ConfigError(f"impossible parallel layout: critic.ppo_mini_batch_size "
+                              f"({cfg.critic.ppo_mini_batch_size}) is not divisible by dp ({self.dims.dp})")
+        self.critic = None
+        if dry_run:
+            return
+        self.critic = CriticWorker(cfg.critic, cfg.model, self.mesh, self.device, total_steps=self.total_steps,
+                                   max_response_length=cfg.data.max_response_length)
+        self.critic.max_nan_steps = cfg.trainer.max_nan_steps
+
+    # ------------------------------------------------------------------ phases
+
+    def compute_values(self, batch: RolloutBatch) -> dict[str, float]:
+        batch.values = self.critic.compute_values(
+            batch, micro_batch_size=self.cfg.critic.ppo_micro_batch_size_per_gpu)  # [N, R]
+        return {}
+
+    def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        mask = batch.response_mask  # before filter_truncated may zero rows
+        metrics = super().compute_advantages(batch)
+        # GAE's raw advantages are R - V; re-whiten them over every dp rank's tokens.
+        batch.advantages = global_masked_whiten(batch.returns - batch.values, mask, self.dp_group)
+        metrics.update(global_value_stats(batch.values, batch.returns, batch.response_mask, self.dp_group))
+        adv_stats = all_reduce_sum(torch.stack([(batch.advantages * batch.response_mask).sum(),
+                                                batch.response_mask.sum()]).double(), self.dp_group)
+        metrics["advantage/mean"] = float(adv_stats[0] / adv_stats[1].clamp(min=1))
+        if "kl_penalty/kl" in metrics:
+            # The controller must see the global mean KL so that all ranks keep one coefficient.
+            kl = all_reduce_sum(torch.tensor([metrics["kl_penalty/kl"] * len(batch), float(len(batch))],
+                                             dtype=torch.float64, device=self.device), self.dp_group)
+            metrics["kl_penalty/kl"] = float(kl[0] / kl[1])
+        return metrics
+
+    def update_critic(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        mini_rows = self.cfg.critic.ppo_mini_batch_size * self.cfg.rollout.n // self.dims.dp
+        return self.critic.update_critic(batch, mini_batch_rows=mini_rows)
+
+    # ------------------------------------------------------------------ checkpoints / export
+
+    def _stateful(self) -> dict:
+        st = super()._stateful()
+        st["critic"] = ModelOptimState(self.critic.model, self.critic.optimizer)
+        return st
+
+    def trainer_state(self) -> dict:
+        st = super().trainer_state()
+        st["critic_scheduler"] = self.critic.scheduler.state_dict()
+        st["critic_skipped_steps"] = self.critic.skipped_steps
+        return st
+
+    def load_trainer_state(self, st: dict) -> None:
+        super().load_trainer_state(st)
+        self.critic.scheduler.load_state_dict(st["critic_scheduler"])
+        self.critic.skipped_steps = st.get("critic_skipped_steps", 0)
+
+    def fit(self) -> dict[str, float]:
+        summary = super().fit()
+        if self.cfg.checkpoint.export_hf:
+            # A token-classification checkpoint: reloadable as critic.model_path of a later run.
+            export_hf(self.critic.model, self.tokenizer, str(Path(self.cfg.trainer.output_dir) / "critic_hf_export"))
+        return summary

@@ -1,0 +1,47 @@
+"""Tiny model + tiny task built once per test session (no downloads)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory):
+    from rlhf.data.synthetic import make_addition_task
+    from rlhf.models.tiny import write_tiny_model
+
+    d = tmp_path_factory.mktemp("assets")
+    write_tiny_model(str(d / "model"), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    make_addition_task(d / "data", n_train=64, n_val=16, n_sft=64, seed=0)
+    return d
+
+
+def run_script(script: str, args: list[str], *, nproc: int = 1, timeout: int = 300, cwd=None):
+    """Run an entry script (plain python for 1 process, torchrun otherwise); returns CompletedProcess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / script)] + args
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / script)] + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or ROOT)
+
+
+def grpo_args(assets: Path, out: Path, **over) -> list[str]:
+    base = {
+        "model.path": assets / "model", "data.train_files": assets / "data" / "train.parquet",
+        "data.val_files": assets / "data" / "val.parquet", "data.max_prompt_length": 16,
+        "data.max_response_length": 12, "data.train_batch_size": 8, "rollout.n": 2,
+        "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size_per_gpu": 4, "actor.lr": 1e-3,
+        "trainer.device": "cpu", "trainer.output_dir": out, "trainer.total_training_steps": 2,
+        "checkpoint.export_hf": False,
+    }
+    base.update(over)
+    return [f"{k}={v}" for k, v in base.items()]
