@@ -1,16 +1,22 @@
-"""The policy (actor) and the frozen reference: FSDP2-sharded HF models and their passes.
+"""The policy (actor) and the frozen reference: HF models in the training layout and their passes.
 
-`PolicyWorker` owns a model in the training layout and, when trainable, its optimizer and
-LR schedule. Its two passes are the two the RL loop needs: forward-only log-probs over
-micro-batches, and the PPO-style update over mini-batches with gradient accumulation.
+`PolicyWorker` owns a model in the training layout of the ("pp", "dp", "tp") mesh (built
+by :func:`rlhf.models.parallelize.parallelize_model`: pipeline stages on pp, tensor
+parallel on tp, FSDP2 on dp) and, when trainable, its optimizer and LR schedule. Its two
+passes are the two the RL loop needs: forward-only log-probs over micro-batches, and the
+PPO-style update over mini-batches with gradient accumulation.
+
 Every loss is normalised by *global* token/sequence counts of the mini-batch (all-reduced
-over dp), and FSDP2 sums gradients over dp, so the update is independent of the dp size
-and of the number of micro-batches.
+over dp) and multiplied by ``grad_scale`` (FSDP2 averages over dp; we need the sum), so
+the update does not depend on the dp size or the number of micro-batches. Under TP the
+log-probs come from vocab-sharded logits (``rlhf.models.vocab_parallel``, no full-vocab
+gather); under PP one pipelined forward-backward per mini-batch (``parallel.pp_microbatches``
+micro-batches) replaces the micro-batch loop, and the loss is computed on the last stage.
+The gradient norm is global over all pp x dp x tp ranks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -18,16 +24,19 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from rlhf.algos.aggregation import AggNorm, agg_loss
 from rlhf.algos.kl import kl_penalty
 from rlhf.algos.policy_loss import get_policy_loss
 from rlhf.batch import RolloutBatch, split_rows
-from rlhf.config import ActorConfig, ModelConfig
-from rlhf.models.fsdp import apply_fsdp, grad_scale
+from rlhf.config import ActorConfig, ModelConfig, ParallelConfig
+from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import load_causal_lm
-from rlhf.models.logprobs import forward_log_probs
-from rlhf.optim import build_optimizer, build_scheduler, clip_grad_norm
+from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
+from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
+from rlhf.models.vocab_parallel import log_probs_from_logits
+from rlhf.optim import build_optimizer, build_scheduler
 from rlhf.parallel import all_reduce_sum
 
 
@@ -62,12 +71,19 @@ class MetricSums:
 
 
 class PolicyWorker:
-    """An HF causal LM sharded with FSDP2 on the dp mesh; trainable or frozen."""
+    """An HF causal LM in the training layout of ``mesh`` (pp stages, TP, FSDP2); trainable or frozen.
+
+    ``parallel_cfg`` supplies the pipeline schedule and micro-batch count (sizes come from
+    the mesh); ``None`` keeps the defaults of :class:`rlhf.config.ParallelConfig`.
+    ``self.model`` is an ``nn.Module`` holding this rank's parameters under HF names (the
+    FSDP root, or the pipeline stage(s)); ``self.pipeline`` is set when pp > 1.
+    """
 
     def __init__(self, model_cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
                  path: Optional[str] = None, trainable: bool = True,
                  actor_cfg: Optional[ActorConfig] = None, total_steps: int = 1,
-                 build_model: Optional[Callable[[], torch.nn.Module]] = None):
+                 build_model: Optional[Callable[[], torch.nn.Module]] = None,
+                 parallel_cfg: Optional[ParallelConfig] = None):
         self.cfg = model_cfg
         self.actor_cfg = actor_cfg
         self.mesh = mesh
@@ -79,8 +95,15 @@ class PolicyWorker:
         if not trainable:
             model.requires_grad_(False)
         self.hf_config = model.config
-        self.model = apply_fsdp(model, mesh["dp"], device=device, mixed_precision=model_cfg.mixed_precision,
-                                param_offload=model_cfg.param_offload)
+        self.parallel: ParallelModel = parallelize_model(
+            model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,
+            param_offload=model_cfg.param_offload,
+            activation_checkpointing=trainable and model_cfg.enable_gradient_checkpointing)
+        del model  # with pp, the other stages' layers are freed here
+        self.model = self.parallel.module
+        self.pipeline = self.parallel.pipeline
+        self.pp_group = self.parallel.pp_group
+        self.stage_ranks = mesh["dp"].size() * mesh["tp"].size()
         self.grad_scale = grad_scale(mesh["dp"])
         self.optimizer = self.scheduler = None
         self.nan_steps = 0
@@ -97,16 +120,59 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ forward-only
 
+    def forward_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, response_length: int,
+                          temperature: float, compute_entropy: bool = False
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Teacher-forced log-probs [B, R] (and entropy [B, R]) of the last R tokens (no pipeline).
+
+        Entry t scores ``input_ids[:, L-R+t]`` from the logits at ``L-R+t-1``. Under TP the
+        logits stay a vocab-sharded DTensor and are reduced with three scalars per token.
+        """
+        R = response_length
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids_from_mask(attention_mask), use_cache=False, logits_to_keep=R + 1)
+        logits = out.logits[:, :-1]  # [B, R, V] (or its vocab shard)
+        labels = input_ids[:, -R:]
+        if isinstance(logits, DTensor):
+            return log_probs_from_logits(logits, labels, temperature=temperature, compute_entropy=compute_entropy)
+        return token_log_probs(logits, labels, temperature, compute_entropy)
+
+    def _pp_mode(self, temperature: float, compute_entropy: bool) -> None:
+        # The last stage computes log-probs itself; its settings are plain attributes.
+        self.pipeline.compute_entropy = compute_entropy
+        for stage in self.pipeline.stages:
+            stage.temperature, stage.compute_entropy = temperature, compute_entropy
+
+    def _pp_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, response_length: int,
+                    temperature: float, compute_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Pipelined forward of B rows; pads B up to a multiple of the micro-batch count."""
+        self._pp_mode(temperature, compute_entropy)
+        rows, k = input_ids.shape[0], self.pipeline.n_microbatches
+        pad = (-rows) % k
+        if pad:  # repeat the last row; its outputs are dropped
+            input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad, -1)])
+            attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(pad, -1)])
+        out = self.pipeline.forward(input_ids, attention_mask)[:rows]  # [B, L] or [B, L, 2]
+        R = response_length
+        if compute_entropy:
+            return out[:, -R:, 0], out[:, -R:, 1]
+        return out[:, -R:], None
+
     @torch.no_grad()
     def compute_log_probs(self, batch: RolloutBatch, *, temperature: float, micro_batch_size: int,
                           compute_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Log-probs [N, R] (and entropy [N, R]) of the batch's responses, in eval mode."""
+        """Log-probs [N, R] (and entropy [N, R]) of the batch's responses, in eval mode.
+
+        Without pp: micro-batches of ``micro_batch_size`` rows. With pp: pipelined calls of
+        ``micro_batch_size x pp_microbatches`` rows (one pipeline flush per call).
+        """
         self.model.eval()
         lps, ents = [], []
-        for rows in split_rows(len(batch), micro_batch_size):
-            lp, ent = forward_log_probs(self.model, batch.input_ids[rows], batch.attention_mask[rows],
-                                        response_length=batch.response_length, temperature=temperature,
-                                        compute_entropy=compute_entropy)
+        chunk = micro_batch_size * (self.pipeline.n_microbatches if self.pipeline is not None else 1)
+        fwd = self._pp_forward if self.pipeline is not None else self.forward_log_probs
+        for rows in split_rows(len(batch), chunk):
+            lp, ent = fwd(batch.input_ids[rows], batch.attention_mask[rows], response_length=batch.response_length,
+                          temperature=temperature, compute_entropy=compute_entropy)
             lps.append(lp)
             ents.append(ent)
         log_probs = torch.cat(lps) if lps else batch.rollout_log_probs.new_zeros(0, batch.response_length)
@@ -131,6 +197,8 @@ class PolicyWorker:
         self.model.train()
         n_rows = len(batch)
         gen = torch.Generator().manual_seed(1234)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm_params = [p for p in self.parallel.norm_parameters() if p.requires_grad]
         for epoch in range(cfg.ppo_epochs):
             order = torch.randperm(n_rows, generator=gen) if cfg.shuffle else torch.arange(n_rows)
             for mini_rows in split_rows(n_rows, mini_batch_rows):
@@ -141,20 +209,14 @@ class PolicyWorker:
                 norm = AggNorm(global_tokens=counts[0].item(), global_seqs=counts[1].item(),
                                max_response_len=max_response_length)
                 self.optimizer.zero_grad(set_to_none=True)
-                micro_list = list(split_rows(len(mini), cfg.ppo_micro_batch_size_per_gpu))
-                step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-                for k, rows in enumerate(micro_list):
-                    mb = mini.select(rows)
-                    sync = self._grad_sync(k == len(micro_list) - 1)
-                    with sync:
-                        loss, parts = self._micro_loss(mb, loss_fn, low, high, mode, norm, temperature)
-                        (loss * self.grad_scale).backward()
-                    step_loss += loss.detach().double()
-                    w = float(mb.response_mask.sum())
-                    for name, value in parts.items():
-                        metrics.add(name, value, w)
+                terms = dict(pg_fn=loss_fn, low=low, high=high, mode=mode, norm=norm)
+                if self.pipeline is not None:
+                    step_loss = self._pp_mini_step(mini, terms, temperature, metrics)
+                else:
+                    step_loss = self._mini_step(mini, terms, temperature, metrics)
                 all_reduce_sum(step_loss, self.dp_group)
-                grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip)
+                grad_norm = clip_grad_norm_(params, cfg.grad_clip, stage_ranks=self.stage_ranks,
+                                            norm_params=norm_params, device=self.device)
                 if not (math.isfinite(step_loss.item()) and math.isfinite(float(grad_norm))):
                     self._skip_nonfinite(step_loss.item(), float(grad_norm))
                     continue
@@ -164,40 +226,89 @@ class PolicyWorker:
                 metrics.add("actor/grad_norm", float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         out = metrics.reduce(self.dp_group)
+        if self.pipeline is not None:
+            # Loss-term metrics exist on the last stage only; its dp group has the totals.
+            box = [out]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pipeline.pp - 1),
+                                       group=self.pp_group)
+            out = box[0]
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         out["actor/skipped_nonfinite_steps"] = float(self.skipped_steps)
         self.scheduler.step()
         return out
 
-    def _micro_loss(self, mb: RolloutBatch, loss_fn, low: float, high: float, mode: str, norm: AggNorm,
-                    temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _mini_step(self, mini: RolloutBatch, terms: dict, temperature: float, metrics: MetricSums) -> torch.Tensor:
+        """Gradient accumulation over micro-batches; returns this rank's loss sum (float64)."""
         cfg = self.actor_cfg
+        micro_list = list(split_rows(len(mini), cfg.ppo_micro_batch_size_per_gpu))
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for k, rows in enumerate(micro_list):
+            mb = mini.select(rows)
+            self._grad_sync(k == len(micro_list) - 1)
+            log_probs, entropy = self.forward_log_probs(mb.input_ids, mb.attention_mask,
+                                                        response_length=mb.response_length, temperature=temperature,
+                                                        compute_entropy=cfg.entropy_coeff != 0)
+            loss, parts = self._loss(log_probs, entropy, mb.response_mask, mb.old_log_probs, mb.advantages,
+                                     mb.rollout_log_probs, mb.ref_log_probs, **terms)
+            (loss * self.grad_scale).backward()
+            step_loss += loss.detach().double()
+            w = float(mb.response_mask.sum())
+            for name, value in parts.items():
+                metrics.add(name, value, w)
+        return step_loss
+
+    def _pp_mini_step(self, mini: RolloutBatch, terms: dict, temperature: float,
+                      metrics: MetricSums) -> torch.Tensor:
+        """One pipelined forward-backward over the mini-batch; the loss runs on the last stage."""
+        cfg = self.actor_cfg
+        R = mini.response_length
         need_entropy = cfg.entropy_coeff != 0
-        log_probs, entropy = forward_log_probs(self.model, mb.input_ids, mb.attention_mask,
-                                               response_length=mb.response_length, temperature=temperature,
-                                               compute_entropy=need_entropy)
-        mask = mb.response_mask
-        pg_loss, pg_metrics = loss_fn(mb.old_log_probs, log_probs, mb.advantages, mask,
-                                      clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c,
-                                      loss_agg_mode=mode, norm=norm, rollout_log_probs=mb.rollout_log_probs,
-                                      tis_imp_ratio_cap=cfg.tis_imp_ratio_cap)
+        self._pp_mode(temperature, need_entropy)
+        inputs = {"response_mask": mini.response_mask, "old_log_probs": mini.old_log_probs,
+                  "advantages": mini.advantages, "rollout_log_probs": mini.rollout_log_probs}
+        if cfg.use_kl_loss:
+            inputs["ref_log_probs"] = mini.ref_log_probs
+
+        def stage_loss(log_probs, entropy=None, *, response_mask, old_log_probs, advantages, rollout_log_probs,
+                       ref_log_probs=None):
+            # log_probs [b, L] aligned with input_ids: the response is the last R columns.
+            loss, parts = self._loss(log_probs[:, -R:], None if entropy is None else entropy[:, -R:], response_mask,
+                                     old_log_probs, advantages, rollout_log_probs, ref_log_probs, **terms)
+            w = float(response_mask.sum())
+            for name, value in parts.items():
+                metrics.add(name, value, w)
+            return loss * self.grad_scale
+
+        total = self.pipeline.forward_backward(mini.input_ids, mini.attention_mask, stage_loss, inputs)
+        return total.double() / self.grad_scale
+
+    def _loss(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor,
+              old_log_probs: torch.Tensor, advantages: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
+              ref_log_probs: Optional[torch.Tensor], *, pg_fn, low: float, high: float, mode: str, norm: AggNorm
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """PPO-style loss of one micro-batch ([b, R] tensors), normalised by the global `norm`:
+
+        L = L_pg - entropy_coeff * agg(H) + kl_loss_coef * agg(KL(pi || pi_ref)).
+        """
+        cfg = self.actor_cfg
+        pg_loss, pg_metrics = pg_fn(old_log_probs, log_probs, advantages, mask,
+                                    clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c,
+                                    loss_agg_mode=mode, norm=norm, rollout_log_probs=rollout_log_probs,
+                                    tis_imp_ratio_cap=cfg.tis_imp_ratio_cap)
         loss = pg_loss
         parts = {f"actor/{k}": v for k, v in pg_metrics.items()}
-        if need_entropy:
-            ent_loss = agg_loss(entropy, mask, mode, norm)
-            loss = loss - cfg.entropy_coeff * ent_loss
+        if cfg.entropy_coeff != 0:
+            loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode, norm)
         if cfg.use_kl_loss:
-            kl = kl_penalty(log_probs, mb.ref_log_probs, cfg.kl_loss_type)
-            kl_loss = agg_loss(kl, mask, mode, norm)
-            loss = loss + cfg.kl_loss_coef * kl_loss
+            kl = kl_penalty(log_probs, ref_log_probs, cfg.kl_loss_type)
+            loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, mode, norm)
             parts["actor/kl_loss"] = _masked_mean(kl.detach(), mask)
         return loss, parts
 
-    def _grad_sync(self, last: bool):
+    def _grad_sync(self, last: bool) -> None:
         # Reduce-scatter gradients only on the last micro-batch of a mini-batch.
         if hasattr(self.model, "set_requires_gradient_sync"):
             self.model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
 
     def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
         self.optimizer.zero_grad(set_to_none=True)

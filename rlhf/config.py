@@ -55,7 +55,7 @@ class DataConfig:
     max_prompt_length: int = _f(512, "Prompts longer than this (tokens) are filtered or truncated.")
     max_response_length: int = _f(512, "Maximum generated tokens per response.")
     train_batch_size: int = _f(1024, "Prompts per step, global over all dp ranks.")
-    val_batch_size: int = _f(0, "Prompts per validation generation chunk (0 = all at once).")
+    gen_batch_size: int = _f(0, "Prompts per generation batch under algorithm.filter_groups (verl); 0 = train_batch_size.")
     truncation: Literal["error", "left", "right"] = _f("error", "How to shorten over-long prompts when not filtering.")
     filter_overlong_prompts: bool = _f(True, "Drop (and count) prompts longer than max_prompt_length.")
     apply_chat_template: bool = _f(True, "Render prompts with the tokenizer's chat template when it has one.")

@@ -126,3 +126,21 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def make_global_whiten(group: Optional[dist.ProcessGroup] = None, eps: float = 1e-8):
+    """`masked_whiten` with mean / unbiased variance over the mask of ALL ranks in `group`.
+
+    Same numbers as rlhf.algos.masked.masked_whiten on the concatenated batch.
+    """
+
+    def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.to(values.dtype)
+        stats = torch.stack([(values * m).sum(), (values * values * m).sum(), m.sum()]).double()
+        all_reduce_sum(stats, group)
+        n = stats[2]
+        mean = stats[0] / n
+        var = (stats[1] - n * mean * mean) / (n - 1).clamp(min=1)
+        return ((values - mean.to(values.dtype)) * torch.rsqrt(var.to(values.dtype) + eps))
+
+    return whiten

@@ -100,6 +100,13 @@ class PPOTrainer(RLTrainer):
         if cfg.critic.ppo_mini_batch_size % self.dims.dp != 0:
             raise ConfigError(f"impossible parallel layout: critic.ppo_mini_batch_size "
                               f"({cfg.critic.ppo_mini_batch_size}) is not divisible by dp ({self.dims.dp})")
+        if (self.dims.dp > 1 and cfg.critic.ppo_mini_batch_size % cfg.actor.ppo_mini_batch_size != 0
+                and self.env.is_main):
+            # Ranks hold actor-mini-batch-major slices of the batch; other critic mini-batch sizes
+            # still train correctly but group rows differently on different dp sizes.
+            print(f"[rlhf] warning: critic.ppo_mini_batch_size ({cfg.critic.ppo_mini_batch_size}) is not a multiple "
+                  f"of actor.ppo_mini_batch_size ({cfg.actor.ppo_mini_batch_size}); critic mini-batches then "
+                  "depend on the dp layout", flush=True)
         self.critic = None
         if dry_run:
             return
@@ -154,7 +161,7 @@ class PPOTrainer(RLTrainer):
 
     def fit(self) -> dict[str, float]:
         summary = super().fit()
-        if self.cfg.checkpoint.export_hf:
+        if self.cfg.checkpoint.export_hf and self.global_step >= self.total_steps:
             # A token-classification checkpoint: reloadable as critic.model_path of a later run.
             export_hf(self.critic.model, self.tokenizer, str(Path(self.cfg.trainer.output_dir) / "critic_hf_export"))
         return summary

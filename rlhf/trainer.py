@@ -25,13 +25,14 @@ from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_l
 from rlhf.batch import RolloutBatch, minibatch_major_shard
 from rlhf.checkpoint import ModelOptimState, export_hf, find_resume_path, load_checkpoint, save_checkpoint
 from rlhf.algos.aggregation import agg_loss
+from rlhf.algos.dynamic_sampling import select_informative_groups
 from rlhf.algos.policy_loss import get_policy_loss
 from rlhf.config import Config, ConfigError
 from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.models.loading import check_model_dir, load_tokenizer
-from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed
+from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import score_responses
 from rlhf.rollout.engine import PromptBatch, RolloutEngine
@@ -61,8 +62,12 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
-        self.loader = PromptLoader(len(self.train_data), cfg.data.train_batch_size, seed=cfg.data.seed,
-                                   shuffle=cfg.data.shuffle)
+        gen_bs = cfg.data.gen_batch_size if cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size > 0 \
+            else cfg.data.train_batch_size
+        if gen_bs % cfg.actor.ppo_mini_batch_size:
+            raise ConfigError(f"data.gen_batch_size ({gen_bs}) must be a multiple of actor.ppo_mini_batch_size "
+                              f"({cfg.actor.ppo_mini_batch_size})")
+        self.loader = PromptLoader(len(self.train_data), gen_bs, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
         self.total_steps = steps if cfg.trainer.total_training_steps < 0 else cfg.trainer.total_training_steps
         self.reward_fn = self._named("reward.reward_fn", get_reward_fn, cfg.reward.reward_fn)
@@ -141,11 +146,67 @@ class RLTrainer:
         global_idx = self.loader.next_batch()
         local_idx = minibatch_major_shard(global_idx, self.dp_rank, self.dims.dp, self.cfg.actor.ppo_mini_batch_size)
         prompts = self._prompts(local_idx, self.train_data.examples)
+        self._last_prompts = prompts
         # Fingerprint of the global data order, so a resumed run can be checked against the original.
         self._data_metrics = {"data/epoch": float(self.loader.epoch),
                               "data/batch_fingerprint": float(sum((i + 1) * (k + 1) for k, i in enumerate(global_idx)) % 1000003)}
         return self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
                                      n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature)
+
+    def collect_rollouts(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """generate + score; with DAPO `filter_groups`, keep generating until enough informative groups."""
+        fg = self.cfg.algorithm.filter_groups
+        kept: list[RolloutBatch] = []
+        n_gen = n_filtered = 0
+        while True:
+            n_gen += 1
+            batch, metrics = self.generate(step)
+            with self.timer("score"):
+                metrics.update(self.score(batch))
+                if self.cfg.algorithm.adv_estimator == "remax":
+                    metrics.update(self.remax_baseline(batch, step))
+            if not fg.enable:
+                return batch, metrics
+            metric = batch.acc if fg.metric == "acc" else batch.token_level_scores.sum(-1)
+            keep, _, filtered = select_informative_groups(batch.index, metric)
+            kept.append(batch.select(keep.nonzero().squeeze(-1).cpu()))
+            n_filtered += filtered
+            n_groups = torch.tensor(float(sum(len(set(b.index.tolist())) for b in kept)), device=self.device)
+            all_reduce_sum(n_groups, self.dp_group)
+            if n_groups.item() >= self.cfg.data.train_batch_size:
+                break
+            if 0 < fg.max_num_gen_batches <= n_gen:
+                raise RuntimeError(
+                    f"algorithm.filter_groups: only {int(n_groups.item())} of {self.cfg.data.train_batch_size} prompt "
+                    f"groups had varied '{fg.metric}' after {n_gen} generation batches "
+                    f"(algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}); raise the bound, "
+                    f"increase rollout.n, or disable filter_groups")
+        batch = self.rebalance_groups(RolloutBatch.concat(kept))
+        filt = all_reduce_sum(torch.tensor(float(n_filtered), device=self.device), self.dp_group)
+        metrics.update({"dynamic_sampling/gen_batches": float(n_gen), "dynamic_sampling/filtered_groups": float(filt),
+                        "dynamic_sampling/kept_groups": n_groups.item()})
+        return batch, metrics
+
+    def rebalance_groups(self, batch: RolloutBatch) -> RolloutBatch:
+        """Exactly train_batch_size kept groups, dealt to dp ranks mini-batch-major (like fresh prompts)."""
+        pieces = all_gather_object(batch.to(torch.device("cpu")), self.dp_group)
+        merged = RolloutBatch.concat(pieces)
+        groups = list(dict.fromkeys(merged.index.tolist()))[: self.cfg.data.train_batch_size]
+        mine = set(minibatch_major_shard(groups, self.dp_rank, self.dims.dp, self.cfg.actor.ppo_mini_batch_size))
+        order = {g: k for k, g in enumerate(groups)}
+        rows = sorted((i for i, g in enumerate(merged.index.tolist()) if g in mine),
+                      key=lambda i: (order[merged.index[i].item()], i))
+        return merged.select(rows).to(self.device)
+
+    def remax_baseline(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        """ReMax: reward of the greedy response to each prompt is the baseline of its samples."""
+        greedy, _ = self.rollout.generate(self.actor.model, self.actor.hf_config, self._last_prompts, step=step,
+                                          n=1, temperature=0.0)
+        res = score_responses(self.reward_fn, greedy.response_texts, greedy.ground_truths, greedy.data_sources,
+                              greedy.extra_infos)
+        by_prompt = dict(zip(greedy.index.tolist(), res.scores.tolist()))
+        batch.reward_baselines = torch.tensor([by_prompt[i] for i in batch.index.tolist()], device=self.device)
+        return {"reward/remax_baseline_mean": float(batch.reward_baselines.mean())}
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         """Rule-based rewards on the last response token, plus DAPO overlong shaping."""
@@ -205,7 +266,7 @@ class RLTrainer:
         batch.advantages, batch.returns = fn(
             token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask, index=batch.index,
             values=batch.values, reward_baselines=batch.reward_baselines, gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, whiten=make_global_whiten(self.dp_group))
         if alg.filter_truncated:
             batch.response_mask = batch.response_mask * (~batch.truncated).float().unsqueeze(-1)
         metrics["advantage/mean"] = _masked_mean(batch.advantages, batch.response_mask)
@@ -229,9 +290,7 @@ class RLTrainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        batch, metrics = self.generate(step)
-        with self.timer("score"):
-            metrics.update(self.score(batch))
+        batch, metrics = self.collect_rollouts(step)
         with self.timer("logprobs"):
             metrics.update(self.compute_log_probs(batch))
             metrics.update(self.compute_values(batch))

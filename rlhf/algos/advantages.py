@@ -61,7 +61,11 @@ class AdvantageEstimatorFn(Protocol):
         lam: float = 1.0,
         norm_adv_by_std_in_grpo: bool = True,
         epsilon: float = 1e-6,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``whiten(values, mask)`` normalises over "the batch"; the trainer passes one whose
+        statistics are all-reduced over data-parallel ranks, so whitening estimators (gae,
+        reinforce_plus_plus, reinforce_plus_plus_baseline) do not depend on the layout."""
 
 
 ADV_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimatorFn] = {}
@@ -160,6 +164,7 @@ def compute_gae_advantage_return(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16), PPO with a critic.
 
@@ -185,7 +190,7 @@ def compute_gae_advantage_return(
         reversed_adv.append(last_gae)
     advantages = torch.stack(reversed_adv[::-1], dim=1)
     returns = advantages + values
-    advantages = masked_whiten(advantages, response_mask)
+    advantages = whiten(advantages, response_mask)
     return advantages, returns
 
 
@@ -202,6 +207,7 @@ def compute_grpo_outcome_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath eq. 3 / sec. 4.1.2).
 
@@ -234,6 +240,7 @@ def compute_rloo_outcome_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, eq. 7).
 
@@ -263,6 +270,7 @@ def compute_opo_outcome_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """On-Policy RL with Optimal reward baseline (Hao et al. 2025, eq. 6).
 
@@ -297,6 +305,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, eq. 7-9): discounted return, whitened over the whole batch.
 
@@ -310,7 +319,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
         running = token_level_rewards[:, t] + gamma * running
         returns[:, t] = running
         running = running * mask[:, t]
-    advantages = masked_whiten(returns, response_mask) * response_mask
+    advantages = whiten(returns, response_mask) * response_mask
     return advantages, returns
 
 
@@ -327,6 +336,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (Hu 2025, sec. 3): group-mean baseline, then batch whitening.
 
@@ -337,7 +347,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     stats = _group_stats(scores, index)
     centered = _zero_if_constant(scores - stats.mean, stats)
     adv = centered.unsqueeze(-1) * response_mask
-    adv = masked_whiten(adv, response_mask) * response_mask
+    adv = whiten(adv, response_mask) * response_mask
     return adv, adv
 
 
@@ -354,6 +364,7 @@ def compute_remax_outcome_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023, eq. 7): baseline = reward of the greedy response to the prompt.
 

@@ -1,0 +1,192 @@
+"""Benchmark: the built-in rollout sampler vs HF ``model.generate``, in one run.
+
+Both run the same model weights (fp32, random init from a real architecture config), the
+same prompts, the same ``max_new_tokens`` and the same sampling settings, HF with
+``use_cache=True`` and left-padded batches. Figures are generated tokens per second
+(tokens up to and including the stop token; padding after a finished sequence does not
+count), median of ``--repeats`` runs, ours and HF alternating.
+
+Cases, for batch sizes 1, 16, 64, 256 (``--quick``: 1, 16, 64):
+
+* ``equal``: sampling at temperature 1 (top-k / top-p off), no stop token: every sequence
+  generates exactly ``max_new_tokens``.
+* ``uneven``: greedy decoding with a stop token chosen so that response lengths are very
+  uneven. How: our sampler first decodes the prompts greedily without a stop; the stop id
+  is the token whose first occurrences spread the lengths most (largest std). Greedy is
+  deterministic and matches HF in fp32, so HF stops at the same positions
+  (``lengths_match`` reports the fraction of equal lengths). HF keeps computing finished
+  rows until the longest one ends; our sampler retires them.
+* ``grpo``: 16 prompts x n=8 samples, temperature 1 (HF: ``num_return_sequences=8``); our
+  sampler prefills each prompt once for its 8 samples.
+
+Usage: ``python bench/sampler.py [--model tiny|100m|all] [--quick] [--repeats 3] [--threads N]``.
+The last printed line is one JSON object with all figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rlhf.rollout import Sampler, SamplingParams  # noqa: E402
+
+PAD = 0
+MODELS = {
+    # the quickstart's size: Qwen2 architecture, 4 layers, hidden 128, vocab 64
+    "tiny": dict(vocab_size=64, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1),
+    # ~100M parameters: Qwen2-0.5B-like shape scaled down (tied embeddings, GQA 12/2)
+    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+}
+SETTINGS = {  # prompt length range, max_new_tokens (full, quick)
+    "tiny": ((8, 24), 64, 32),
+    "100m": ((8, 24), 32, 16),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**MODELS[name])
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def make_prompts(num: int, lens: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        n = int(torch.randint(lens[0], lens[1] + 1, (1,), generator=g))
+        out.append(torch.randint(1, vocab, (n,), generator=g).tolist())
+    return out
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def hf_lengths(new_tokens: torch.Tensor, stop: int | None) -> torch.Tensor:
+    """Response lengths of HF output ``[N, R]``: up to and including the first stop token."""
+    r = new_tokens.shape[1]
+    if stop is None:
+        return torch.full((new_tokens.shape[0],), r)
+    hit = new_tokens == stop
+    first = torch.where(hit.any(1), hit.float().argmax(1), torch.full((new_tokens.shape[0],), r - 1))
+    return first + 1
+
+
+def choose_stop(sampler: Sampler, prompts: list[list[int]], max_new: int) -> tuple[int, list[int]]:
+    """Token whose first greedy occurrence spreads the response lengths most."""
+    out = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new))
+    ids = out.response_ids
+    best, best_std, best_lens = 1, -1.0, []
+    for v in ids.unique().tolist():
+        lens = hf_lengths(ids, v).float()
+        std = float(lens.std()) if len(lens) > 1 else float(max_new - lens[0])
+        if std > best_std:
+            best, best_std, best_lens = v, std, lens.long().tolist()
+    return best, best_lens
+
+
+def run_case(model, sampler, prompts, case: str, max_new: int, repeats: int) -> dict:
+    n = 8 if case == "grpo" else 1
+    stop = None
+    if case == "uneven":
+        stop, _ = choose_stop(sampler, prompts, max_new)
+        params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=[stop])
+        hf_kw = dict(do_sample=False)
+    else:
+        params = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, seed=1)
+        hf_kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n)
+    ids, mask = left_pad(prompts)
+    ours_t, hf_t, ours_tok, hf_tok, stats = [], [], 0, 0, {}
+    match = None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = sampler.generate(prompts, params)
+        ours_t.append(time.perf_counter() - t)
+        ours_tok = int(out.response_lengths.sum())
+        stats = out.stats
+        t = time.perf_counter()
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, use_cache=True,
+                                 pad_token_id=PAD, eos_token_id=stop, **hf_kw)
+        hf_t.append(time.perf_counter() - t)
+        lens = hf_lengths(gen[:, ids.shape[1]:], stop)
+        hf_tok = int(lens.sum())
+        match = float((lens == out.response_lengths).float().mean())
+    ours_s, hf_s = statistics.median(ours_t), statistics.median(hf_t)
+    return {
+        "case": case, "batch": len(prompts) * n, "prompts": len(prompts), "n": n, "max_new_tokens": max_new,
+        "ours_tok_s": ours_tok / ours_s, "hf_tok_s": hf_tok / hf_s, "ratio": (ours_tok / ours_s) / (hf_tok / hf_s),
+        "ours_tokens": ours_tok, "hf_tokens": hf_tok, "ours_s": ours_s, "hf_s": hf_s,
+        "lengths_match": match, "stop_id": stop,
+        "mean_len_frac": ours_tok / (len(prompts) * n * max_new),
+        "slot_utilisation": stats.get("slot_utilisation"), "decode_steps": stats.get("decode_steps"),
+        "prefill_s": stats.get("prefill_s"), "decode_s": stats.get("decode_s"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["tiny", "100m", "all"], default="all")
+    ap.add_argument("--quick", action="store_true", help="batch sizes 1/16/64, fewer new tokens")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cases", default="equal,uneven,grpo")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [1, 16, 64] if args.quick else [1, 16, 64, 256]
+    cases = args.cases.split(",")
+    result: dict = {"bench": "sampler", "threads": torch.get_num_threads(), "machine": platform.machine(),
+                    "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+                    "quick": args.quick, "repeats": args.repeats, "models": {}}
+    names = ["tiny", "100m"] if args.model == "all" else [args.model]
+    for name in names:
+        model = build(name)
+        lens, full_new, quick_new = SETTINGS[name]
+        max_new = quick_new if args.quick else full_new
+        t = time.perf_counter()
+        sampler = Sampler(model.config, model.state_dict(), pad_token_id=PAD, max_num_seqs=256)
+        setup_s = time.perf_counter() - t
+        warm = make_prompts(4, lens, model.config.vocab_size, seed=99)
+        sampler.generate(warm, SamplingParams(max_new_tokens=4))
+        with torch.no_grad():
+            model.generate(left_pad(warm)[0], max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+        rows = []
+        for case in cases:
+            for b in ([16] if case == "grpo" else batches):
+                prompts = make_prompts(b, lens, model.config.vocab_size, seed=b)
+                row = run_case(model, sampler, prompts, case, max_new, args.repeats)
+                rows.append(row)
+                print(f"{name:5s} {case:7s} batch {row['batch']:4d}: ours {row['ours_tok_s']:9.1f} tok/s  "
+                      f"hf {row['hf_tok_s']:9.1f} tok/s  ratio {row['ratio']:5.2f}  "
+                      f"len/max {row['mean_len_frac']:.2f}  lengths_match {row['lengths_match']:.2f}", flush=True)
+        params = sum(p.numel() for p in model.parameters())
+        big = [r["ratio"] for r in rows if r["batch"] >= 16]
+        result["models"][name] = {"params": params, "sampler_setup_s": setup_s, "cases": rows,
+                                  "min_ratio_batch_ge_16": min(big) if big else None,
+                                  "median_ratio_batch_ge_16": statistics.median(big) if big else None}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
