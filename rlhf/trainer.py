@@ -31,11 +31,13 @@ from rlhf.config import Config, ConfigError
 from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
 from rlhf.metrics import MetricsLogger, PhaseTimer
-from rlhf.models.loading import check_model_dir, load_tokenizer
+from rlhf.models.loading import check_model_dir, load_tokenizer, model_config
+from rlhf.models.parallelize import validate_layout
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import score_responses
 from rlhf.rollout.engine import PromptBatch, RolloutEngine
+from rlhf.rollout.reshard import RolloutLayout
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -74,13 +76,17 @@ class RLTrainer:
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
+        validate_layout(cfg.parallel, model_config(cfg.model.path, cfg.model.trust_remote_code), self.env.world_size,
+                        rollout_tp=cfg.rollout.tp, train_batch_size=cfg.data.train_batch_size,
+                        mini_batch_size=cfg.actor.ppo_mini_batch_size, n=cfg.rollout.n)
         if dry_run:
             return
         self.actor = PolicyWorker(cfg.model, self.mesh, self.device, trainable=True, actor_cfg=cfg.actor,
-                                  total_steps=self.total_steps)
+                                  total_steps=self.total_steps, parallel_cfg=cfg.parallel)
         self.actor.max_nan_steps = cfg.trainer.max_nan_steps
         self.need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False) if self.need_ref else None
+        self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False,
+                                parallel_cfg=cfg.parallel) if self.need_ref else None
         self.reward_model = None
         if cfg.reward.reward_model.enable:
             from rlhf.rewards.reward_model import RewardModelScorer
@@ -88,7 +94,8 @@ class RLTrainer:
             self.reward_model = RewardModelScorer(cfg.reward.reward_model, self.mesh, self.device, self.tokenizer)
         self.rollout = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                      max_response_length=cfg.data.max_response_length, device=self.device,
-                                     dtype=torch.bfloat16 if self.device.type == "cuda" else None)
+                                     dtype=torch.bfloat16 if self.device.type == "cuda" else None,
+                                     layout=RolloutLayout.build(cfg.rollout.tp, self.device.type))
         self.timer = PhaseTimer(self.device)
         self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,
                                     project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
@@ -144,14 +151,18 @@ class RLTrainer:
     def generate(self, step: int) -> tuple[RolloutBatch, dict]:
         """Next global prompt batch -> this rank's slice -> reshard + sample."""
         global_idx = self.loader.next_batch()
-        local_idx = minibatch_major_shard(global_idx, self.dp_rank, self.dims.dp, self.cfg.actor.ppo_mini_batch_size)
-        prompts = self._prompts(local_idx, self.train_data.examples)
+        local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dims.dp,
+                                           self.cfg.actor.ppo_mini_batch_size)
+        global_prompts = self._prompts(global_idx, self.train_data.examples)
+        prompts = global_prompts.subset(local_rows)
         self._last_prompts = prompts
         # Fingerprint of the global data order, so a resumed run can be checked against the original.
         self._data_metrics = {"data/epoch": float(self.loader.epoch),
                               "data/batch_fingerprint": float(sum((i + 1) * (k + 1) for k, i in enumerate(global_idx)) % 1000003)}
-        return self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
-                                     n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature)
+        # The rollout layout splits the global batch over its replicas; rows come back to their dp rank.
+        return self.rollout.generate(self.actor.model, self.actor.hf_config, global_prompts, step=step,
+                                     n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature,
+                                     local_rows=local_rows, pp_group=self.actor.pp_group)
 
     def collect_rollouts(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """generate + score; with DAPO `filter_groups`, keep generating until enough informative groups."""

@@ -1,7 +1,16 @@
-"""One rollout window: reshard the actor into a rollout copy, sample, free the copy.
+"""One rollout window: reshard the actor into the rollout layout, sample, free the weights.
 
 Produces the fixed-shape `RolloutBatch` the training phases consume: prompts left-padded
 to `max_prompt_length`, responses right-padded to `max_response_length`.
+
+Layouts. Given the *global* prompt batch and the rows this training rank owns
+(``local_rows``, mini-batch-major order, see ``rlhf.batch.minibatch_major_shard``), the
+prompts are split into ``rollout.dp = world / rollout.tp`` contiguous chunks, one per
+rollout replica (a rollout TP group generates one chunk together). The generated rows
+are then all-gathered over the ranks that share a rollout-TP rank (token ids, lengths
+and sampler log-probs: small next to the weights) and each rank keeps the rows of its
+own prompts. Sampling randomness is keyed by (seed, step, global prompt index, sample),
+so the responses do not depend on which replica generated them.
 """
 
 from __future__ import annotations
@@ -11,10 +20,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from rlhf.batch import RolloutBatch
 from rlhf.config import RolloutConfig
-from rlhf.rollout.reshard import gather_rollout_weights
+from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 
 
@@ -27,6 +37,23 @@ class PromptBatch:
     ground_truths: list[str]
     data_sources: list[str]
     extra_infos: list[dict]
+
+    def subset(self, rows: list[int]) -> "PromptBatch":
+        return PromptBatch(prompt_ids=[self.prompt_ids[i] for i in rows], keys=[self.keys[i] for i in rows],
+                           ground_truths=[self.ground_truths[i] for i in rows],
+                           data_sources=[self.data_sources[i] for i in rows],
+                           extra_infos=[self.extra_infos[i] for i in rows])
+
+
+def chunk_bounds(num_prompts: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, balanced [start, end) chunks of ``num_prompts`` over ``parts`` replicas."""
+    base, extra = divmod(num_prompts, parts)
+    bounds, start = [], 0
+    for q in range(parts):
+        end = start + base + (1 if q < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 def stop_sequences(tokenizer, stop: list[str]) -> list[list[int]]:
@@ -43,8 +70,9 @@ class RolloutEngine:
     """Owns the sampling settings; each call reshards, generates and drops the weights."""
 
     def __init__(self, cfg: RolloutConfig, tokenizer, *, max_prompt_length: int, max_response_length: int,
-                 device: torch.device, dtype: Optional[torch.dtype] = None):
+                 device: torch.device, dtype: Optional[torch.dtype] = None, layout: Optional[RolloutLayout] = None):
         self.cfg = cfg
+        self.layout = layout or RolloutLayout()
         self.tokenizer = tokenizer
         self.P = max_prompt_length
         self.R = max_response_length
@@ -62,24 +90,108 @@ class RolloutEngine:
                               stop_sequences=self._stop_seqs, seed=seed)
 
     def generate(self, model: torch.nn.Module, hf_config, prompts: PromptBatch, *, step: int, n: int,
-                 temperature: float) -> tuple[RolloutBatch, dict[str, float]]:
-        """Reshard `model` (training layout) -> rollout copy -> sample -> RolloutBatch."""
+                 temperature: float, local_rows: Optional[list[int]] = None,
+                 pp_group: Optional[dist.ProcessGroup] = None) -> tuple[RolloutBatch, dict[str, float]]:
+        """Reshard `model` (training layout) -> rollout weights -> sample -> RolloutBatch.
+
+        Args:
+            model: the training-layout module with HF parameter names (pp: this rank's stage(s)).
+            prompts: with ``local_rows``, the *global* batch (identical on every rank);
+                without, this rank's own prompts (the global batch is then assembled with
+                one ``all_gather_object`` of the prompt lists, de-duplicated by keys).
+            local_rows: indices into ``prompts`` of the prompts this rank trains on; the
+                returned batch holds their ``n`` samples each, in this order.
+            pp_group: the pipeline group when ``model`` is one pipeline stage.
+        """
+        lay = self.layout
         t0 = time.perf_counter()
-        weights, rs = gather_rollout_weights(model, dtype=self.dtype)
+        weights, rs = gather_rollout_weights(model, dtype=self.dtype, pp_group=pp_group, tp_rank=lay.tp_rank,
+                                             tp_size=lay.tp, tp_group=lay.tp_group)
         t1 = time.perf_counter()
         sampler = Sampler(hf_config, weights, pad_token_id=self.pad_id, device=self.device, dtype=self.dtype,
                           max_num_seqs=self.cfg.max_num_seqs, max_seq_len=self.P + self.R,
-                          kv_cache_tokens=self.cfg.kv_cache_tokens or None)
+                          kv_cache_tokens=self.cfg.kv_cache_tokens or None, tp_group=lay.tp_group)
         params = self.sampling_params(n=n, temperature=temperature, seed=self.cfg.seed)
-        out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys)
-        del sampler, weights  # the rollout copy lives only for this window
+        if local_rows is None and dist.is_initialized() and dist.get_world_size() > 1:
+            prompts, local_rows = self._global_prompts(prompts)
+        if local_rows is None:
+            out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys)
+            mine = prompts
+        else:
+            start, end = chunk_bounds(len(prompts.prompt_ids), lay.dp)[lay.dp_rank]
+            out = None
+            if end > start:
+                out = sampler.generate(prompts.prompt_ids[start:end], params, step=step,
+                                       prompt_keys=prompts.keys[start:end])
+            stats_local = dict(out.stats) if out is not None else {}
+            out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
+            out.stats = stats_local
+            mine = prompts.subset(local_rows)
+        del sampler, weights  # the rollout weights live only for this window
         t2 = time.perf_counter()
-        batch = self.to_batch(prompts, out, n)
+        batch = self.to_batch(mine, out, n)
         stats = {"timing/reshard": t1 - t0, "timing/generate": t2 - t1,
                  "reshard/bytes_received": float(rs.bytes_received), "reshard/params": float(rs.numel)}
         for k, v in out.stats.items():
             stats[f"rollout/{k}"] = float(v)
         return batch, stats
+
+    @staticmethod
+    def _global_prompts(prompts: PromptBatch) -> tuple[PromptBatch, list[int]]:
+        """Every rank's prompts, de-duplicated (tp / pp peers hold the same ones), and mine in it."""
+        pieces = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, prompts)
+        unique: list[PromptBatch] = []
+        start_of: dict[tuple, int] = {}
+        offset = 0
+        for piece in pieces:
+            key = tuple(piece.keys)
+            if key not in start_of:
+                start_of[key] = offset
+                offset += len(piece.keys)
+                unique.append(piece)
+        glob = PromptBatch(prompt_ids=[x for p in unique for x in p.prompt_ids], keys=[x for p in unique for x in p.keys],
+                           ground_truths=[x for p in unique for x in p.ground_truths],
+                           data_sources=[x for p in unique for x in p.data_sources],
+                           extra_infos=[x for p in unique for x in p.extra_infos])
+        start = start_of[tuple(prompts.keys)]
+        return glob, list(range(start, start + len(prompts.keys)))
+
+    def _exchange(self, out: Optional[RolloutOutput], num_prompts: int, n: int,
+                  local_rows: list[int]) -> RolloutOutput:
+        """All rollout replicas' rows -> the rows of ``local_rows`` (each prompt's n samples)."""
+        lay, R, dev = self.layout, self.R, self.device
+        bounds = chunk_bounds(num_prompts, lay.dp)
+        width = max(e - s for s, e in bounds) * n  # rows of the largest chunk
+        ints = torch.zeros((width, R + 2), dtype=torch.long, device=dev)  # ids | length | truncated
+        floats = torch.zeros((width, R), dtype=torch.float32, device=dev)  # sampler log-probs
+        if out is not None:
+            rows, r = out.response_ids.shape[0], min(R, out.response_ids.shape[1])
+            ints[:rows, :r] = out.response_ids[:, :r]
+            ints[:rows, R] = out.response_lengths
+            ints[:rows, R + 1] = out.truncated.long()
+            floats[:rows, :r] = out.log_probs[:, :r]
+        if lay.dp > 1:
+            all_ints = [torch.empty_like(ints) for _ in range(lay.dp)]
+            all_floats = [torch.empty_like(floats) for _ in range(lay.dp)]
+            dist.all_gather(all_ints, ints, group=lay.dp_group)
+            dist.all_gather(all_floats, floats, group=lay.dp_group)
+        else:
+            all_ints, all_floats = [ints], [floats]
+        # global row of sample j of prompt i = (chunk q, offset (i - start_q) * n + j)
+        chunk_of = torch.tensor([q for q, (s, e) in enumerate(bounds) for _ in range(s, e)], dtype=torch.long)
+        start_of = torch.tensor([s for s, e in bounds], dtype=torch.long)
+        prompts = torch.tensor(local_rows, dtype=torch.long)
+        q = chunk_of[prompts].repeat_interleave(n)  # [N_local]
+        off = ((prompts - start_of[chunk_of[prompts]]) * n).repeat_interleave(n) + torch.arange(n).repeat(len(local_rows))
+        flat = (q * width + off).to(dev)
+        ints = torch.cat(all_ints).index_select(0, flat)
+        floats = torch.cat(all_floats).index_select(0, flat)
+        lengths = ints[:, R]
+        return RolloutOutput(
+            response_ids=ints[:, :R], response_mask=torch.arange(R, device=dev)[None, :] < lengths[:, None],
+            log_probs=floats, response_lengths=lengths, truncated=ints[:, R + 1].bool(),
+            prompt_index=torch.arange(len(local_rows), device=dev).repeat_interleave(n))
 
     def to_batch(self, prompts: PromptBatch, out: RolloutOutput, n: int) -> RolloutBatch:
         N = len(prompts.prompt_ids) * n

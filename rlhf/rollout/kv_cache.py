@@ -72,7 +72,11 @@ class StaticKVCache:
         h = self.num_kv_heads
         return self.kv[layer, :batch, :h, :window], self.kv[layer, :batch, h:, :window]
 
-    def move(self, src: Tensor, dst: Tensor, upto: int) -> None:
-        """Copy positions ``[0, upto)`` of slots ``src`` ``[M]`` into slots ``dst`` ``[M]`` (all layers)."""
-        part = self.kv[:, :, :, :upto]
-        part.index_copy_(1, dst, part.index_select(1, src))
+    def move(self, src: list[int], dst: list[int], upto: int) -> None:
+        """Copy positions ``[0, upto)`` of slots ``src`` into slots ``dst`` (all layers).
+
+        One strided copy per pair: gathering with ``index_select`` over the slot axis of the
+        non-contiguous ``[..., :upto, :]`` view is orders of magnitude slower on CPU.
+        """
+        for s, d in zip(src, dst):
+            self.kv[:, d, :, :upto].copy_(self.kv[:, s, :, :upto])

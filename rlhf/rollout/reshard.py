@@ -1,9 +1,32 @@
-"""Training layout -> rollout layout: gather FSDP2 (and TP) shards into a rollout copy.
+"""Training layout -> rollout layout: one pass that turns the actor's shards into rollout weights.
 
-Every parameter of the actor is a DTensor sharded over the dp (and tp) mesh dims. The
-rollout copy is a plain dict of HF-named tensors replicated over the mesh, produced by
-DTensor ``redistribute`` (one all-gather per parameter), in the sampler's dtype. It lives
-only for the rollout window: the caller drops it after generation.
+Training layout: every parameter is a DTensor sharded over dp (FSDP2) and possibly tp,
+and with pp each rank holds only its stages' parameters. Rollout layout (HybridFlow
+style): ``rollout.tp`` consecutive ranks form a rollout TP group, and the model is
+replicated over the ``world / rollout.tp`` rollout-dp groups. The rollout weights of a
+rank are a plain dict of HF-named tensors:
+
+=====================================  ===============================================
+q/k/v_proj, gate/up_proj (weight, bias)  rows of this rank's rollout-TP slice (column parallel)
+o_proj, down_proj (weight)               columns of the slice (row parallel; the decoder
+                                         all-reduces their outputs)
+everything else                          full (embeddings, LM head, norms, o_proj bias):
+                                         the decoder computes full-vocab logits on every
+                                         rank, so sampling needs no logits gather
+=====================================  ===============================================
+
+How the pass works (:func:`gather_rollout_weights`), parameter by parameter, so that at
+most one gathered full parameter exists at a time next to the rollout copy:
+
+1. cast the local shard to the rollout dtype (halves the bytes for bf16 rollouts);
+2. DTensor ``redistribute``: dp (and tp) dims -> ``Replicate`` (an all-gather). When the
+   training TP group *is* the rollout TP group and the parameter is already sharded on
+   the rollout's dim, the tp dim is kept ``Shard`` and only dp is gathered;
+3. otherwise slice the rollout-TP part of the full tensor (and drop the full tensor);
+4. with pp: each stage packs its results into one flat buffer per dtype and broadcasts it
+   over the pp group; receivers keep views of it (one broadcast per stage and dtype).
+
+Nothing is kept after the rollout window: the caller drops the dict after generation.
 """
 
 from __future__ import annotations
@@ -11,13 +34,16 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 # Prefixes/infixes that wrappers add to parameter names; rollout wants plain HF names.
 _WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_orig_mod\.|_fsdp_wrapped_module\.)")
+_COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
+_ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
 
 
 def hf_name(name: str) -> str:
@@ -25,37 +51,183 @@ def hf_name(name: str) -> str:
     return _WRAPPER_PARTS.sub("", name)
 
 
+def rollout_shard_dim(name: str) -> Optional[int]:
+    """Dim an HF parameter is split on in a tensor-parallel rollout (None: replicated)."""
+    if _COLUMN.search(name):
+        return 0
+    if _ROW.search(name):
+        return 1
+    return None
+
+
+def rollout_slice(full: torch.Tensor, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The rollout-TP rank's part of a full HF parameter (the full tensor when replicated)."""
+    dim = rollout_shard_dim(name)
+    if tp_size == 1 or dim is None:
+        return full
+    size = full.shape[dim] // tp_size
+    return full.narrow(dim, tp_rank * size, size)
+
+
+@dataclass
+class RolloutLayout:
+    """Where a rank sits in the rollout layout.
+
+    Rollout TP groups are blocks of ``tp`` consecutive ranks (the training mesh is
+    tp-minor, so they are the training TP groups when the sizes match). ``dp_group``
+    joins the ranks with the same rollout-TP rank, one per rollout replica: generated
+    rows are exchanged over it.
+    """
+
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: Optional[dist.ProcessGroup] = None
+    dp: int = 1
+    dp_rank: int = 0
+    dp_group: Optional[dist.ProcessGroup] = None
+
+    @classmethod
+    def build(cls, tp: int, device_type: str) -> "RolloutLayout":
+        """Create the groups (a collective: every rank calls it with the same ``tp``)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if tp < 1 or world % tp:
+            raise ValueError(f"rollout.tp={tp} does not divide the world size {world}")
+        if world == 1:
+            return cls()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("rollout_dp", "rollout_tp"))
+        return cls(tp=tp, tp_rank=mesh["rollout_tp"].get_local_rank(),
+                   tp_group=mesh["rollout_tp"].get_group() if tp > 1 else None,
+                   dp=world // tp, dp_rank=mesh["rollout_dp"].get_local_rank(),
+                   dp_group=mesh["rollout_dp"].get_group() if world // tp > 1 else None)
+
+
 @dataclass
 class ReshardStats:
     seconds: float
-    bytes_received: int  # bytes this rank received from others
-    numel: int
+    bytes_received: int  # bytes this rank received from others (all-gathers + pp broadcasts)
+    numel: int  # elements of the rollout weights this rank holds
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def gather_full_tensor(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """DTensor -> full local tensor via redistribute to Replicate; returns (tensor, bytes received)."""
     if not isinstance(t, DTensor):
         return t.detach(), 0
-    local_bytes = t.to_local().numel() * t.element_size()
+    local_bytes = _nbytes(t.to_local())
     full = t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim).to_local()
-    return full, full.numel() * full.element_size() - local_bytes
+    return full, _nbytes(full) - local_bytes
+
+
+def _tp_dim_matches(t: DTensor, dim: int, tp_group: Optional[dist.ProcessGroup], tp_size: int) -> Optional[int]:
+    """Mesh dim of ``t`` that is the rollout TP group with placement Shard(dim), else None."""
+    names = t.device_mesh.mesh_dim_names or ()
+    if tp_group is None or "tp" not in names:
+        return None
+    i = names.index("tp")
+    if t.device_mesh.size(i) != tp_size or t.placements[i] != Shard(dim):
+        return None
+    if dist.get_process_group_ranks(t.device_mesh.get_group(i)) != dist.get_process_group_ranks(tp_group):
+        return None
+    return i
+
+
+def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
+                    tp_group: Optional[dist.ProcessGroup], dtype: Optional[torch.dtype], do_slice: bool
+                    ) -> tuple[torch.Tensor, int]:
+    """One parameter in the rollout layout (steps 1-3 of the module docstring)."""
+    t = p if isinstance(p, DTensor) else p.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    dim = rollout_shard_dim(name) if do_slice and tp_size > 1 else None
+    if isinstance(t, DTensor) and dim is not None:
+        keep = _tp_dim_matches(t, dim, tp_group, tp_size)
+        if keep is not None:  # training TP shard == rollout TP shard: gather dp only
+            local_bytes = _nbytes(t.to_local())
+            target = [Replicate()] * t.device_mesh.ndim
+            target[keep] = Shard(dim)
+            out = t.redistribute(t.device_mesh, target).to_local()
+            return out, _nbytes(out) - local_bytes
+    full, received = gather_full_tensor(t)
+    if dim is None:
+        return full, received
+    return rollout_slice(full, name, tp_rank, tp_size).clone(), received
+
+
+def _pp_exchange(local: dict[str, torch.Tensor], pp_group: dist.ProcessGroup, device: torch.device,
+                 ) -> tuple[dict[str, torch.Tensor], int]:
+    """Every pp rank gets every stage's tensors: one flat broadcast per stage and dtype."""
+    meta = [(n, tuple(t.shape), t.dtype) for n, t in local.items()]
+    all_meta: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(all_meta, meta, group=pp_group)
+    me = dist.get_rank(pp_group)
+    out: dict[str, torch.Tensor] = {}
+    received = 0
+    for src, entries in enumerate(all_meta):
+        for dtype in sorted({e[2] for e in entries}, key=str):
+            group_entries = [e for e in entries if e[2] == dtype]
+            numel = sum(int(torch.Size(s).numel()) for _, s, _ in group_entries)
+            if src == me:
+                flat = torch.cat([local.pop(n).reshape(-1) for n, _, _ in group_entries])
+            else:
+                flat = torch.empty(numel, dtype=dtype, device=device)
+                received += _nbytes(flat)
+            dist.broadcast(flat, src=dist.get_global_rank(pp_group, src), group=pp_group)
+            offset = 0
+            for n, shape, _ in group_entries:
+                size = int(torch.Size(shape).numel())
+                out[n] = flat[offset:offset + size].view(shape)
+                offset += size
+    return out, received
 
 
 def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtype] = None,
-                           name_filter=None) -> tuple[dict[str, torch.Tensor], ReshardStats]:
-    """All parameters of `model` as full tensors keyed by HF name (the rollout copy)."""
+                           name_filter: Optional[Callable[[str], bool]] = None,
+                           pp_group: Optional[dist.ProcessGroup] = None, tp_rank: int = 0, tp_size: int = 1,
+                           tp_group: Optional[dist.ProcessGroup] = None,
+                           ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
+    """This rank's rollout weights, keyed by HF name (see module docstring).
+
+    Args:
+        model: the training-layout module (FSDP root or pipeline stage(s)) with HF names.
+        dtype: rollout dtype (None: keep the master dtype).
+        name_filter: keep only names for which it returns True.
+        pp_group: the pipeline group when the model is split into stages (None: no pp).
+        tp_rank, tp_size, tp_group: this rank's place in its rollout TP group
+            (:class:`RolloutLayout`); ``tp_size == 1`` gives full tensors.
+
+    Returns:
+        ``(weights, stats)``; ``weights`` holds full tensors, or rollout-TP slices of the
+        column / row parallel projections.
+    """
     t0 = time.perf_counter()
+    device = None
+    pp = dist.get_world_size(pp_group) if pp_group is not None else 1
+    # Slice before the pp broadcast only if every pp peer wants the same slice.
+    do_slice = True
+    if pp > 1 and tp_size > 1:
+        do_slice = len({r % tp_size for r in dist.get_process_group_ranks(pp_group)}) == 1
     weights: dict[str, torch.Tensor] = {}
-    received = numel = 0
+    received = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             name = hf_name(name)
             if name_filter is not None and not name_filter(name):
                 continue
-            full, nbytes = gather_full_tensor(p.data if not isinstance(p, DTensor) else p)
-            if dtype is not None and full.dtype != dtype:
-                full = full.to(dtype)
-            weights[name] = full
+            t, nbytes = _rollout_tensor(p, name, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
+                                        dtype=dtype, do_slice=do_slice)
+            device = t.device
+            weights[name] = t
             received += nbytes
-            numel += full.numel()
+        if pp > 1:
+            weights, nbytes = _pp_exchange(weights, pp_group, device or torch.device("cpu"))
+            received += nbytes
+            if not do_slice:
+                weights = {n: rollout_slice(t, n, tp_rank, tp_size).clone() if rollout_shard_dim(n) is not None
+                           else t for n, t in weights.items()}
+    numel = sum(t.numel() for t in weights.values())
     return weights, ReshardStats(time.perf_counter() - t0, received, numel)

@@ -114,6 +114,9 @@ class Sampler:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.config = model_config
         self.spec = decoder.DecoderSpec.from_config(model_config)
+        if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+            # weights are this rank's rollout-TP slice: local head / MLP sizes
+            self.spec = self.spec.shard(torch.distributed.get_world_size(tp_group))
         self.pad_token_id = int(pad_token_id)
         self.dtype = dtype or next(iter(weights.values())).dtype
         self.max_num_seqs = max_num_seqs
@@ -396,7 +399,7 @@ class _Run:
             src = torch.tensor(movers, dtype=torch.int64, device=dev)
             dst = torch.tensor(holes, dtype=torch.int64, device=dev)
             filled = max(self.pos_base[i] for i in movers) + self.stats["decode_steps"]  # positions < pos
-            self.cache.move(src, dst, filled)
+            self.cache.move(movers, holes, filled)
             for t in self.slots.tensors():
                 t.index_copy_(0, dst, t.index_select(0, src))
             for h, m in zip(holes, movers):

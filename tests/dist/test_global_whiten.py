@@ -1,0 +1,37 @@
+"""Whitening estimators give the same advantages on 1 and 2 ranks (global statistics)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.algos.advantages import get_adv_estimator
+from rlhf.algos.masked import masked_whiten
+from tests.dist._dist_utils import run_distributed
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(8, 5, generator=g)
+    mask = (torch.rand(8, 5, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    return rewards * mask, mask, torch.arange(4).repeat_interleave(2)
+
+
+def _worker(rank: int, world: int) -> None:
+    from rlhf.parallel import make_global_whiten
+
+    rewards, mask, index = _data()
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        fn = get_adv_estimator(name)
+        full, _ = fn(token_level_rewards=rewards, response_mask=mask, index=index)
+        rows = slice(rank * 4, rank * 4 + 4)
+        local, _ = fn(token_level_rewards=rewards[rows], response_mask=mask[rows], index=index[rows],
+                      whiten=make_global_whiten())
+        torch.testing.assert_close(local * mask[rows], full[rows] * mask[rows], rtol=1e-5, atol=1e-6)
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(make_global_whiten()(x[rank * 4:rank * 4 + 4], mask[rank * 4:rank * 4 + 4]),
+                               masked_whiten(x, mask)[rank * 4:rank * 4 + 4], rtol=1e-5, atol=1e-6)
+
+
+def test_global_whitening_matches_full_batch():
+    run_distributed(_worker, 2)
