@@ -115,7 +115,8 @@ class MetricsLogger:
         self.path = self.output_dir / "metrics.jsonl"
         self._stream = stream
         self._start = time.perf_counter()
-        self._first_step: int | None = None
+        # ETA from steps done in *this* process, so a resumed run estimates correctly.
+        self._first_step = 0
         self._file: TextIO | None = None
         self._tb: Any = None
         self._mlflow: Any = None
@@ -154,9 +155,6 @@ class MetricsLogger:
         if not self.enabled:
             return
         values = {k: _to_float(k, v) for k, v in metrics.items()}
-        if self._first_step is None:
-            # ETA from steps done in *this* process, so a resumed run estimates correctly.
-            self._first_step = step - 1
         if self._file is not None:
             # Non-finite values become null: strict JSON readers (jq, JS) reject NaN.
             row = {"step": step, "time": time.time()}
@@ -176,6 +174,11 @@ class MetricsLogger:
             self._mlflow.log_metrics(values, step=step)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
+
+    def mark_start(self, step: int) -> None:
+        """Steps before `step` were done by an earlier process (resume): ETA counts from here."""
+        self._first_step = step
+        self._start = time.perf_counter()
 
     def close(self) -> None:
         """Flush and close every backend."""

@@ -400,6 +400,7 @@ class RLTrainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg.trainer
         self.maybe_resume()
+        self.logger.mark_start(self.global_step)
         first_val = {}
         if self.val_data is not None and cfg.val_before_train and self.global_step == 0:
             first_val = self.validate(0)
