@@ -12,7 +12,8 @@ Cases, for batch sizes 1, 16, 64, 256 (``--quick``: 1, 16, 64):
   generates exactly ``max_new_tokens``.
 * ``uneven``: greedy decoding with a stop token chosen so that response lengths are very
   uneven. How: our sampler first decodes the prompts greedily without a stop; the stop id
-  is the token whose first occurrences spread the lengths most (largest std). Greedy is
+  is the token whose first occurrences give the shortest mean length while at least one
+  response still runs to ``max_new_tokens`` (``len/max`` in the output). Greedy is
   deterministic and matches HF in fp32, so HF stops at the same positions
   (``lengths_match`` reports the fraction of equal lengths). HF keeps computing finished
   rows until the longest one ends; our sampler retires them.
@@ -50,7 +51,7 @@ MODELS = {
 }
 SETTINGS = {  # prompt length range, max_new_tokens (full, quick)
     "tiny": ((8, 24), 64, 32),
-    "100m": ((8, 24), 32, 16),
+    "100m": ((8, 16), 32, 16),
 }
 
 
@@ -93,15 +94,21 @@ def hf_lengths(new_tokens: torch.Tensor, stop: int | None) -> torch.Tensor:
 
 
 def choose_stop(sampler: Sampler, prompts: list[list[int]], max_new: int) -> tuple[int, list[int]]:
-    """Token whose first greedy occurrence spreads the response lengths most."""
+    """Stop token that makes greedy response lengths most uneven.
+
+    Among tokens that leave at least one response running to ``max_new_tokens`` (so a
+    padded batch still needs every step), pick the one with the shortest mean length.
+    """
     out = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new))
     ids = out.response_ids
-    best, best_std, best_lens = 1, -1.0, []
+    best, best_mean, best_lens = None, float("inf"), []
     for v in ids.unique().tolist():
-        lens = hf_lengths(ids, v).float()
-        std = float(lens.std()) if len(lens) > 1 else float(max_new - lens[0])
-        if std > best_std:
-            best, best_std, best_lens = v, std, lens.long().tolist()
+        lens = hf_lengths(ids, v)
+        if int(lens.max()) == max_new and float(lens.float().mean()) < best_mean:
+            best, best_mean, best_lens = v, float(lens.float().mean()), lens.tolist()
+    if best is None:  # every token ends all responses early: take the latest-ending one
+        best = max(ids.unique().tolist(), key=lambda v: float(hf_lengths(ids, v).float().mean()))
+        best_lens = hf_lengths(ids, best).tolist()
     return best, best_lens
 
 

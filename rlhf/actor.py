@@ -269,17 +269,22 @@ class PolicyWorker:
         if cfg.use_kl_loss:
             inputs["ref_log_probs"] = mini.ref_log_probs
 
+        calls: list[tuple[dict, float]] = []
+
         def stage_loss(log_probs, entropy=None, *, response_mask, old_log_probs, advantages, rollout_log_probs,
                        ref_log_probs=None):
             # log_probs [b, L] aligned with input_ids: the response is the last R columns.
             loss, parts = self._loss(log_probs[:, -R:], None if entropy is None else entropy[:, -R:], response_mask,
                                      old_log_probs, advantages, rollout_log_probs, ref_log_probs, **terms)
-            w = float(response_mask.sum())
-            for name, value in parts.items():
-                metrics.add(name, value, w)
+            calls.append(({k: float(v) for k, v in parts.items()}, float(response_mask.sum())))
             return loss * self.grad_scale
 
         total = self.pipeline.forward_backward(mini.input_ids, mini.attention_mask, stage_loss, inputs)
+        # The schedule's shape inference calls the loss once more on placeholder data before
+        # the real micro-batches; only the last n_microbatches calls are real.
+        for parts, w in calls[len(calls) - self.pipeline.n_microbatches:] if calls else []:
+            for name, value in parts.items():
+                metrics.add(name, value, w)
         return total.double() / self.grad_scale
 
     def _loss(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor,

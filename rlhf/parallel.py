@@ -135,12 +135,15 @@ def make_global_whiten(group: Optional[dist.ProcessGroup] = None, eps: float = 1
     """
 
     def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        m = mask.to(values.dtype)
-        stats = torch.stack([(values * m).sum(), (values * values * m).sum(), m.sum()]).double()
+        # fp64 sums; padding may hold anything (even inf), so it is selected out, not multiplied by 0.
+        x = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)).double()
+        stats = torch.stack([x.sum(), (x * x).sum(), mask.double().sum()])
         all_reduce_sum(stats, group)
         n = stats[2]
+        if n.item() < 2:
+            raise ValueError(f"cannot whiten over {int(n.item())} response token(s); need at least 2")
         mean = stats[0] / n
-        var = (stats[1] - n * mean * mean) / (n - 1).clamp(min=1)
-        return ((values - mean.to(values.dtype)) * torch.rsqrt(var.to(values.dtype) + eps))
+        var = (stats[1] - n * mean * mean) / (n - 1)
+        return ((values.double() - mean) * torch.rsqrt(var + eps)).to(values.dtype)
 
     return whiten

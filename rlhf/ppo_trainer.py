@@ -8,10 +8,10 @@ Per step, on top of the GRPO phases:
              R_t = A_t + V_t;  A whitened over the GLOBAL batch (all dp ranks)
     update   critic (clipped value loss) every step; actor (PPO clip) after critic_warmup
 
-Whitening uses masked statistics all-reduced over dp, so the advantages, and hence the
-update, are the same for any dp size (the per-rank GAE helper whitens locally). The
-in-reward KL fed to the adaptive controller is likewise the global mean, so every rank
-keeps the same coefficient.
+Whitening uses masked statistics all-reduced over dp (RLTrainer passes a global `whiten`
+to the estimator), so the advantages, and hence the update, are the same for any dp size.
+The in-reward KL fed to the adaptive controller is likewise the global mean, so every
+rank keeps the same coefficient.
 """
 
 from __future__ import annotations
@@ -27,27 +27,6 @@ from rlhf.config import Config, ConfigError
 from rlhf.critic import CriticWorker
 from rlhf.parallel import all_reduce_sum
 from rlhf.trainer import RLTrainer
-
-
-def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
-    """``masked_whiten`` of the batch concatenated over the ranks of `group`.
-
-    ``mu = sum(x m) / (sum(m) + 1e-8)``, ``var = sum((x - mu)^2 m) / (sum(m) + 1e-8) * n / (n - 1)``
-    (unbiased, as verl), ``out = (x - mu) / sqrt(var + 1e-8)``; sums are all-reduced in fp64.
-    Shapes: ``x``, ``mask`` ``[N, R]`` -> ``[N, R]`` (masked-out positions not zeroed).
-    """
-    m = mask.to(torch.float64)
-    xd = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device)).to(torch.float64)
-    s = torch.stack([(xd * m).sum(), m.sum()])
-    all_reduce_sum(s, group)
-    n = s[1]
-    if n.item() < 2:
-        raise ValueError(f"cannot whiten advantages over {int(n.item())} response token(s); need at least 2")
-    mean = s[0] / (n + 1e-8)
-    sq = (((xd - mean) ** 2) * m).sum()
-    all_reduce_sum(sq, group)
-    var = sq / (n + 1e-8) * (n / (n - 1))
-    return ((x.to(torch.float64) - mean) * torch.rsqrt(var + 1e-8)).to(x.dtype)
 
 
 def global_value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, group=None) -> dict[str, float]:
@@ -122,19 +101,9 @@ class PPOTrainer(RLTrainer):
         return {}
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
-        mask = batch.response_mask  # before filter_truncated may zero rows
+        # GAE whitening and the in-reward KL mean are global in RLTrainer already.
         metrics = super().compute_advantages(batch)
-        # GAE's raw advantages are R - V; re-whiten them over every dp rank's tokens.
-        batch.advantages = global_masked_whiten(batch.returns - batch.values, mask, self.dp_group)
         metrics.update(global_value_stats(batch.values, batch.returns, batch.response_mask, self.dp_group))
-        adv_stats = all_reduce_sum(torch.stack([(batch.advantages * batch.response_mask).sum(),
-                                                batch.response_mask.sum()]).double(), self.dp_group)
-        metrics["advantage/mean"] = float(adv_stats[0] / adv_stats[1].clamp(min=1))
-        if "kl_penalty/kl" in metrics:
-            # The controller must see the global mean KL so that all ranks keep one coefficient.
-            kl = all_reduce_sum(torch.tensor([metrics["kl_penalty/kl"] * len(batch), float(len(batch))],
-                                             dtype=torch.float64, device=self.device), self.dp_group)
-            metrics["kl_penalty/kl"] = float(kl[0] / kl[1])
         return metrics
 
     def update_critic(self, batch: RolloutBatch, step: int) -> dict[str, float]:

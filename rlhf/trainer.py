@@ -270,6 +270,10 @@ class RLTrainer:
                 batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask,
                 kl_coef=self.kl_ctrl.value, kl_penalty=alg.kl_penalty)
             metrics.update({f"kl_penalty/{k}": float(v) for k, v in kl_metrics.items()})
+            # The controller must see the global mean KL so that every rank keeps one coefficient.
+            kl = all_reduce_sum(torch.tensor([float(kl_metrics["kl"]) * len(batch), float(len(batch))],
+                                             dtype=torch.float64, device=self.device), self.dp_group)
+            metrics["kl_penalty/kl"] = float(kl[0] / kl[1])
             metrics["kl_penalty/coef"] = self.kl_ctrl.value
         else:
             batch.token_level_rewards = batch.token_level_scores
@@ -280,7 +284,9 @@ class RLTrainer:
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, whiten=make_global_whiten(self.dp_group))
         if alg.filter_truncated:
             batch.response_mask = batch.response_mask * (~batch.truncated).float().unsqueeze(-1)
-        metrics["advantage/mean"] = _masked_mean(batch.advantages, batch.response_mask)
+        adv = all_reduce_sum(torch.stack([(batch.advantages * batch.response_mask).sum(),
+                                          batch.response_mask.sum()]).double(), self.dp_group)
+        metrics["advantage/mean"] = float(adv[0] / adv[1].clamp(min=1))
         return metrics
 
     def compute_values(self, batch: RolloutBatch) -> dict[str, float]:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor
 
 from rlhf.config import ConfigError
 from rlhf.models.activation_checkpointing import apply_ac
@@ -162,9 +162,9 @@ def _replication(p: torch.Tensor, stage_ranks: int) -> int:
         return stage_ranks
     shards = 1
     for size, placement in zip(p.device_mesh.mesh.shape, p.placements):
-        if isinstance(placement, Partial):
+        if placement.is_partial():
             raise ValueError("grad norm: a gradient is still Partial (unreduced); reduce it before clipping")
-        if isinstance(placement, Shard):
+        if not placement.is_replicate():  # Shard or FSDP2's _StridedShard (not a Shard subclass)
             shards *= int(size)
     return stage_ranks // shards
 

@@ -111,7 +111,8 @@ class RewardModelScorer:
 
     def _resolve_tokenizer(self, path: Path, trust_remote_code: bool) -> tuple[PreTrainedTokenizerBase, bool]:
         if self.cfg.tokenizer_path:
-            return load_tokenizer(self.cfg.tokenizer_path, trust_remote_code, "reward.reward_model.tokenizer_path"), True
+            key = "reward.reward_model.tokenizer_path"
+            return load_tokenizer(self.cfg.tokenizer_path, trust_remote_code, key), True
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
             return self.actor_tokenizer, False  # no tokenizer of its own: it was trained on the actor's
         tok = load_tokenizer(str(path), trust_remote_code, "reward.reward_model.path")

@@ -301,40 +301,53 @@ def prefill(
     w: DecoderWeights,
     cache: Any,
     input_ids: Tensor,
-    lengths: Tensor,
+    positions: Tensor,
+    grid_index: Tensor | None,
+    width: int,
+    last_index: Tensor,
     slots: Tensor,
     rows: Tensor,
     cos: Tensor,
     sin: Tensor,
     tp_group: Any = None,
 ) -> Tensor:
-    """Forward of right-padded prompts; stores their K/V in the cache; returns last-token logits.
+    """Forward of P packed prompts; stores their K/V in the cache; returns last-token logits.
+
+    Padding-free: projections and MLP run on the ``Ttot`` real tokens only. Attention
+    scatters q/k/v into a right-padded ``[P, Hall, width, D]`` grid (pads are zeros that
+    causal masking keeps real tokens from reading) and gathers its output back.
 
     Args:
-        input_ids: ``[P, Tp]`` prompts, right-padded (pad positions are computed, never read:
-            causal attention keeps real tokens from seeing later pads).
-        lengths: ``[P]`` true prompt lengths.
-        slots: ``[M]`` cache slots to fill; ``rows`` ``[M]`` the prompt (row of ``input_ids``)
-            each slot receives, so one prefill serves the ``n`` samples of a prompt.
-        cos, sin: rope tables ``[>= Tp, D]`` from ``rope_tables``.
+        input_ids, positions: ``[Ttot]`` the prompts concatenated, and each token's position.
+        grid_index: ``[Ttot]`` row of each token in the ``[P * width]`` grid
+            (``prompt * width + position``); None when all prompts have length ``width``.
+        last_index: ``[P]`` index of each prompt's last token in the packed sequence.
+        slots: ``[M]`` cache slots to fill; ``rows`` ``[M]`` the prompt each slot receives,
+            so one prefill serves the ``n`` samples of a prompt.
+        cos, sin: rope tables from ``rope_tables``.
     Returns:
         ``[P, V]`` float32 logits of the token after each prompt.
     """
-    p, tp = input_ids.shape
-    h, hkv = spec.num_heads, spec.num_kv_heads
-    c, s = head_rope(cos[:tp], sin[:tp], spec)  # [Tp, Hall, D], broadcast over prompts
-    x = F.embedding(input_ids.reshape(-1), w.embed)  # [P*Tp, hidden]
+    p, total = last_index.shape[0], input_ids.shape[0]
+    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    c, s = head_rope(cos[positions], sin[positions], spec)  # [Ttot, Hall, D]
+    x = F.embedding(input_ids, w.embed)  # [Ttot, hidden]
     for layer, lw in enumerate(w.layers):
-        qkv = _qkv(spec, lw, x, (p, tp), c, s).transpose(1, 2)  # [P, Hall, Tp, D]
-        cache.write_prefill(layer, slots, qkv[:, h:].index_select(0, rows))
+        qkv = _qkv(spec, lw, x, (total,), c, s)  # [Ttot, Hall, D]
+        if grid_index is not None:
+            qkv = qkv.new_zeros((p * width, h + 2 * hkv, d)).index_copy_(0, grid_index, qkv)
+        grid = qkv.view(p, width, -1, d).transpose(1, 2)  # [P, Hall, width, D]
+        cache.write_prefill(layer, slots, grid[:, h:].index_select(0, rows))
         a = F.scaled_dot_product_attention(
-            qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :],
-            is_causal=True, scale=spec.head_dim**-0.5, enable_gqa=h != hkv,
-        )  # [P, H, Tp, D]
-        x = _residual_linear(x, a.transpose(1, 2).reshape(p * tp, -1), lw.o_w, lw.o_b, tp_group)
+            grid[:, :h], grid[:, h : h + hkv], grid[:, h + hkv :],
+            is_causal=True, scale=d**-0.5, enable_gqa=h != hkv,
+        )  # [P, H, width, D]
+        a = a.transpose(1, 2).reshape(p * width, h * d)
+        if grid_index is not None:
+            a = a.index_select(0, grid_index)  # [Ttot, H*D]
+        x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group)
         x = _mlp(spec, lw, x, tp_group)
-    last = x.view(p, tp, -1)[torch.arange(p, device=x.device), lengths - 1]  # [P, hidden]
-    return _logits(spec, w, last)
+    return _logits(spec, w, x.index_select(0, last_index))
 
 
 def decode(

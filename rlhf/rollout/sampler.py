@@ -300,34 +300,39 @@ class _Run:
         seqs = torch.arange(first, last, device=dev)  # [m]
         slot_ids = torch.arange(self.live, self.live + m, device=dev)  # [m]
         prompt_ids = list(range(first // n, (last - 1) // n + 1))  # distinct prompts, consecutive
-        # chunk the distinct prompts (sorted by length to limit padding) by a padded-token budget
+        # chunk the distinct prompts (sorted by length: similar widths share an attention grid)
+        # by a token budget
         order = sorted(prompt_ids, key=lambda i: self.prompt_lens[i])
         chunks: list[list[int]] = [[]]
+        used = 0
         for i in order:
-            width = max(self.prompt_lens[j] for j in chunks[-1] + [i])
-            if chunks[-1] and width * (len(chunks[-1]) + 1) > s.prefill_tokens:
+            if chunks[-1] and used + self.prompt_lens[i] > s.prefill_tokens:
                 chunks.append([])
+                used = 0
             chunks[-1].append(i)
+            used += self.prompt_lens[i]
         logits = torch.empty((len(prompt_ids), self.s.spec.vocab_size), dtype=torch.float32, device=dev)
         seq_prompt = seqs // n  # [m]
         for chunk in chunks:
             lens = [self.prompt_lens[i] for i in chunk]
-            tp = max(lens)
-            ids = torch.full((len(chunk), tp), 0, dtype=torch.int64)
-            for r, i in enumerate(chunk):
-                ids[r, : lens[r]] = torch.tensor(self.prompts[i])
+            width, total = max(lens), sum(lens)
+            lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
+            ids = torch.tensor([t for i in chunk for t in self.prompts[i]], dtype=torch.int64, device=dev)
+            ends = lengths.cumsum(0)
+            row_of = torch.repeat_interleave(torch.arange(len(chunk), device=dev), lengths)  # [Ttot]
+            positions = torch.arange(total, device=dev) - (ends - lengths)[row_of]
+            grid_index = None if width * len(chunk) == total else row_of * width + positions
             chunk_t = torch.tensor(chunk, dtype=torch.int64, device=dev)
             # slots whose prompt is in this chunk, and the chunk row each one copies
-            hit = (seq_prompt[:, None] == chunk_t[None, :])  # [m, P]
+            hit = seq_prompt[:, None] == chunk_t[None, :]  # [m, P]
             sel = hit.any(1).nonzero().squeeze(1)
             rows = hit[sel].int().argmax(1)
-            lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
-            out = decoder.prefill(s.spec, s.weights, self.cache, ids.to(dev), lengths, slot_ids[sel], rows,
-                                  s.cos, s.sin, s.tp_group)
+            out = decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
+                                  slot_ids[sel], rows, s.cos, s.sin, s.tp_group)
             logits.index_copy_(0, chunk_t - prompt_ids[0], out)
             self.stats["prefill_calls"] += 1
-            self.stats["prefill_tokens"] += sum(lens)
-            self.stats["prefill_padded_tokens"] += tp * len(chunk)
+            self.stats["prefill_tokens"] += total
+            self.stats["prefill_padded_tokens"] += width * len(chunk)
         sl = self.slots
         a, b = self.live, self.live + m
         plen = torch.tensor([self.prompt_lens[i] for i in range(first // n, (last - 1) // n + 1)], device=dev)

@@ -72,5 +72,6 @@ def test_ppo_runs_logs_critic_metrics_and_resumes(tiny_assets, tmp_path):
 
 
 def test_ppo_rejects_critic_free_estimator(tiny_assets, tmp_path):
-    r = run_script("train_ppo.py", ppo_args(tiny_assets, tmp_path, **{"algorithm.adv_estimator": "grpo"}) + ["--dry-run"])
+    args = ppo_args(tiny_assets, tmp_path, **{"algorithm.adv_estimator": "grpo"}) + ["--dry-run"]
+    r = run_script("train_ppo.py", args)
     assert r.returncode == 2 and "algorithm.adv_estimator" in r.stderr

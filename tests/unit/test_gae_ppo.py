@@ -14,7 +14,8 @@ import torch
 from rlhf.algos.advantages import get_adv_estimator
 from rlhf.algos.masked import masked_whiten
 from rlhf.algos.value_loss import compute_value_loss, explained_variance
-from rlhf.ppo_trainer import global_masked_whiten, global_value_stats
+from rlhf.parallel import make_global_whiten
+from rlhf.ppo_trainer import global_value_stats
 
 # Row 0: 3 response tokens; row 1: 2. Padding holds garbage that must not leak.
 REWARDS = torch.tensor([[0.0, 0.0, 1.0, 5.0], [0.0, -1.0, 7.0, 7.0]])
@@ -50,11 +51,11 @@ def test_global_whiten_equals_local_whiten_on_one_rank():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 9, generator=g)
     mask = (torch.arange(9)[None] < torch.tensor([9, 3, 1, 7, 5, 2])[:, None]).float()
-    x = torch.where(mask.bool(), x, torch.full_like(x, 1e6))  # padding garbage
-    out = global_masked_whiten(x, mask)
+    x = torch.where(mask.bool(), x, torch.full_like(x, float("inf")))  # padding garbage
+    out = make_global_whiten()(x, mask)
     torch.testing.assert_close(out[mask.bool()], masked_whiten(x, mask)[mask.bool()], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="at least 2"):
-        global_masked_whiten(x[:1, :1], mask[:1, :1])
+        make_global_whiten()(x[:1, :1], mask[:1, :1])
 
 
 def test_global_value_stats_match_explained_variance():
