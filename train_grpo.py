@@ -12,21 +12,14 @@ Change the algorithm with `algorithm.adv_estimator` (grpo, rloo, reinforce_plus_
 and the layout with `parallel.*`. PPO with a critic lives in train_ppo.py.
 """
 
-from rlhf.cli import load, parse_args, run_main
+from rlhf.cli import train_main
 
 
-def main() -> None:
-    args = parse_args(__doc__)
-    cfg = load(args)
+def build_trainer(cfg, dry_run: bool = False):
     from rlhf.trainer import RLTrainer
 
-    trainer = RLTrainer(cfg, dry_run=args.dry_run)
-    if args.dry_run:
-        if trainer.env.is_main:
-            print("dry run OK: config, data and parallel layout are valid")
-        return
-    trainer.fit()
+    return RLTrainer(cfg, dry_run=dry_run)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    train_main(__doc__, build_trainer)

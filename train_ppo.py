@@ -16,21 +16,14 @@ head; a `*ForSequenceClassification` reward model reuses its score head). Not in
 critic LoRA and padding-free critic passes (the critic always runs the padded path).
 """
 
-from rlhf.cli import load, parse_args, run_main
+from rlhf.cli import train_main
 
 
-def main() -> None:
-    args = parse_args(__doc__)
-    cfg = load(args)
+def build_trainer(cfg, dry_run: bool = False):
     from rlhf.ppo_trainer import PPOTrainer
 
-    trainer = PPOTrainer(cfg, dry_run=args.dry_run)
-    if args.dry_run:
-        if trainer.env.is_main:
-            print("dry run OK: config, data and parallel layout are valid")
-        return
-    trainer.fit()
+    return PPOTrainer(cfg, dry_run=dry_run)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    train_main(__doc__, build_trainer)

@@ -47,3 +47,18 @@ def load(args: argparse.Namespace, **kw):
         print("\n".join(describe(kw.get("cls")) if kw.get("cls") else describe()))
         sys.exit(0)
     return load_config(args.config, args.overrides, **kw)
+
+
+def train_main(doc: str, trainer_factory: Callable) -> None:
+    """Body of the RL entry scripts: parse, build the trainer (all ranks), dry-run or fit."""
+
+    def main() -> None:
+        args = parse_args(doc)
+        trainer = trainer_factory(load(args), dry_run=args.dry_run)
+        if args.dry_run:
+            if trainer.env.is_main:
+                print("dry run OK: config, data and parallel layout are valid")
+            return
+        trainer.fit()
+
+    run_main(main)
