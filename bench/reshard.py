@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from rlhf.actor import PolicyWorker  # noqa: E402
-from rlhf.batch import RolloutBatch  # noqa: E402
+from rlhf.batch import RolloutBatch, minibatch_major_shard  # noqa: E402
 from rlhf.config import ActorConfig, ModelConfig, ParallelConfig, RolloutConfig  # noqa: E402
 from rlhf.models.loading import load_tokenizer  # noqa: E402
 from rlhf.models.tiny import write_tiny_model  # noqa: E402
@@ -66,7 +66,7 @@ def _write_model(name: str, root: Path) -> str:
     if dist.get_rank() == 0:
         if vocab is None:
             write_tiny_model(str(out), **kw)
-        else:  # the char tokenizer with a large model vocab (ids beyond the tokenizer are never sampled... or are)
+        else:  # a large vocab with the char tokenizer: decoding skips ids it does not know
             from transformers import Qwen2ForCausalLM
 
             from rlhf.data.char_tokenizer import build_char_tokenizer
@@ -88,7 +88,8 @@ def _naive_full_state_dict(worker: PolicyWorker) -> tuple[float, int]:
     local = sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else 0
                 for p in worker.model.parameters())
     sd = get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True))
-    received = sum(t.numel() * t.element_size() for t in sd.values()) - local
+    unique = {t.data_ptr(): t for t in sd.values()}  # a tied embedding / head counts once
+    received = sum(t.numel() * t.element_size() for t in unique.values()) - local
     if worker.pp_group is not None:
         parts = [None] * dist.get_world_size(worker.pp_group)
         dist.all_gather_object(parts, {k: v.cpu() for k, v in sd.items()}, group=worker.pp_group)
@@ -103,7 +104,8 @@ def _naive_full_state_dict(worker: PolicyWorker) -> tuple[float, int]:
     return seconds, received
 
 
-def _batch(prompts: PromptBatch, rollout: RolloutBatch, gen: torch.Generator) -> RolloutBatch:
+def _batch(rollout: RolloutBatch, gen: torch.Generator) -> RolloutBatch:
+    """The rollout with old log-probs and random advantages, ready for an update."""
     rollout.old_log_probs = rollout.rollout_log_probs.clone()
     rollout.advantages = torch.randn(rollout.responses.shape, generator=gen).to(rollout.responses.device)
     return rollout
@@ -128,8 +130,6 @@ def bench_model(name: str, root: Path, args, device: torch.device) -> dict:
     prompt_ids = [torch.randint(6, len(tok), (12,), generator=g).tolist() for _ in range(args.prompts)]
     prompts = PromptBatch(prompt_ids=prompt_ids, keys=list(range(args.prompts)), ground_truths=[""] * args.prompts,
                           data_sources=["bench"] * args.prompts, extra_infos=[{}] * args.prompts)
-    from rlhf.batch import minibatch_major_shard
-
     local_rows = minibatch_major_shard(list(range(args.prompts)), mesh["dp"].get_local_rank(), dp, mini)
     steps, reshards, reshard_bytes = [], [], []
     for rep in range(args.repeats + 1):  # the first step warms up allocators / lazy inits
@@ -137,7 +137,7 @@ def bench_model(name: str, root: Path, args, device: torch.device) -> dict:
         t0 = time.perf_counter()
         rollout, stats = engine.generate(worker.model, worker.hf_config, prompts, step=rep, n=args.n, temperature=1.0,
                                          local_rows=local_rows, pp_group=worker.pp_group)
-        batch = _batch(prompts, rollout, g)
+        batch = _batch(rollout, g)
         batch.old_log_probs, _ = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.n * mini)
         worker.update_policy(batch, mini_batch_rows=len(batch), temperature=1.0,
                              max_response_length=args.response_length)
@@ -167,7 +167,7 @@ def bench_model(name: str, root: Path, args, device: torch.device) -> dict:
     naive_step = step_s - reshard_s + naive_s
     del worker, engine
     return {
-        "params_per_rank_stage": n_params, "step_s": step_s, "reshard_s": reshard_s, "reshard_alone_s": reshard_alone_s,
+        "params_of_this_stage": n_params, "step_s": step_s, "reshard_s": reshard_s, "reshard_alone_s": reshard_alone_s,
         "reshard_share_of_step": reshard_s / step_s, "reshard_bytes_per_rank": rbytes,
         "naive_s": naive_s, "naive_bytes_per_rank": nbytes, "naive_share_of_step": naive_s / naive_step,
         "speedup_vs_naive": naive_s / reshard_alone_s, "bytes_ratio_naive_over_reshard": nbytes / max(rbytes, 1.0),
@@ -195,15 +195,15 @@ def main() -> None:
                "device": device.type, "prompts": args.prompts, "n": args.n, "response_length": args.response_length,
                "repeats": args.repeats, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(dist.get_rank() == 0 and tmp or "")
-        root_list = [str(root)]
-        dist.broadcast_object_list(root_list, src=0)
+        root = [tmp]  # rank 0 writes the models; every rank reads them from its directory
+        dist.broadcast_object_list(root, src=0)
         for name in args.models.split(","):
-            r = bench_model(name, Path(root_list[0]), args, device)
+            r = bench_model(name, Path(root[0]), args, device)
             results["models"][name] = r
             if dist.get_rank() == 0:
                 print(f"[bench] {name}: step {r['step_s']:.3f}s, reshard {r['reshard_s']:.4f}s "
-                      f"({100 * r['reshard_share_of_step']:.1f}% of step, {r['reshard_bytes_per_rank'] / 1e6:.1f} MB/rank)"
+                      f"({100 * r['reshard_share_of_step']:.1f}% of step, "
+                      f"{r['reshard_bytes_per_rank'] / 1e6:.1f} MB/rank)"
                       f" | naive full state dict {r['naive_s']:.4f}s ({100 * r['naive_share_of_step']:.1f}%, "
                       f"{r['naive_bytes_per_rank'] / 1e6:.1f} MB/rank), speedup {r['speedup_vs_naive']:.2f}x",
                       flush=True)

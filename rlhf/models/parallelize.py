@@ -149,6 +149,8 @@ def parallelize_model(
         module = pipeline.stages[0] if len(pipeline.stages) == 1 else StageUnion(pipeline.stages)
         if pipeline.tied_across_ranks and module.lm_head is not None:
             tied_lm_head = module.lm_head.weight
+        # Lets the rollout reshard find the stage group from the module alone.
+        module.pp_group = mesh["pp"].get_group()
     return ParallelModel(module=module, pipeline=pipeline, pp_group=mesh["pp"].get_group() if pp > 1 else None,
                          tied_lm_head=tied_lm_head)
 

@@ -101,9 +101,11 @@ class RolloutEngine:
                 one ``all_gather_object`` of the prompt lists, de-duplicated by keys).
             local_rows: indices into ``prompts`` of the prompts this rank trains on; the
                 returned batch holds their ``n`` samples each, in this order.
-            pp_group: the pipeline group when ``model`` is one pipeline stage.
+            pp_group: the pipeline group when ``model`` is one pipeline stage (default: the
+                ``pp_group`` attribute that ``parallelize_model`` sets on stage modules).
         """
         lay = self.layout
+        pp_group = pp_group if pp_group is not None else getattr(model, "pp_group", None)
         t0 = time.perf_counter()
         weights, rs = gather_rollout_weights(model, dtype=self.dtype, pp_group=pp_group, tp_rank=lay.tp_rank,
                                              tp_size=lay.tp, tp_group=lay.tp_group)
@@ -150,7 +152,8 @@ class RolloutEngine:
                 start_of[key] = offset
                 offset += len(piece.keys)
                 unique.append(piece)
-        glob = PromptBatch(prompt_ids=[x for p in unique for x in p.prompt_ids], keys=[x for p in unique for x in p.keys],
+        glob = PromptBatch(prompt_ids=[x for p in unique for x in p.prompt_ids],
+                           keys=[x for p in unique for x in p.keys],
                            ground_truths=[x for p in unique for x in p.ground_truths],
                            data_sources=[x for p in unique for x in p.data_sources],
                            extra_infos=[x for p in unique for x in p.extra_infos])
@@ -183,7 +186,8 @@ class RolloutEngine:
         start_of = torch.tensor([s for s, e in bounds], dtype=torch.long)
         prompts = torch.tensor(local_rows, dtype=torch.long)
         q = chunk_of[prompts].repeat_interleave(n)  # [N_local]
-        off = ((prompts - start_of[chunk_of[prompts]]) * n).repeat_interleave(n) + torch.arange(n).repeat(len(local_rows))
+        first_row = ((prompts - start_of[chunk_of[prompts]]) * n).repeat_interleave(n)
+        off = first_row + torch.arange(n).repeat(len(local_rows))
         flat = (q * width + off).to(dev)
         ints = torch.cat(all_ints).index_select(0, flat)
         floats = torch.cat(all_floats).index_select(0, flat)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from rlhf.rollout import decoder
@@ -88,7 +89,10 @@ class Sampler:
         prefill_tokens: padded-token budget of one prefill forward (longer admissions are chunked).
         use_cuda_graph: run decode on all slots with power-of-two attention windows (static
             shapes) and capture each window's step as a CUDA graph (CUDA devices only).
-        tp_group: process group of a tensor-parallel rollout (sharded weights); None = no TP.
+        tp_group: process group of a tensor-parallel rollout. ``weights`` then hold this rank's
+            slice: rows of q/k/v and gate/up (column parallel), columns of o_proj / down_proj
+            (row parallel, outputs all-reduced over the group), everything else full. Every
+            rank computes full-vocab logits and draws the same tokens. None: no TP.
     """
 
     def __init__(
@@ -114,9 +118,11 @@ class Sampler:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.config = model_config
         self.spec = decoder.DecoderSpec.from_config(model_config)
-        if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
-            # weights are this rank's rollout-TP slice: local head / MLP sizes
-            self.spec = self.spec.shard(torch.distributed.get_world_size(tp_group))
+        tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        if tp_size > 1:  # weights hold this rank's heads / MLP columns (rlhf.rollout.reshard layout)
+            self.spec = self.spec.shard(tp_size)
+        else:
+            tp_group = None  # a group of one: nothing to all-reduce
         self.pad_token_id = int(pad_token_id)
         self.dtype = dtype or next(iter(weights.values())).dtype
         self.max_num_seqs = max_num_seqs

@@ -223,3 +223,31 @@ def test_first_trainer_step_metrics_agree(results, name):
             assert got[key] == pytest.approx(ref["trainer"][key], rel=1e-4, abs=1e-6), (name, rank, key)
         assert got["timing/reshard"] >= 0 and got["reshard/bytes_received"] > 0
     assert ref["trainer"]["reward/std"] > 0  # the reward really varies, so advantages are not all zero
+
+
+@pytest.mark.parametrize("sizes, kw, message", [
+    (dict(tp=2, pp=1), dict(world=6), None),
+    (dict(tp=4, pp=1), dict(world=8), "num_key_value_heads=2 is not divisible by parallel.tp=4"),
+    (dict(tp=3, pp=1), dict(world=6), "num_attention_heads=4 is not divisible by parallel.tp=3"),
+    (dict(tp=2, pp=2), dict(world=6), "world size 6 is not divisible by parallel.tp x parallel.pp = 2 x 2 = 4"),
+    (dict(tp=1, pp=3), dict(world=3), "num_hidden_layers=4 is not divisible by the 3 pipeline stages"),
+    (dict(tp=1, pp=1), dict(world=4, train_batch_size=6), r"data.train_batch_size \(6\) is not divisible by dp \(4"),
+    (dict(tp=1, pp=2), dict(world=4, mini_batch_size=2, n=1), "1 rows is not divisible by parallel.pp_microbatches=2"),
+    (dict(tp=1, pp=1), dict(world=4, rollout_tp=3), "rollout.tp=3 does not divide the world size 4"),
+    (dict(tp=1, pp=1), dict(world=4, rollout_tp=4), "num_key_value_heads=2 is not divisible by rollout.tp=4"),
+])
+def test_validate_layout_names_the_product(sizes, kw, message):
+    from transformers import Qwen2Config
+
+    from rlhf.config import ConfigError, ParallelConfig
+    from rlhf.models.parallelize import validate_layout
+
+    hf = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2)
+    world = kw.pop("world")
+    cfg = ParallelConfig(pp_microbatches=2, **sizes)
+    if message is None:
+        validate_layout(cfg, hf, world, **kw)
+        return
+    with pytest.raises(ConfigError, match=message):
+        validate_layout(cfg, hf, world, **kw)

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from rlhf.models.pipeline import PipelineModel, positions_from_mask, split_layers
 from rlhf.models.tensor_parallel import apply_tp
 
-from _dist_utils import run_distributed
+from tests.dist._dist_utils import run_distributed
 
 ATOL = 1e-5
 B, L = 8, 8

@@ -22,7 +22,10 @@ def _sampler(max_num_seqs: int) -> Sampler:
     return Sampler(cfg, model.state_dict(), pad_token_id=0, max_num_seqs=max_num_seqs)
 
 
-def _generate_shard(rank: int, world_size: int, expected: dict) -> None:
+def _generate_shard(rank: int, world_size: int) -> None:
+    # the 1-process result (computed on every rank: no tensors cross the spawn boundary)
+    expected = _sampler(max_num_seqs=64).generate(PROMPTS, PARAMS, step=STEP)
+    assert expected.response_lengths.min() < PARAMS.max_new_tokens  # stops happen, lengths are uneven
     # interleaved split (prompt i goes to rank i % world), a different slot count per rank
     mine = list(range(rank, len(PROMPTS), world_size))
     out = _sampler(max_num_seqs=3 + rank).generate([PROMPTS[i] for i in mine], PARAMS, step=STEP, prompt_keys=mine)
@@ -32,14 +35,42 @@ def _generate_shard(rank: int, world_size: int, expected: dict) -> None:
     for j, i in enumerate(mine):
         local[i * n : (i + 1) * n] = out.response_ids[j * n : (j + 1) * n]
         local_lp[i * n : (i + 1) * n] = out.log_probs[j * n : (j + 1) * n]
-    dist.all_reduce(local)
+    dist.all_reduce(local)  # each row is filled on exactly one rank
     dist.all_reduce(local_lp)
-    assert torch.equal(local, expected["ids"])
-    torch.testing.assert_close(local_lp, expected["log_probs"], atol=1e-5, rtol=0)
+    assert torch.equal(local, expected.response_ids)
+    torch.testing.assert_close(local_lp, expected.log_probs, atol=1e-5, rtol=0)
 
 
 def test_two_ranks_match_single_process():
-    torch.set_num_threads(1)
-    ref = _sampler(max_num_seqs=64).generate(PROMPTS, PARAMS, step=STEP)
-    assert ref.response_lengths.min() < PARAMS.max_new_tokens  # stops happen, lengths are uneven
-    run_distributed(_generate_shard, 2, {"ids": ref.response_ids, "log_probs": ref.log_probs})
+    run_distributed(_generate_shard, 2)
+
+
+def _tp_slice(name: str, t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Tensor-parallel rollout slice: rows of q/k/v/gate/up, columns of o/down, the rest full."""
+    col = any(f".{m}." in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    row = any(f".{m}.weight" in name for m in ("o_proj", "down_proj"))
+    if not (col or row):
+        return t
+    dim = 0 if col else 1
+    part = t.shape[dim] // size
+    return t.narrow(dim, rank * part, part).clone()
+
+
+def _generate_tensor_parallel(rank: int, world_size: int) -> None:
+    full = _sampler(max_num_seqs=64)  # same seed on every rank: same weights
+    ref = full.generate(PROMPTS, PARAMS, step=STEP)  # the 1-process result, no TP
+    torch.manual_seed(0)
+    cfg = full.config
+    weights = transformers.Qwen2ForCausalLM(cfg).eval().state_dict()
+    sharded = {k: _tp_slice(k, v, rank, world_size) for k, v in weights.items()}
+    s = Sampler(cfg, sharded, pad_token_id=0, max_num_seqs=5, tp_group=dist.group.WORLD)
+    assert s.spec.num_heads == 2 and s.spec.num_kv_heads == 1
+    out = s.generate(PROMPTS, PARAMS, step=STEP)
+    assert torch.equal(out.response_ids, ref.response_ids)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-4, rtol=0)
+    dist.barrier()
+
+
+def test_tensor_parallel_rollout_matches_single_process():
+    """2-way TP over gloo (sharded q/k/v/o/MLP, all-reduce after o_proj and down_proj)."""
+    run_distributed(_generate_tensor_parallel, 2)

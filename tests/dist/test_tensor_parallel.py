@@ -16,7 +16,7 @@ from rlhf.models.pipeline import positions_from_mask
 from rlhf.models.tensor_parallel import apply_tp, tp_plan_supported, validate_tp
 from rlhf.models.vocab_parallel import log_probs_from_logits, vocab_parallel_log_probs
 
-from _dist_utils import run_distributed
+from tests.dist._dist_utils import run_distributed
 
 ATOL = 1e-5
 
