@@ -30,10 +30,13 @@ from rlhf.algos.aggregation import AggNorm, agg_loss
 from rlhf.algos.kl import kl_penalty
 from rlhf.algos.policy_loss import get_policy_loss
 from rlhf.batch import RolloutBatch, split_rows
-from rlhf.config import ActorConfig, ModelConfig, ParallelConfig
+from rlhf.config import ActorConfig, ConfigError, ModelConfig, ParallelConfig
+from rlhf.data.batching import micro_batches_for_rank
 from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
+from rlhf.models.lora import apply_lora
+from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
 from rlhf.models.vocab_parallel import log_probs_from_logits
 from rlhf.optim import build_optimizer, build_scheduler
@@ -70,6 +73,16 @@ class MetricSums:
         return {n: (t[i, 0] / t[i, 1]).item() if t[i, 1] > 0 else 0.0 for i, n in enumerate(names)}
 
 
+def check_features(model_cfg: ModelConfig, mesh: DeviceMesh, lora: bool) -> None:
+    """Feature combinations this version does not support, named before any work is done."""
+    tp, pp = mesh["tp"].size(), mesh["pp"].size()
+    if model_cfg.use_remove_padding and (tp > 1 or pp > 1):
+        raise ConfigError(f"model.use_remove_padding: padding-free passes need parallel.tp = parallel.pp = 1 "
+                          f"(got tp={tp}, pp={pp}); set model.use_remove_padding=false for TP/PP layouts")
+    if lora and (tp > 1 or pp > 1):
+        raise ConfigError(f"model.lora_rank: LoRA needs parallel.tp = parallel.pp = 1 (got tp={tp}, pp={pp})")
+
+
 class PolicyWorker:
     """An HF causal LM in the training layout of ``mesh`` (pp stages, TP, FSDP2); trainable or frozen.
 
@@ -83,7 +96,8 @@ class PolicyWorker:
                  path: Optional[str] = None, trainable: bool = True,
                  actor_cfg: Optional[ActorConfig] = None, total_steps: int = 1,
                  build_model: Optional[Callable[[], torch.nn.Module]] = None,
-                 parallel_cfg: Optional[ParallelConfig] = None):
+                 parallel_cfg: Optional[ParallelConfig] = None, lora: Optional[bool] = None):
+        """`lora`: wrap the model with PEFT LoRA adapters (default: trainable and model.lora_rank > 0)."""
         self.cfg = model_cfg
         self.actor_cfg = actor_cfg
         self.mesh = mesh
@@ -95,6 +109,12 @@ class PolicyWorker:
         if not trainable:
             model.requires_grad_(False)
         self.hf_config = model.config
+        self.lora = trainable and model_cfg.lora_rank > 0 if lora is None else lora
+        check_features(model_cfg, mesh, self.lora)
+        if self.lora:
+            # Only the adapters are trainable (and so sharded with gradients / optimizer state).
+            model = apply_lora(model, lora_rank=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
+                               target_modules=model_cfg.target_modules)
         self.parallel: ParallelModel = parallelize_model(
             model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,
             param_offload=model_cfg.param_offload,
@@ -129,6 +149,9 @@ class PolicyWorker:
         logits stay a vocab-sharded DTensor and are reduced with three scalars per token.
         """
         R = response_length
+        if self.cfg.use_remove_padding:
+            return packed_forward_log_probs(self.model, input_ids, attention_mask, response_length=R,
+                                            temperature=temperature, compute_entropy=compute_entropy)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids_from_mask(attention_mask), use_cache=False, logits_to_keep=R + 1)
         logits = out.logits[:, :-1]  # [B, R, V] (or its vocab shard)
@@ -168,16 +191,38 @@ class PolicyWorker:
         """
         self.model.eval()
         lps, ents = [], []
-        chunk = micro_batch_size * (self.pipeline.n_microbatches if self.pipeline is not None else 1)
-        fwd = self._pp_forward if self.pipeline is not None else self.forward_log_probs
-        for rows in split_rows(len(batch), chunk):
+        if self.pipeline is not None:
+            chunks = list(split_rows(len(batch), micro_batch_size * self.pipeline.n_microbatches))
+            fwd = self._pp_forward
+        else:
+            chunks = self._micro_batches(batch, micro_batch_size, self.actor_cfg.log_prob_max_token_len_per_gpu
+                                         if self.actor_cfg is not None else None)
+            fwd = self.forward_log_probs
+        for rows in chunks:
+            if len(rows) == 0:  # a rank with fewer rows: still run the FSDP collectives
+                fwd(batch.input_ids[:1], batch.attention_mask[:1], response_length=batch.response_length,
+                    temperature=temperature, compute_entropy=False)
+                continue
             lp, ent = fwd(batch.input_ids[rows], batch.attention_mask[rows], response_length=batch.response_length,
                           temperature=temperature, compute_entropy=compute_entropy)
             lps.append(lp)
             ents.append(ent)
-        log_probs = torch.cat(lps) if lps else batch.rollout_log_probs.new_zeros(0, batch.response_length)
-        entropy = torch.cat(ents) if compute_entropy and ents else None
+        order = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in chunks])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        log_probs = torch.cat(lps)[inverse.to(self.device)] if lps else \
+            batch.rollout_log_probs.new_zeros(0, batch.response_length)
+        entropy = torch.cat(ents)[inverse.to(self.device)] if compute_entropy and ents else None
         return log_probs, entropy
+
+    def _micro_batches(self, batch: RolloutBatch, size: int, token_budget: Optional[int]) -> list[torch.Tensor]:
+        """Row indices per micro-batch: fixed `size`, or (actor.use_dynamic_bsz) a token budget
+        per micro-batch with the same micro-batch count on every dp rank."""
+        if self.actor_cfg is None or not self.actor_cfg.use_dynamic_bsz or token_budget is None:
+            return list(split_rows(len(batch), size))
+        seq_lens = batch.attention_mask.sum(-1).tolist()
+        groups = micro_batches_for_rank(seq_lens, token_budget, group=self.dp_group, device=self.device)
+        return [torch.tensor(sorted(g), dtype=torch.long) for g in groups]
 
     # ------------------------------------------------------------------ update
 
@@ -204,7 +249,9 @@ class PolicyWorker:
             for mini_rows in split_rows(n_rows, mini_batch_rows):
                 mini = batch.select(order[mini_rows])
                 mask = mini.response_mask
-                counts = torch.tensor([float(mask.sum()), float(len(mini))], dtype=torch.float64, device=self.device)
+                # Sequences with no response token do not count (as in agg_loss with norm=None).
+                counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64,
+                                      device=self.device)
                 all_reduce_sum(counts, self.dp_group)
                 norm = AggNorm(global_tokens=counts[0].item(), global_seqs=counts[1].item(),
                                max_response_len=max_response_length)
@@ -240,11 +287,18 @@ class PolicyWorker:
     def _mini_step(self, mini: RolloutBatch, terms: dict, temperature: float, metrics: MetricSums) -> torch.Tensor:
         """Gradient accumulation over micro-batches; returns this rank's loss sum (float64)."""
         cfg = self.actor_cfg
-        micro_list = list(split_rows(len(mini), cfg.ppo_micro_batch_size_per_gpu))
+        micro_list = self._micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for k, rows in enumerate(micro_list):
-            mb = mini.select(rows)
             self._grad_sync(k == len(micro_list) - 1)
+            if len(rows) == 0:
+                # This rank has fewer rows than the agreed micro-batch count: a zero-weight
+                # pass keeps its FSDP collectives in step with the other ranks.
+                lp, _ = self.forward_log_probs(mini.input_ids[:1], mini.attention_mask[:1],
+                                               response_length=mini.response_length, temperature=temperature)
+                (lp.sum() * 0.0).backward()
+                continue
+            mb = mini.select(rows)
             log_probs, entropy = self.forward_log_probs(mb.input_ids, mb.attention_mask,
                                                         response_length=mb.response_length, temperature=temperature,
                                                         compute_entropy=cfg.entropy_coeff != 0)

@@ -32,16 +32,13 @@ from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.models.loading import check_model_dir, load_tokenizer, model_config
+from rlhf.models.lora import reference_context
 from rlhf.models.parallelize import validate_layout
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import score_responses
 from rlhf.rollout.engine import PromptBatch, RolloutEngine
 from rlhf.rollout.reshard import RolloutLayout
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
 class RLTrainer:
@@ -60,6 +57,8 @@ class RLTrainer:
         self.device = self.env.device
         self.out_dir = Path(cfg.trainer.output_dir)
         check_model_dir(cfg.model.path)
+        if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1:
+            raise ConfigError(f"model.lora_rank: LoRA needs rollout.tp = 1 (got {cfg.rollout.tp})")
         self._check_names()
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
@@ -85,8 +84,9 @@ class RLTrainer:
                                   total_steps=self.total_steps, parallel_cfg=cfg.parallel)
         self.actor.max_nan_steps = cfg.trainer.max_nan_steps
         self.need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False,
-                                parallel_cfg=cfg.parallel) if self.need_ref else None
+        # With LoRA the reference is the actor with its adapters disabled: no second base copy.
+        self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False, parallel_cfg=cfg.parallel,
+                                lora=False) if self.need_ref and cfg.model.lora_rank == 0 else None
         self.reward_model = None
         if cfg.reward.reward_model.enable:
             from rlhf.rewards.reward_model import RewardModelScorer
@@ -95,7 +95,8 @@ class RLTrainer:
         self.rollout = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                      max_response_length=cfg.data.max_response_length, device=self.device,
                                      dtype=torch.bfloat16 if self.device.type == "cuda" else None,
-                                     layout=RolloutLayout.build(cfg.rollout.tp, self.device.type))
+                                     layout=RolloutLayout.build(cfg.rollout.tp, self.device.type),
+                                     lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None)
         self.timer = PhaseTimer(self.device)
         self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,
                                     project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
@@ -253,14 +254,26 @@ class RLTrainer:
         batch.old_log_probs, entropy = self.actor.compute_log_probs(
             batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu, compute_entropy=True)
         mask = batch.response_mask
-        metrics = {"actor/entropy": _masked_mean(entropy, mask),
-                   "rollout/logprob_diff_max": float(((batch.old_log_probs - batch.rollout_log_probs).abs() * mask).max())}
-        if self.ref is not None:
-            batch.ref_log_probs, _ = self.ref.compute_log_probs(
-                batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu)
+        diff = ((batch.old_log_probs - batch.rollout_log_probs).abs() * mask).max()
+        if dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=self.dp_group)
+        metrics = {"actor/entropy": self._global_masked_mean(entropy, mask), "rollout/logprob_diff_max": float(diff)}
+        if self.need_ref:
+            if self.ref is not None:
+                ref_lp, _ = self.ref.compute_log_probs(batch, temperature=T,
+                                                       micro_batch_size=a.log_prob_micro_batch_size_per_gpu)
+            else:
+                with reference_context(self.actor.model):
+                    ref_lp, _ = self.actor.compute_log_probs(batch, temperature=T,
+                                                             micro_batch_size=a.log_prob_micro_batch_size_per_gpu)
+            batch.ref_log_probs = ref_lp
             kl = kl_penalty(batch.old_log_probs, batch.ref_log_probs, a.kl_loss_type)
-            metrics["actor/kl_to_ref"] = _masked_mean(kl, mask)
+            metrics["actor/kl_to_ref"] = self._global_masked_mean(kl, mask)
         return metrics
+
+    def _global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        s = all_reduce_sum(torch.stack([(x * mask).sum(), mask.sum()]).double(), self.dp_group)
+        return float(s[0] / s[1].clamp(min=1))
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         alg = self.cfg.algorithm

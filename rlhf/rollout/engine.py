@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from rlhf.batch import RolloutBatch
 from rlhf.config import RolloutConfig
-from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights
+from rlhf.models.lora import merged_weights_for_rollout
+from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 
 
@@ -70,8 +71,12 @@ class RolloutEngine:
     """Owns the sampling settings; each call reshards, generates and drops the weights."""
 
     def __init__(self, cfg: RolloutConfig, tokenizer, *, max_prompt_length: int, max_response_length: int,
-                 device: torch.device, dtype: Optional[torch.dtype] = None, layout: Optional[RolloutLayout] = None):
+                 device: torch.device, dtype: Optional[torch.dtype] = None, layout: Optional[RolloutLayout] = None,
+                 lora: Optional[tuple[float, int]] = None):
+        """`lora`: (lora_alpha, lora_rank) when the actor is a PEFT LoRA model."""
         self.cfg = cfg
+        self.lora = lora
+        self._lora_base: Optional[dict[str, torch.Tensor]] = None
         self.layout = layout or RolloutLayout()
         self.tokenizer = tokenizer
         self.P = max_prompt_length
@@ -88,6 +93,19 @@ class RolloutEngine:
                               top_p=1.0 if greedy else self.cfg.top_p, min_p=0.0 if greedy else self.cfg.min_p,
                               max_new_tokens=self.R, stop_token_ids=self._stop_ids,
                               stop_sequences=self._stop_seqs, seed=seed)
+
+    def _rollout_weights(self, model: torch.nn.Module, pp_group) -> tuple[dict[str, torch.Tensor], ReshardStats]:
+        """Rollout weights of `model`. With LoRA, the frozen base is resharded once and cached,
+        and each call moves only the adapters and merges ``W + (alpha / r) B A``."""
+        lay = self.layout
+        kw = dict(dtype=self.dtype, pp_group=pp_group, tp_rank=lay.tp_rank, tp_size=lay.tp, tp_group=lay.tp_group)
+        if self.lora is None:
+            return gather_rollout_weights(model, **kw)
+        if self._lora_base is None:
+            self._lora_base, _ = gather_rollout_weights(model, name_filter=lambda n: ".lora_" not in n, **kw)
+        adapters, rs = gather_rollout_weights(model, name_filter=lambda n: ".lora_" in n, **kw)
+        alpha, rank = self.lora
+        return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank), rs
 
     def generate(self, model: torch.nn.Module, hf_config, prompts: PromptBatch, *, step: int, n: int,
                  temperature: float, local_rows: Optional[list[int]] = None,
@@ -107,8 +125,7 @@ class RolloutEngine:
         lay = self.layout
         pp_group = pp_group if pp_group is not None else getattr(model, "pp_group", None)
         t0 = time.perf_counter()
-        weights, rs = gather_rollout_weights(model, dtype=self.dtype, pp_group=pp_group, tp_rank=lay.tp_rank,
-                                             tp_size=lay.tp, tp_group=lay.tp_group)
+        weights, rs = self._rollout_weights(model, pp_group)
         t1 = time.perf_counter()
         sampler = Sampler(hf_config, weights, pad_token_id=self.pad_id, device=self.device, dtype=self.dtype,
                           max_num_seqs=self.cfg.max_num_seqs, max_seq_len=self.P + self.R,

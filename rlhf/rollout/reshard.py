@@ -47,8 +47,12 @@ _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
 
 
 def hf_name(name: str) -> str:
-    """Strip activation-checkpoint / compile wrapper parts from a parameter name."""
-    return _WRAPPER_PARTS.sub("", name)
+    """Plain HF name: strip activation-checkpoint / compile wrapper parts and PEFT's
+    ``base_model.model.`` prefix / ``.base_layer.`` infix (adapter weights keep ``.lora_``)."""
+    name = _WRAPPER_PARTS.sub("", name)
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".")
 
 
 def rollout_shard_dim(name: str) -> Optional[int]:

@@ -77,6 +77,34 @@ def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:
         torch.save(results, out)
 
 
+def _features_worker(rank: int, world: int, model_dir: str, out: str, packed: bool, dynamic: bool) -> None:
+    """One update with padding-free passes and/or token-budget micro-batches."""
+    from rlhf.actor import PolicyWorker
+    from rlhf.batch import minibatch_major_shard
+    from rlhf.parallel import ParallelDims
+
+    mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh("cpu")
+    torch.manual_seed(0)
+    # A 20-token budget forces several micro-batches of uneven row counts per rank, and
+    # (with 2 ranks) empty micro-batches on the rank whose rows are shorter.
+    cfg = ActorConfig(lr=1e-3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, use_kl_loss=True,
+                      kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, weight_decay=0.0,
+                      use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=20, log_prob_max_token_len_per_gpu=20)
+    worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=packed), mesh, torch.device("cpu"),
+                          actor_cfg=cfg, total_steps=1)
+    batch = make_global_batch(worker.hf_config.vocab_size)
+    prompts = minibatch_major_shard(list(range(N_PROMPTS)), rank, world, cfg.ppo_mini_batch_size)
+    local = batch.select([p * N_SAMPLES + j for p in prompts for j in range(N_SAMPLES)])
+    log_probs, _ = worker.compute_log_probs(local, temperature=1.0, micro_batch_size=4)
+    metrics = worker.update_policy(local, mini_batch_rows=cfg.ppo_mini_batch_size * N_SAMPLES // world,
+                                   temperature=1.0, max_response_length=R)
+    params = {n: p.full_tensor().clone() for n, p in worker.model.named_parameters()}
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, (prompts, log_probs * local.response_mask))
+    if rank == 0:
+        torch.save((metrics, params, gathered), out)
+
+
 def _reshard_worker(rank: int, world: int, model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -121,3 +149,21 @@ def test_update_same_on_1_and_2_ranks(model_dir, tmp_path):
 
 def test_reshard_round_trip_is_exact(model_dir):
     run_distributed(_reshard_worker, 2, model_dir)
+
+
+@pytest.mark.parametrize("packed, dynamic", [(True, False), (False, True), (True, True)])
+def test_padding_free_and_dynamic_batches_match_padded(model_dir, tmp_path, packed, dynamic):
+    """Padding-free passes and token-budget micro-batches on 2 ranks = padded fixed micro-batches on 1."""
+    ref, new = str(tmp_path / "ref.pt"), str(tmp_path / "new.pt")
+    run_distributed(_features_worker, 1, model_dir, ref, False, False)
+    run_distributed(_features_worker, 2, model_dir, new, packed, dynamic)
+    (m1, p1, g1), (m2, p2, g2) = torch.load(ref, weights_only=False), torch.load(new, weights_only=False)
+    lp1 = g1[0][1]
+    lp2 = torch.cat([lp for _, lp in g2])
+    order = [p for prompts, _ in g2 for p in prompts]
+    rows = torch.tensor([p * N_SAMPLES + j for p in order for j in range(N_SAMPLES)])
+    torch.testing.assert_close(lp2, lp1[rows], rtol=1e-5, atol=1e-5)
+    assert m1["actor/loss"] == pytest.approx(m2["actor/loss"], rel=1e-5, abs=1e-7)
+    assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-4)
+    for name in p1:
+        assert float((p1[name] - p2[name]).abs().max()) < 1e-5, name

@@ -39,6 +39,7 @@ def _generate_shard(rank: int, world_size: int) -> None:
     dist.all_reduce(local_lp)
     assert torch.equal(local, expected.response_ids)
     torch.testing.assert_close(local_lp, expected.log_probs, atol=1e-5, rtol=0)
+    dist.barrier()
 
 
 def test_two_ranks_match_single_process():

@@ -23,6 +23,21 @@ def tiny_assets(tmp_path_factory):
     return d
 
 
+PARITY_REWARD = '''
+def parity(data_source, solution_str, ground_truth, extra_info=None):
+    # Varied rewards from a random model, so groups are informative and updates move.
+    return {"score": float(len(solution_str) % 2), "acc": float(len(solution_str) % 2)}
+'''
+
+
+@pytest.fixture
+def parity_reward(tmp_path) -> str:
+    """`reward.reward_fn` value of a user reward file giving varied rewards."""
+    f = tmp_path / "parity_reward.py"
+    f.write_text(PARITY_REWARD)
+    return f"{f}:parity"
+
+
 def run_script(script: str, args: list[str], *, nproc: int = 1, timeout: int = 300, cwd=None):
     """Run an entry script (plain python for 1 process, torchrun otherwise); returns CompletedProcess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

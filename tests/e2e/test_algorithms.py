@@ -9,11 +9,6 @@ import pytest
 from rlhf.metrics import read_metrics
 from tests.e2e.conftest import grpo_args, run_script
 
-REWARD = '''
-def parity(data_source, solution_str, ground_truth, extra_info=None):
-    # Varied rewards from a random model, so groups are informative.
-    return {"score": float(len(solution_str) % 2), "acc": float(len(solution_str) % 2)}
-'''
 
 CASES = {
     "grpo": {},
@@ -31,10 +26,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_algorithm_runs(name, tiny_assets, tmp_path):
-    fn = tmp_path / "reward.py"
-    fn.write_text(REWARD)
-    over = {"reward.reward_fn": f"{fn}:parity", "data.val_files": "", **CASES[name]}
+def test_algorithm_runs(name, tiny_assets, tmp_path, parity_reward):
+    over = {"reward.reward_fn": parity_reward, "data.val_files": "", **CASES[name]}
     r = run_script("train_grpo.py", grpo_args(tiny_assets, tmp_path / "out", **over), nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [m for m in read_metrics(tmp_path / "out" / "metrics.jsonl") if "actor/loss" in m]
