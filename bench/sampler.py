@@ -152,6 +152,30 @@ def run_case(model, sampler, prompts, case: str, max_new: int, repeats: int) -> 
     }
 
 
+def matmul_peak_flops(repeats: int = 5) -> float:
+    """FLOP/s of a large fp32 matmul with the current thread count: this CPU's compute roof."""
+    a, b = torch.randn(512, 768), torch.randn(768, 2048)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        times.append((time.perf_counter() - t) / 10)
+    return 2 * 512 * 768 * 2048 / statistics.median(times)
+
+
+def flops_per_token(model: torch.nn.Module) -> float:
+    """2 x weights touched per token (every matrix incl. the LM head; attention over
+    the short contexts here is a small extra, so this under-counts slightly)."""
+    cfg = model.config
+    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+    if getattr(cfg, "tie_word_embeddings", False):
+        weights += cfg.vocab_size * cfg.hidden_size  # the tied LM head
+    return 2.0 * weights
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["tiny", "100m", "all"], default="all")
@@ -170,6 +194,8 @@ def main() -> None:
     result: dict = {"bench": "sampler", "threads": torch.get_num_threads(), "machine": platform.machine(),
                     "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
                     "quick": args.quick, "repeats": args.repeats, "models": {}}
+    peak = matmul_peak_flops()
+    result["matmul_peak_gflops"] = peak / 1e9
     names = ["tiny", "100m"] if args.model == "all" else [args.model]
     for name in names:
         model = build(name)
@@ -187,10 +213,16 @@ def main() -> None:
             for b in ([16] if case == "grpo" else batches):
                 prompts = make_prompts(b, lens, model.config.vocab_size, seed=b)
                 row = run_case(model, sampler, prompts, case, max_new, args.repeats)
+                # Share of the CPU's matmul peak each engine reaches (the CPU analogue of a
+                # roofline): useful work = every prompt token once + every generated token.
+                useful = (sum(len(p) for p in prompts) + row["ours_tokens"]) * flops_per_token(model)
+                row["ours_frac_of_peak"] = useful / row["ours_s"] / peak
+                row["hf_frac_of_peak"] = useful / row["hf_s"] / peak
                 rows.append(row)
                 print(f"{name:5s} {case:7s} batch {row['batch']:4d}: ours {row['ours_tok_s']:9.1f} tok/s  "
                       f"hf {row['hf_tok_s']:9.1f} tok/s  ratio {row['ratio']:5.2f}  "
-                      f"len/max {row['mean_len_frac']:.2f}  lengths_match {row['lengths_match']:.2f}", flush=True)
+                      f"len/max {row['mean_len_frac']:.2f}  lengths_match {row['lengths_match']:.2f}  "
+                      f"peak share ours {row['ours_frac_of_peak']:.2f} hf {row['hf_frac_of_peak']:.2f}", flush=True)
         params = sum(p.numel() for p in model.parameters())
         big = [r["ratio"] for r in rows if r["batch"] >= 16]
         result["models"][name] = {"params": params, "sampler_setup_s": setup_s, "cases": rows,

@@ -1,4 +1,4 @@
-"""The PPO critic: an HF backbone with a scalar value head, FSDP2-sharded like the actor.
+"""The PPO critic: an HF backbone with a scalar value head, in the same training layout as the actor.
 
 The model is ``AutoModelForTokenClassification`` with ``num_labels=1`` (verl's choice): the
 decoder backbone plus ``score = nn.Linear(hidden, 1)`` applied at every position. Where
@@ -10,11 +10,21 @@ its weights come from depends on ``critic.model_path`` (empty = the actor's mode
 * a reward-model checkpoint (``*ForSequenceClassification``, ``num_labels=1``): its
   ``score`` head is the same shape and is reused, so values start at the RM's scores.
 
+Layout. :func:`rlhf.models.parallelize.parallelize_model` puts the critic on the
+("pp", "dp", "tp") mesh exactly as the actor: pipeline stages whose last stage returns
+values (``pp_output="values"``), Megatron TP of the backbone with the tiny score head
+replicated, FSDP2 over dp. The gradient norm is global over all pp x dp x tp ranks.
+
 ``compute_values`` returns ``V [N, R]`` at the positions that predict each response token
 (hidden state at ``P + t - 1`` for response token ``t``, the log-prob positions), masked by
 ``response_mask`` as verl does. ``update_critic`` runs epochs over mini-batches with
-gradient accumulation over micro-batches, normalised by global (all-dp) token/sequence
-counts, so the update does not depend on the dp size or the micro-batch size.
+gradient accumulation over micro-batches (or one pipelined forward-backward per
+mini-batch), normalised by global (all-dp) token/sequence counts, so the update does not
+depend on the layout or the micro-batch size. With ``model.use_remove_padding`` (tp = pp
+= 1) the passes are padding-free (:func:`packed_forward_values`); with
+``actor.use_dynamic_bsz`` micro-batches are cut by a token budget
+(``critic.ppo_max_token_len_per_gpu`` for the update, ``actor.log_prob_max_token_len_per_gpu``
+for forward-only passes), with the same count on every dp rank.
 """
 
 from __future__ import annotations
@@ -25,17 +35,22 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from rlhf.actor import MetricSums, NonFiniteError
+from rlhf.actor import MetricSums, NonFiniteError, check_features
 from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.value_loss import compute_value_loss
 from rlhf.batch import RolloutBatch, split_rows
-from rlhf.config import ConfigError, CriticConfig, ModelConfig
-from rlhf.models.fsdp import apply_fsdp, grad_scale
+from rlhf.config import ConfigError, CriticConfig, ModelConfig, ParallelConfig
+from rlhf.data.batching import micro_batches_for_rank
+from rlhf.data.packing import unpad
+from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import DTYPES, check_model_dir
 from rlhf.models.logprobs import position_ids_from_mask
-from rlhf.optim import build_optimizer, build_scheduler, clip_grad_norm
+from rlhf.models.packed import _packed_call, response_positions
+from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
+from rlhf.optim import build_optimizer, build_scheduler
 from rlhf.parallel import all_reduce_sum
 
 _HEAD_NAMES = ("score", "classifier")
@@ -84,23 +99,67 @@ def load_value_model(path: str, *, dtype: str = "float32", attn_implementation: 
     return model
 
 
+def packed_forward_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                          response_length: int) -> torch.Tensor:
+    """Padding-free values ``[B, R]`` (fp32) of a token-classification critic; 0 at pad response tokens.
+
+    The real tokens are packed into one row (:func:`rlhf.data.packing.unpad`, varlen
+    attention per sequence) and run through the model's own forward (FSDP2 hooks run as
+    usual); the ``[1, total, 1]`` head output is read at the packed positions ``P + t - 1``
+    that precede each real response token ``t`` (:func:`rlhf.models.packed.response_positions`),
+    the positions of the padded path's ``logits[:, -R-1:-1]``. The head is ``H -> 1``, so
+    applying it to every packed token costs nothing worth avoiding.
+    """
+    B, R = input_ids.shape[0], int(response_length)
+    packed = unpad(input_ids, attention_mask)
+    pos = response_positions(input_ids, attention_mask, packed, R)
+    out = _packed_call(model, packed)
+    v = out.logits[0, :, 0].index_select(0, pos.rows).float()  # [N]
+    return v.new_zeros(B * R).index_put((pos.flat,), v).view(B, R)
+
+
 class CriticWorker:
-    """Value model in the training layout with its own optimizer and LR schedule."""
+    """Value model in the training layout of ``mesh`` with its own optimizer and LR schedule.
+
+    ``parallel_cfg`` supplies the pipeline schedule / micro-batch count (sizes come from the
+    mesh; ``None`` keeps :class:`rlhf.config.ParallelConfig` defaults). ``use_dynamic_bsz``
+    (verl's ``actor.use_dynamic_bsz``) cuts micro-batches by token budget:
+    ``critic.ppo_max_token_len_per_gpu`` in the update and ``forward_max_token_len`` in
+    ``compute_values``. ``self.model`` holds this rank's parameters under HF names (the
+    FSDP root, or the pipeline stage(s)); ``self.pipeline`` is set when pp > 1.
+    """
 
     def __init__(self, critic_cfg: CriticConfig, model_cfg: ModelConfig, mesh: DeviceMesh, device: torch.device, *,
                  total_steps: int, max_response_length: int,
-                 build_model: Optional[Callable[[], torch.nn.Module]] = None):
+                 build_model: Optional[Callable[[], torch.nn.Module]] = None,
+                 parallel_cfg: Optional[ParallelConfig] = None, use_dynamic_bsz: bool = False,
+                 forward_max_token_len: Optional[int] = None):
         self.cfg = critic_cfg
+        self.model_cfg = model_cfg
         self.device = device
+        self.mesh = mesh
         self.dp_group = mesh["dp"].get_group()
         self.max_response_length = max_response_length
+        self.use_dynamic_bsz = use_dynamic_bsz
+        self.forward_max_token_len = forward_max_token_len or critic_cfg.ppo_max_token_len_per_gpu
+        check_features(model_cfg, mesh, lora=False)
+        if use_dynamic_bsz and min(critic_cfg.ppo_max_token_len_per_gpu, self.forward_max_token_len) <= 0:
+            raise ConfigError("config keys 'critic.ppo_max_token_len_per_gpu' and "
+                              "'actor.log_prob_max_token_len_per_gpu' must be > 0 with actor.use_dynamic_bsz")
         model = build_model() if build_model else load_value_model(
             critic_cfg.model_path or model_cfg.path, dtype=model_cfg.dtype,
             attn_implementation=model_cfg.attn_implementation, trust_remote_code=model_cfg.trust_remote_code,
             key="critic.model_path" if critic_cfg.model_path else "model.path")
         self.hf_config = model.config
-        self.model = apply_fsdp(model, mesh["dp"], device=device, mixed_precision=model_cfg.mixed_precision,
-                                param_offload=model_cfg.param_offload)
+        self.parallel: ParallelModel = parallelize_model(
+            model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,
+            param_offload=model_cfg.param_offload, activation_checkpointing=model_cfg.enable_gradient_checkpointing,
+            pp_output="values")
+        del model  # with pp, the other stages' layers are freed here
+        self.model = self.parallel.module
+        self.pipeline = self.parallel.pipeline
+        self.pp_group = self.parallel.pp_group
+        self.stage_ranks = mesh["dp"].size() * mesh["tp"].size()
         self.grad_scale = grad_scale(mesh["dp"])
         self.optimizer = build_optimizer(self.model.parameters(), lr=critic_cfg.lr,
                                          weight_decay=critic_cfg.weight_decay)
@@ -115,19 +174,64 @@ class CriticWorker:
     # ------------------------------------------------------------------ forward
 
     def _values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
-        """[B, P+R] -> values [B, R] (fp32) from the positions that predict each response token."""
+        """[B, P+R] -> values [B, R] (fp32) from the positions that predict each response token (no pipeline)."""
         R = response_length
+        if self.model_cfg.use_remove_padding:
+            return packed_forward_values(self.model, input_ids, attention_mask, response_length=R)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-        return out.logits[:, -R - 1:-1, 0].float()
+        logits = out.logits  # [B, L, 1]; the replicated head gives a full tensor under TP
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return logits[:, -R - 1:-1, 0].float()
+
+    def _pp_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
+        """Pipelined forward of B rows -> values [B, R]; pads B up to a multiple of the micro-batch count."""
+        rows, k = input_ids.shape[0], self.pipeline.n_microbatches
+        pad = (-rows) % k
+        if pad:  # repeat the last row; its outputs are dropped
+            input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad, -1)])
+            attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(pad, -1)])
+        R = response_length
+        return self.pipeline.forward(input_ids, attention_mask)[:rows, -R - 1:-1]  # [B, L] -> [B, R]
+
+    def _micro_batches(self, batch: RolloutBatch, size: int, token_budget: int) -> list[torch.Tensor]:
+        """Row indices per micro-batch: fixed ``size`` rows, or (use_dynamic_bsz) at most
+        ``token_budget`` real tokens each, with the same micro-batch count on every dp rank
+        (a rank with fewer rows gets empty micro-batches)."""
+        if not self.use_dynamic_bsz:
+            return list(split_rows(len(batch), size))
+        seq_lens = batch.attention_mask.sum(-1).tolist()
+        groups = micro_batches_for_rank(seq_lens, token_budget, group=self.dp_group, device=self.device)
+        return [torch.tensor(sorted(g), dtype=torch.long) for g in groups]
 
     @torch.no_grad()
     def compute_values(self, batch: RolloutBatch, *, micro_batch_size: int) -> torch.Tensor:
-        """Values [N, R] of the batch, zero outside ``response_mask`` (eval mode, no grad)."""
-        self.model.eval()
-        parts = [self._values(batch.input_ids[rows], batch.attention_mask[rows], batch.response_length)
-                 for rows in split_rows(len(batch), micro_batch_size)]
-        values = torch.cat(parts) if parts else batch.response_mask.new_zeros(0, batch.response_length)
+        """Values [N, R] of the batch, zero outside ``response_mask`` (eval mode, no grad).
+
+        Without pp: micro-batches of ``micro_batch_size`` rows (or token-budgeted). With
+        pp: pipelined calls of ``micro_batch_size x pp_microbatches`` rows.
+        """
+        self.parallel.eval()
+        R = batch.response_length
+        if self.pipeline is not None:
+            chunks = list(split_rows(len(batch), micro_batch_size * self.pipeline.n_microbatches))
+            fwd = self._pp_values
+        else:
+            chunks = self._micro_batches(batch, micro_batch_size, self.forward_max_token_len)
+            fwd = self._values
+        parts = []
+        for rows in chunks:
+            if len(rows) == 0:  # a rank with fewer rows: still run the FSDP collectives
+                fwd(batch.input_ids[:1], batch.attention_mask[:1], R)
+                continue
+            parts.append(fwd(batch.input_ids[rows], batch.attention_mask[rows], R))
+        if not parts:
+            return batch.response_mask.new_zeros(0, R)
+        order = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in chunks])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        values = torch.cat(parts)[inverse.to(self.device)]
         return values * batch.response_mask
 
     # ------------------------------------------------------------------ update
@@ -141,8 +245,10 @@ class CriticWorker:
         """
         cfg = self.cfg
         metrics = MetricSums.new(self.device)
-        self.model.train()
+        self.parallel.train()
         n_rows = len(batch)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm_params = [p for p in self.parallel.norm_parameters() if p.requires_grad]
         for _ in range(cfg.ppo_epochs):
             for mini_rows in split_rows(n_rows, mini_batch_rows):
                 mini = batch.select(mini_rows)
@@ -152,23 +258,13 @@ class CriticWorker:
                 norm = AggNorm(global_tokens=counts[0].item(), global_seqs=counts[1].item(),
                                max_response_len=self.max_response_length)
                 self.optimizer.zero_grad(set_to_none=True)
-                micro_list = list(split_rows(len(mini), cfg.ppo_micro_batch_size_per_gpu))
-                step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-                for k, rows in enumerate(micro_list):
-                    mb = mini.select(rows)
-                    self._grad_sync(k == len(micro_list) - 1)
-                    vpreds = self._values(mb.input_ids, mb.attention_mask, mb.response_length)  # [b, R]
-                    loss, clipfrac = compute_value_loss(vpreds, mb.values, mb.returns, mb.response_mask,
-                                                        cliprange_value=cfg.cliprange_value,
-                                                        loss_agg_mode=cfg.loss_agg_mode, norm=norm)
-                    (loss * self.grad_scale).backward()
-                    step_loss += loss.detach().double()
-                    w = float(mb.response_mask.sum())
-                    metrics.add("critic/vf_clipfrac", clipfrac, w)
-                    vsum = (vpreds.detach() * mb.response_mask).sum()
-                    metrics.add("critic/vpred_mean", vsum / max(w, 1.0), w)
+                if self.pipeline is not None:
+                    step_loss = self._pp_mini_step(mini, norm, metrics)
+                else:
+                    step_loss = self._mini_step(mini, norm, metrics)
                 all_reduce_sum(step_loss, self.dp_group)
-                grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip)
+                grad_norm = clip_grad_norm_(params, cfg.grad_clip, stage_ranks=self.stage_ranks,
+                                            norm_params=norm_params, device=self.device)
                 if not (math.isfinite(step_loss.item()) and math.isfinite(float(grad_norm))):
                     self._skip_nonfinite(step_loss.item(), float(grad_norm))
                     continue
@@ -178,10 +274,66 @@ class CriticWorker:
                 metrics.add("critic/grad_norm", float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         out = metrics.reduce(self.dp_group)
+        if self.pipeline is not None:
+            # Loss-term metrics exist on the last stage only; its dp group has the totals.
+            box = [out]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pipeline.pp - 1),
+                                       group=self.pp_group)
+            out = box[0]
         out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
         out["critic/skipped_nonfinite_steps"] = float(self.skipped_steps)
         self.scheduler.step()
         return out
+
+    def _loss(self, vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+              norm: AggNorm) -> tuple[torch.Tensor, dict[str, float], float]:
+        """Value loss of one micro-batch (``[b, R]`` tensors) and its metric terms with their weight."""
+        loss, clipfrac = compute_value_loss(vpreds, old_values, returns, mask, cliprange_value=self.cfg.cliprange_value,
+                                            loss_agg_mode=self.cfg.loss_agg_mode, norm=norm)
+        w = float(mask.sum())
+        vsum = float((vpreds.detach() * mask).sum())
+        return loss, {"critic/vf_clipfrac": float(clipfrac), "critic/vpred_mean": vsum / max(w, 1.0)}, w
+
+    def _mini_step(self, mini: RolloutBatch, norm: AggNorm, metrics: MetricSums) -> torch.Tensor:
+        """Gradient accumulation over micro-batches; returns this rank's loss sum (float64)."""
+        cfg = self.cfg
+        micro_list = self._micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for k, rows in enumerate(micro_list):
+            self._grad_sync(k == len(micro_list) - 1)
+            if len(rows) == 0:
+                # Fewer rows than the agreed micro-batch count: a zero-weight pass keeps this
+                # rank's FSDP collectives in step with the other dp ranks.
+                (self._values(mini.input_ids[:1], mini.attention_mask[:1], mini.response_length).sum() * 0.0).backward()
+                continue
+            mb = mini.select(rows)
+            vpreds = self._values(mb.input_ids, mb.attention_mask, mb.response_length)  # [b, R]
+            loss, parts, w = self._loss(vpreds, mb.values, mb.returns, mb.response_mask, norm)
+            (loss * self.grad_scale).backward()
+            step_loss += loss.detach().double()
+            for name, value in parts.items():
+                metrics.add(name, value, w)
+        return step_loss
+
+    def _pp_mini_step(self, mini: RolloutBatch, norm: AggNorm, metrics: MetricSums) -> torch.Tensor:
+        """One pipelined forward-backward over the mini-batch; the value loss runs on the last stage."""
+        R = mini.response_length
+        calls: list[tuple[dict, float]] = []
+
+        def stage_loss(values, *, response_mask, old_values, returns):
+            # values [b, L] aligned with input_ids; position P+t-1 predicts response token t.
+            loss, parts, w = self._loss(values[:, -R - 1:-1], old_values, returns, response_mask, norm)
+            calls.append((parts, w))
+            return loss * self.grad_scale
+
+        inputs = {"response_mask": mini.response_mask, "old_values": mini.values, "returns": mini.returns}
+        total = self.pipeline.forward_backward(mini.input_ids, mini.attention_mask, stage_loss, inputs)
+        # The schedule's shape inference calls the loss once more on placeholder data before
+        # the real micro-batches; only the last n_microbatches calls are real.
+        for parts, w in calls[len(calls) - self.pipeline.n_microbatches:] if calls else []:
+            for name, value in parts.items():
+                metrics.add(name, value, w)
+        return total.double() / self.grad_scale
 
     def _grad_sync(self, last: bool) -> None:
         # Reduce-scatter gradients only on the last micro-batch of a mini-batch.

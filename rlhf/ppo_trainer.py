@@ -86,11 +86,20 @@ class PPOTrainer(RLTrainer):
             print(f"[rlhf] warning: critic.ppo_mini_batch_size ({cfg.critic.ppo_mini_batch_size}) is not a multiple "
                   f"of actor.ppo_mini_batch_size ({cfg.actor.ppo_mini_batch_size}); critic mini-batches then "
                   "depend on the dp layout", flush=True)
+        local_rows = cfg.critic.ppo_mini_batch_size * cfg.rollout.n // self.dims.dp
+        if self.dims.pp > 1 and local_rows % cfg.parallel.pp_microbatches:
+            raise ConfigError(f"impossible parallel layout: the local critic mini-batch of critic.ppo_mini_batch_size "
+                              f"x rollout.n / dp = {cfg.critic.ppo_mini_batch_size} x {cfg.rollout.n} / {self.dims.dp} "
+                              f"= {local_rows} rows is not divisible by parallel.pp_microbatches="
+                              f"{cfg.parallel.pp_microbatches}")
         self.critic = None
         if dry_run:
             return
+        a = cfg.actor
         self.critic = CriticWorker(cfg.critic, cfg.model, self.mesh, self.device, total_steps=self.total_steps,
-                                   max_response_length=cfg.data.max_response_length)
+                                   max_response_length=cfg.data.max_response_length, parallel_cfg=cfg.parallel,
+                                   use_dynamic_bsz=a.use_dynamic_bsz,
+                                   forward_max_token_len=a.log_prob_max_token_len_per_gpu)
         self.critic.max_nan_steps = cfg.trainer.max_nan_steps
 
     # ------------------------------------------------------------------ phases

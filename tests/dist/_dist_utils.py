@@ -50,6 +50,9 @@ def _worker(
     )
     try:
         fn(rank, world_size, *args)
+        # Without it a fast rank can tear down gloo while a peer still finishes its last
+        # collective, which sometimes aborts the peer after the test's work is done.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -142,3 +142,66 @@ def test_value_clipping_blocks_the_gradient(mesh, lm_dir):
     assert m["critic/grad_norm"] == 0.0
     for n, p in worker.model.named_parameters():
         assert torch.equal(p.full_tensor(), before[n]), n
+
+
+def _batch4() -> RolloutBatch:
+    """Four rows of different prompt / response lengths (left-padded prompt, right-padded response)."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 40, (4, P + R), generator=g)
+    attn = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1],    # 3 + 4
+                         [1, 1, 1, 1, 1, 1, 1, 0, 0],    # 5 + 2
+                         [0, 0, 0, 0, 1, 1, 0, 0, 0],    # 1 + 1
+                         [0, 1, 1, 1, 1, 1, 1, 1, 0]])   # 4 + 3
+    ids = ids * attn
+    batch = RolloutBatch(input_ids=ids, attention_mask=attn, responses=ids[:, P:], response_mask=attn[:, P:].float(),
+                         index=torch.arange(4), rollout_log_probs=torch.zeros(4, R),
+                         truncated=torch.zeros(4, dtype=torch.bool))
+    batch.returns = torch.randn(4, R, generator=g)
+    return batch
+
+
+def _capture_grads(worker: CriticWorker) -> list[dict[str, torch.Tensor]]:
+    """Record the (full) gradients at every optimizer step of ``worker``."""
+    seen: list[dict[str, torch.Tensor]] = []
+    step = worker.optimizer.step
+
+    def recording_step(*a, **kw):
+        seen.append({n: p.grad.full_tensor().clone() for n, p in worker.model.named_parameters()
+                     if p.grad is not None})
+        return step(*a, **kw)
+
+    worker.optimizer.step = recording_step
+    return seen
+
+
+def test_packed_dynamic_batch_values_and_grads_equal_padded_fixed(mesh):
+    batch = _batch4()
+    ref = _critic(mesh, build=lambda: _token_cls(7), ppo_micro_batch_size_per_gpu=2, cliprange_value=0.2)
+    cfg = CriticConfig(lr=1e-2, weight_decay=0.0, grad_clip=1e9, ppo_micro_batch_size_per_gpu=2, cliprange_value=0.2,
+                       ppo_max_token_len_per_gpu=9)
+    packed = CriticWorker(cfg, ModelConfig(use_remove_padding=True), mesh, torch.device("cpu"), total_steps=10,
+                          max_response_length=R, build_model=lambda: _token_cls(7), use_dynamic_bsz=True,
+                          forward_max_token_len=8)
+    # Token budgets really change the micro-batches: sequence lengths 7, 7, 2, 7 -> 3 (update) / 3 (forward).
+    assert [len(r) for r in packed._micro_batches(batch, 2, 9)] != [2, 2]
+    assert sorted(torch.cat(packed._micro_batches(batch, 2, 8)).tolist()) == [0, 1, 2, 3]
+
+    v_ref = ref.compute_values(batch, micro_batch_size=2)
+    v_pk = packed.compute_values(batch, micro_batch_size=2)
+    torch.testing.assert_close(v_pk, v_ref, rtol=0, atol=1e-5)
+    assert v_ref.abs().sum() > 0 and (v_pk * (1 - batch.response_mask)).abs().sum() == 0
+
+    # Old values away from the current ones so that the clipped branch is taken on some tokens.
+    batch.values = (v_ref + 0.3 * torch.randn(v_ref.shape, generator=torch.Generator().manual_seed(5))) \
+        * batch.response_mask
+    grads_ref, grads_pk = _capture_grads(ref), _capture_grads(packed)
+    m_ref = ref.update_critic(batch, mini_batch_rows=4)
+    m_pk = packed.update_critic(batch, mini_batch_rows=4)
+    for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
+        assert m_pk[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
+    assert 0 < m_ref["critic/vf_clipfrac"] < 1
+    assert m_pk["critic/vf_clipfrac"] == pytest.approx(m_ref["critic/vf_clipfrac"], abs=1e-6)
+    assert len(grads_ref) == len(grads_pk) == 1 and set(grads_ref[0]) == set(grads_pk[0])
+    for name, g in grads_ref[0].items():
+        torch.testing.assert_close(grads_pk[0][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert max(float(g.abs().max()) for g in grads_ref[0].values()) > 1e-3
