@@ -1,7 +1,7 @@
 """The critic in 3-D layouts against the 1-rank run, on 4 gloo ranks.
 
-For each layout (dp2 x tp2, pp2 x dp2, and dp4 with padding-free passes and token-budget
-micro-batches), one spawn of 4 ranks computes the values of a fixed global batch and runs
+For each layout (dp2 x tp2, pp2 x dp2, pp2 x tp2, and dp4 with padding-free passes and
+token-budget micro-batches), one spawn of 4 ranks computes the values of a fixed global batch and runs
 one critic update (two mini-batches, clipped value loss, grad clipping); the values, the
 loss, the grad norm and the updated parameters must equal the 1-rank result (fp32
 tolerance). In the dp4 case the ranks hold 3, 3, 1 and 1 rows for the forward pass, so
@@ -16,7 +16,8 @@ import torch
 from tests.dist._dist_utils import run_distributed
 
 # name -> (pp, dp, tp, padding-free + dynamic batch size)
-LAYOUTS = {"dp2xtp2": (1, 2, 2, False), "pp2xdp2": (2, 2, 1, False), "dp4_packed_dynamic": (1, 4, 1, True)}
+LAYOUTS = {"dp2xtp2": (1, 2, 2, False), "pp2xdp2": (2, 2, 1, False), "pp2xtp2": (2, 1, 2, False),
+           "dp4_packed_dynamic": (1, 4, 1, True)}
 REFERENCE = (1, 1, 1, False)
 N, P, R, MINI = 8, 5, 6, 4  # rows, prompt / response columns, global rows per mini-batch
 UNEVEN = [[0, 1, 2], [3, 4, 5], [6], [7]]  # forward-pass rows per rank in the dp4 case

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlhf.config import ActorConfig, ModelConfig
+from tests.dist._batches import random_rollout_batch
 from tests.dist._dist_utils import run_distributed
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -30,25 +31,7 @@ def model_dir(tmp_path_factory):
 
 def make_global_batch(vocab: int):
     """A deterministic batch of N = 32 rows with uneven response lengths."""
-    from rlhf.batch import RolloutBatch
-
-    g = torch.Generator().manual_seed(0)
-    N = N_PROMPTS * N_SAMPLES
-    prompt_len = torch.randint(2, P + 1, (N,), generator=g)
-    resp_len = torch.randint(1, R + 1, (N,), generator=g)
-    ids = torch.randint(6, vocab, (N, P + R), generator=g)
-    attn = torch.zeros(N, P + R, dtype=torch.long)
-    resp_mask = torch.zeros(N, R)
-    for i in range(N):
-        attn[i, P - prompt_len[i]:P + resp_len[i]] = 1
-        resp_mask[i, :resp_len[i]] = 1
-    ids = ids * attn
-    return RolloutBatch(
-        input_ids=ids, attention_mask=attn, responses=ids[:, P:], response_mask=resp_mask,
-        index=torch.arange(N_PROMPTS).repeat_interleave(N_SAMPLES),
-        rollout_log_probs=-torch.rand(N, R, generator=g) * 3, truncated=torch.zeros(N, dtype=torch.bool),
-        old_log_probs=-torch.rand(N, R, generator=g) * 3, ref_log_probs=-torch.rand(N, R, generator=g) * 3,
-        advantages=torch.randn(N, R, generator=g))
+    return random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab)
 
 
 def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:

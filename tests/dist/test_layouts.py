@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.dist._batches import random_rollout_batch
 from tests.dist._dist_utils import run_distributed
 
 # name -> (pp, dp, tp, rollout tp)
@@ -50,25 +51,7 @@ def workdir(tmp_path_factory):
 
 
 def _global_batch(vocab: int):
-    from rlhf.batch import RolloutBatch
-
-    g = torch.Generator().manual_seed(0)
-    N = N_PROMPTS * N_SAMPLES
-    prompt_len = torch.randint(2, P + 1, (N,), generator=g)
-    resp_len = torch.randint(1, R + 1, (N,), generator=g)
-    ids = torch.randint(6, vocab, (N, P + R), generator=g)
-    attn = torch.zeros(N, P + R, dtype=torch.long)
-    resp_mask = torch.zeros(N, R)
-    for i in range(N):
-        attn[i, P - prompt_len[i]:P + resp_len[i]] = 1
-        resp_mask[i, :resp_len[i]] = 1
-    ids = ids * attn
-    return RolloutBatch(
-        input_ids=ids, attention_mask=attn, responses=ids[:, P:], response_mask=resp_mask,
-        index=torch.arange(N_PROMPTS).repeat_interleave(N_SAMPLES),
-        rollout_log_probs=-torch.rand(N, R, generator=g) * 3, truncated=torch.zeros(N, dtype=torch.bool),
-        old_log_probs=-torch.rand(N, R, generator=g) * 3, ref_log_probs=-torch.rand(N, R, generator=g) * 3,
-        advantages=torch.randn(N, R, generator=g))
+    return random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab)
 
 
 def _prompts(vocab: int):

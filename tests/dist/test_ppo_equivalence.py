@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.dist._batches import random_rollout_batch
 from tests.dist._dist_utils import run_distributed
 
 N_PROMPTS, N_SAMPLES, MINI, P, R = 4, 2, 2, 6, 8
@@ -49,22 +50,10 @@ def _config(root, world: int):
 
 def _global_batch(vocab: int):
     from rlhf.algos.reward_shaping import place_reward_on_last_token
-    from rlhf.batch import RolloutBatch
 
-    g = torch.Generator().manual_seed(0)
-    N = N_PROMPTS * N_SAMPLES
-    prompt_len = torch.randint(2, P + 1, (N,), generator=g)
-    resp_len = torch.randint(1, R + 1, (N,), generator=g)
-    ids = torch.randint(6, vocab, (N, P + R), generator=g)
-    attn = torch.zeros(N, P + R, dtype=torch.long)
-    for i in range(N):
-        attn[i, P - prompt_len[i]:P + resp_len[i]] = 1
-    ids = ids * attn
-    resp_mask = attn[:, P:].float()
-    batch = RolloutBatch(input_ids=ids, attention_mask=attn, responses=ids[:, P:], response_mask=resp_mask,
-                         index=torch.arange(N_PROMPTS).repeat_interleave(N_SAMPLES),
-                         rollout_log_probs=-torch.rand(N, R, generator=g), truncated=torch.zeros(N, dtype=torch.bool))
-    batch.token_level_scores = place_reward_on_last_token(torch.rand(N, generator=g), resp_mask)
+    batch = random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab)
+    g = torch.Generator().manual_seed(1)
+    batch.token_level_scores = place_reward_on_last_token(torch.rand(len(batch), generator=g), batch.response_mask)
     return batch
 
 
