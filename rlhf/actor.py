@@ -17,7 +17,6 @@ The gradient norm is global over all pp x dp x tp ranks.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -39,12 +38,8 @@ from rlhf.models.lora import apply_lora
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
 from rlhf.models.vocab_parallel import log_probs_from_logits
-from rlhf.optim import build_optimizer, build_scheduler
+from rlhf.optim import NonFiniteGuard, build_optimizer, build_scheduler
 from rlhf.parallel import all_reduce_sum
-
-
-class NonFiniteError(RuntimeError):
-    """Raised when too many consecutive optimizer steps had a non-finite loss or grad norm."""
 
 
 @dataclass
@@ -126,9 +121,7 @@ class PolicyWorker:
         self.stage_ranks = mesh["dp"].size() * mesh["tp"].size()
         self.grad_scale = grad_scale(mesh["dp"])
         self.optimizer = self.scheduler = None
-        self.nan_steps = 0
-        self.skipped_steps = 0
-        self.max_nan_steps = 3
+        self.nonfinite = NonFiniteGuard("actor", "lower actor.lr or check the data")
         if trainable:
             assert actor_cfg is not None
             self.optimizer = build_optimizer(self.model.parameters(), lr=actor_cfg.lr,
@@ -264,10 +257,8 @@ class PolicyWorker:
                 all_reduce_sum(step_loss, self.dp_group)
                 grad_norm = clip_grad_norm_(params, cfg.grad_clip, stage_ranks=self.stage_ranks,
                                             norm_params=norm_params, device=self.device)
-                if not (math.isfinite(step_loss.item()) and math.isfinite(float(grad_norm))):
-                    self._skip_nonfinite(step_loss.item(), float(grad_norm))
+                if not self.nonfinite.ok(step_loss.item(), float(grad_norm), self.optimizer):
                     continue
-                self.nan_steps = 0
                 self.optimizer.step()
                 metrics.add("actor/loss", step_loss.item())
                 metrics.add("actor/grad_norm", float(grad_norm))
@@ -280,7 +271,7 @@ class PolicyWorker:
                                        group=self.pp_group)
             out = box[0]
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["actor/skipped_nonfinite_steps"] = float(self.skipped_steps)
+        out["actor/skipped_nonfinite_steps"] = float(self.nonfinite.skipped)
         self.scheduler.step()
         return out
 
@@ -368,18 +359,6 @@ class PolicyWorker:
         # Reduce-scatter gradients only on the last micro-batch of a mini-batch.
         if hasattr(self.model, "set_requires_gradient_sync"):
             self.model.set_requires_gradient_sync(last)
-
-    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nan_steps += 1
-        self.skipped_steps += 1
-        if dist.get_rank() == 0:
-            print(f"[rlhf] non-finite loss/grad norm (loss={loss}, grad_norm={grad_norm}); "
-                  f"optimizer step skipped ({self.nan_steps} in a row)", flush=True)
-        if self.nan_steps > self.max_nan_steps:
-            raise NonFiniteError(f"{self.nan_steps} consecutive non-finite optimizer steps "
-                                 f"(last loss={loss}, grad_norm={grad_norm}); lower actor.lr or check the data")
-
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)

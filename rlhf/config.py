@@ -76,7 +76,7 @@ class RolloutConfig:
     kv_cache_tokens: int = _f(0, "KV-cache budget in tokens per rank; 0 = max_num_seqs x max sequence length.")
     val_temperature: float = _f(0.0, "Validation sampling temperature (0 = greedy, like verl val_kwargs.do_sample=False).")
     seed: int = _f(0, "Sampling seed; samples are keyed by (seed, step, prompt index, sample index).")
-    compile: bool = _f(False, "On CUDA: capture the decode step (CUDA graphs / torch.compile).")
+    compile: bool = _f(False, "On CUDA: capture decode steps as CUDA graphs (static shapes); ignored on CPU.")
 
 
 @dataclass
@@ -196,8 +196,8 @@ class TrainerConfig:
     project_name: str = _f("rlhf", "Project name for loggers.")
     experiment_name: str = _f("run", "Experiment name for loggers.")
     logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, tensorboard, mlflow.")
-    detect_anomaly_nan: bool = _f(True, "Skip (and count) optimizer steps whose loss or grad norm is not finite.")
-    max_nan_steps: int = _f(3, "Abort after this many consecutive non-finite steps.")
+    max_nan_steps: int = _f(3, "Optimizer steps with a non-finite loss/grad norm are skipped and counted; "
+                                 "abort after this many in a row.")
     stop_after_steps: int = _f(-1, "Exit after this many steps in this process (e.g. a time-limited slurm job); "
                                    "the schedule still spans total_training_steps and a later run resumes.")
 

@@ -29,7 +29,6 @@ for forward-only passes), with the same count on every dp rank.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
@@ -38,19 +37,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from rlhf.actor import MetricSums, NonFiniteError, check_features
+from rlhf.actor import MetricSums, check_features
 from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.value_loss import compute_value_loss
 from rlhf.batch import RolloutBatch, split_rows
 from rlhf.config import ConfigError, CriticConfig, ModelConfig, ParallelConfig
 from rlhf.data.batching import micro_batches_for_rank
-from rlhf.data.packing import unpad
 from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import DTYPES, check_model_dir
 from rlhf.models.logprobs import position_ids_from_mask
-from rlhf.models.packed import _packed_call, response_positions
+from rlhf.models.packed import packed_forward_values
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
-from rlhf.optim import build_optimizer, build_scheduler
+from rlhf.optim import NonFiniteGuard, build_optimizer, build_scheduler
 from rlhf.parallel import all_reduce_sum
 
 _HEAD_NAMES = ("score", "classifier")
@@ -97,25 +95,6 @@ def load_value_model(path: str, *, dtype: str = "float32", attn_implementation: 
         if head.bias is not None and f"{head_name}.bias" in missing:
             head.bias.zero_()
     return model
-
-
-def packed_forward_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                          response_length: int) -> torch.Tensor:
-    """Padding-free values ``[B, R]`` (fp32) of a token-classification critic; 0 at pad response tokens.
-
-    The real tokens are packed into one row (:func:`rlhf.data.packing.unpad`, varlen
-    attention per sequence) and run through the model's own forward (FSDP2 hooks run as
-    usual); the ``[1, total, 1]`` head output is read at the packed positions ``P + t - 1``
-    that precede each real response token ``t`` (:func:`rlhf.models.packed.response_positions`),
-    the positions of the padded path's ``logits[:, -R-1:-1]``. The head is ``H -> 1``, so
-    applying it to every packed token costs nothing worth avoiding.
-    """
-    B, R = input_ids.shape[0], int(response_length)
-    packed = unpad(input_ids, attention_mask)
-    pos = response_positions(input_ids, attention_mask, packed, R)
-    out = _packed_call(model, packed)
-    v = out.logits[0, :, 0].index_select(0, pos.rows).float()  # [N]
-    return v.new_zeros(B * R).index_put((pos.flat,), v).view(B, R)
 
 
 class CriticWorker:
@@ -167,9 +146,7 @@ class CriticWorker:
                                          warmup_steps=critic_cfg.lr_warmup_steps,
                                          warmup_ratio=critic_cfg.lr_warmup_steps_ratio,
                                          style=critic_cfg.warmup_style)
-        self.nan_steps = 0
-        self.skipped_steps = 0
-        self.max_nan_steps = 3
+        self.nonfinite = NonFiniteGuard("critic", "lower critic.lr or check the rewards")
 
     # ------------------------------------------------------------------ forward
 
@@ -265,10 +242,8 @@ class CriticWorker:
                 all_reduce_sum(step_loss, self.dp_group)
                 grad_norm = clip_grad_norm_(params, cfg.grad_clip, stage_ranks=self.stage_ranks,
                                             norm_params=norm_params, device=self.device)
-                if not (math.isfinite(step_loss.item()) and math.isfinite(float(grad_norm))):
-                    self._skip_nonfinite(step_loss.item(), float(grad_norm))
+                if not self.nonfinite.ok(step_loss.item(), float(grad_norm), self.optimizer):
                     continue
-                self.nan_steps = 0
                 self.optimizer.step()
                 metrics.add("critic/vf_loss", step_loss.item())
                 metrics.add("critic/grad_norm", float(grad_norm))
@@ -281,7 +256,7 @@ class CriticWorker:
                                        group=self.pp_group)
             out = box[0]
         out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["critic/skipped_nonfinite_steps"] = float(self.skipped_steps)
+        out["critic/skipped_nonfinite_steps"] = float(self.nonfinite.skipped)
         self.scheduler.step()
         return out
 
@@ -340,13 +315,3 @@ class CriticWorker:
         if hasattr(self.model, "set_requires_gradient_sync"):
             self.model.set_requires_gradient_sync(last)
 
-    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nan_steps += 1
-        self.skipped_steps += 1
-        if dist.get_rank() == 0:
-            print(f"[rlhf] critic: non-finite loss/grad norm (loss={loss}, grad_norm={grad_norm}); "
-                  f"optimizer step skipped ({self.nan_steps} in a row)", flush=True)
-        if self.nan_steps > self.max_nan_steps:
-            raise NonFiniteError(f"critic: {self.nan_steps} consecutive non-finite optimizer steps "
-                                 f"(last loss={loss}, grad_norm={grad_norm}); lower critic.lr or check the rewards")

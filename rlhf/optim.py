@@ -50,3 +50,39 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient norm."""
+
+
+class NonFiniteGuard:
+    """Skip (and count) optimizer steps whose loss or grad norm is not finite.
+
+    A single bad batch should not poison the weights, but a run that keeps producing them
+    is broken: after `max_consecutive` skipped steps in a row it raises NonFiniteError
+    with `hint` (which setting to look at).
+    """
+
+    def __init__(self, name: str, hint: str, max_consecutive: int = 3):
+        self.name, self.hint, self.max_consecutive = name, hint, max_consecutive
+        self.in_a_row = 0
+        self.skipped = 0  # total over the run (checkpointed by the trainer)
+
+    def ok(self, loss: float, grad_norm: float, optimizer: torch.optim.Optimizer) -> bool:
+        """True when the step may be taken; otherwise drop the gradients, count, maybe abort."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.in_a_row = 0
+            return True
+        optimizer.zero_grad(set_to_none=True)
+        self.in_a_row += 1
+        self.skipped += 1
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[rlhf] {self.name}: non-finite loss/grad norm (loss={loss}, grad_norm={grad_norm}); "
+                  f"optimizer step skipped ({self.in_a_row} in a row)", flush=True)
+        if self.in_a_row > self.max_consecutive:
+            raise NonFiniteError(f"{self.name}: {self.in_a_row} consecutive non-finite optimizer steps "
+                                 f"(last loss={loss}, grad_norm={grad_norm}); {self.hint}")
+        return False

@@ -100,7 +100,7 @@ class PPOTrainer(RLTrainer):
                                    max_response_length=cfg.data.max_response_length, parallel_cfg=cfg.parallel,
                                    use_dynamic_bsz=a.use_dynamic_bsz,
                                    forward_max_token_len=a.log_prob_max_token_len_per_gpu)
-        self.critic.max_nan_steps = cfg.trainer.max_nan_steps
+        self.critic.nonfinite.max_consecutive = cfg.trainer.max_nan_steps
 
     # ------------------------------------------------------------------ phases
 
@@ -129,13 +129,13 @@ class PPOTrainer(RLTrainer):
     def trainer_state(self) -> dict:
         st = super().trainer_state()
         st["critic_scheduler"] = self.critic.scheduler.state_dict()
-        st["critic_skipped_steps"] = self.critic.skipped_steps
+        st["critic_skipped_steps"] = self.critic.nonfinite.skipped
         return st
 
     def load_trainer_state(self, st: dict) -> None:
         super().load_trainer_state(st)
         self.critic.scheduler.load_state_dict(st["critic_scheduler"])
-        self.critic.skipped_steps = st.get("critic_skipped_steps", 0)
+        self.critic.nonfinite.skipped = st.get("critic_skipped_steps", 0)
 
     def fit(self) -> dict[str, float]:
         summary = super().fit()

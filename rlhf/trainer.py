@@ -82,7 +82,7 @@ class RLTrainer:
             return
         self.actor = PolicyWorker(cfg.model, self.mesh, self.device, trainable=True, actor_cfg=cfg.actor,
                                   total_steps=self.total_steps, parallel_cfg=cfg.parallel)
-        self.actor.max_nan_steps = cfg.trainer.max_nan_steps
+        self.actor.nonfinite.max_consecutive = cfg.trainer.max_nan_steps
         self.need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # With LoRA the reference is the actor with its adapters disabled: no second base copy.
         self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False, parallel_cfg=cfg.parallel,
@@ -391,14 +391,14 @@ class RLTrainer:
         """JSON-able state; subclasses extend it and `load_trainer_state`."""
         return {"global_step": self.global_step, "loader": self.loader.state_dict(),
                 "actor_scheduler": self.actor.scheduler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "skipped_steps": self.actor.skipped_steps}
+                "skipped_steps": self.actor.nonfinite.skipped}
 
     def load_trainer_state(self, st: dict) -> None:
         self.global_step = st["global_step"]
         self.loader.load_state_dict(st["loader"])
         self.actor.scheduler.load_state_dict(st["actor_scheduler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
-        self.actor.skipped_steps = st.get("skipped_steps", 0)
+        self.actor.nonfinite.skipped = st.get("skipped_steps", 0)
 
     def save(self) -> None:
         path = save_checkpoint(str(self.out_dir), self.global_step, self._stateful(), self.trainer_state(),

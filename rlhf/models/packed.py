@@ -186,3 +186,22 @@ def packed_forward_hidden(
     hidden = hidden[0].index_select(0, pos.rows)  # [N, H]
     full = hidden.new_zeros(B * R, hidden.shape[-1]).index_put((pos.flat,), hidden)
     return full.view(B, R, -1)
+
+
+def packed_forward_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                          response_length: int) -> torch.Tensor:
+    """Padding-free values ``[B, R]`` (fp32) of a token-classification critic; 0 at pad response tokens.
+
+    The real tokens are packed into one row (:func:`rlhf.data.packing.unpad`, varlen
+    attention per sequence) and run through the model's own forward (FSDP2 hooks run as
+    usual); the ``[1, total, 1]`` head output is read at the packed positions ``P + t - 1``
+    that precede each real response token ``t`` (:func:`rlhf.models.packed.response_positions`),
+    the positions of the padded path's ``logits[:, -R-1:-1]``. The head is ``H -> 1``, so
+    applying it to every packed token costs nothing worth avoiding.
+    """
+    B, R = input_ids.shape[0], int(response_length)
+    packed = unpad(input_ids, attention_mask)
+    pos = response_positions(input_ids, attention_mask, packed, R)
+    out = _packed_call(model, packed)
+    v = out.logits[0, :, 0].index_select(0, pos.rows).float()  # [N]
+    return v.new_zeros(B * R).index_put((pos.flat,), v).view(B, R)

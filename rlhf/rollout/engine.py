@@ -129,7 +129,8 @@ class RolloutEngine:
         t1 = time.perf_counter()
         sampler = Sampler(hf_config, weights, pad_token_id=self.pad_id, device=self.device, dtype=self.dtype,
                           max_num_seqs=self.cfg.max_num_seqs, max_seq_len=self.P + self.R,
-                          kv_cache_tokens=self.cfg.kv_cache_tokens or None, tp_group=lay.tp_group)
+                          kv_cache_tokens=self.cfg.kv_cache_tokens or None, tp_group=lay.tp_group,
+                          use_cuda_graph=self.cfg.compile and self.device.type == "cuda")
         params = self.sampling_params(n=n, temperature=temperature, seed=self.cfg.seed)
         if local_rows is None and dist.is_initialized() and dist.get_world_size() > 1:
             prompts, local_rows = self._global_prompts(prompts)
