@@ -68,6 +68,37 @@ class MetricSums:
         return {n: (t[i, 0] / t[i, 1]).item() if t[i, 1] > 0 else 0.0 for i, n in enumerate(names)}
 
 
+def global_agg_norm(mask: torch.Tensor, group, max_response_len: int) -> AggNorm:
+    """Token and sequence counts of a mini-batch over all dp ranks (mask [N, R]).
+
+    Sequences with no response token do not count, as in agg_loss with norm=None.
+    """
+    counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).double()
+    all_reduce_sum(counts, group)
+    return AggNorm(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_response_len=max_response_len)
+
+
+def clipped_step(worker, step_loss: torch.Tensor, params: list, norm_params: list, max_norm: float,
+                 metrics: "MetricSums", prefix: str, loss_name: str) -> None:
+    """Global grad-norm clipping, then an optimizer step unless loss or norm is non-finite."""
+    grad_norm = clip_grad_norm_(params, max_norm, stage_ranks=worker.stage_ranks, norm_params=norm_params,
+                                device=worker.device)
+    if not worker.nonfinite.ok(step_loss.item(), float(grad_norm), worker.optimizer):
+        return
+    worker.optimizer.step()
+    metrics.add(f"{prefix}/{loss_name}", step_loss.item())
+    metrics.add(f"{prefix}/grad_norm", float(grad_norm))
+
+
+def from_last_stage(out: dict, pipeline, pp_group) -> dict:
+    """Loss-term metrics exist on the last pipeline stage only; its dp group has the totals."""
+    if pipeline is None:
+        return out
+    box = [out]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(pp_group, pipeline.pp - 1), group=pp_group)
+    return box[0]
+
+
 def check_features(model_cfg: ModelConfig, mesh: DeviceMesh, lora: bool) -> None:
     """Feature combinations this version does not support, named before any work is done."""
     tp, pp = mesh["tp"].size(), mesh["pp"].size()
@@ -241,13 +272,7 @@ class PolicyWorker:
             order = torch.randperm(n_rows, generator=gen) if cfg.shuffle else torch.arange(n_rows)
             for mini_rows in split_rows(n_rows, mini_batch_rows):
                 mini = batch.select(order[mini_rows])
-                mask = mini.response_mask
-                # Sequences with no response token do not count (as in agg_loss with norm=None).
-                counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64,
-                                      device=self.device)
-                all_reduce_sum(counts, self.dp_group)
-                norm = AggNorm(global_tokens=counts[0].item(), global_seqs=counts[1].item(),
-                               max_response_len=max_response_length)
+                norm = global_agg_norm(mini.response_mask, self.dp_group, max_response_length)
                 self.optimizer.zero_grad(set_to_none=True)
                 terms = dict(pg_fn=loss_fn, low=low, high=high, mode=mode, norm=norm)
                 if self.pipeline is not None:
@@ -255,21 +280,9 @@ class PolicyWorker:
                 else:
                     step_loss = self._mini_step(mini, terms, temperature, metrics)
                 all_reduce_sum(step_loss, self.dp_group)
-                grad_norm = clip_grad_norm_(params, cfg.grad_clip, stage_ranks=self.stage_ranks,
-                                            norm_params=norm_params, device=self.device)
-                if not self.nonfinite.ok(step_loss.item(), float(grad_norm), self.optimizer):
-                    continue
-                self.optimizer.step()
-                metrics.add("actor/loss", step_loss.item())
-                metrics.add("actor/grad_norm", float(grad_norm))
+                clipped_step(self, step_loss, params, norm_params, cfg.grad_clip, metrics, "actor", "loss")
         self.optimizer.zero_grad(set_to_none=True)
-        out = metrics.reduce(self.dp_group)
-        if self.pipeline is not None:
-            # Loss-term metrics exist on the last stage only; its dp group has the totals.
-            box = [out]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pipeline.pp - 1),
-                                       group=self.pp_group)
-            out = box[0]
+        out = from_last_stage(metrics.reduce(self.dp_group), self.pipeline, self.pp_group)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         out["actor/skipped_nonfinite_steps"] = float(self.nonfinite.skipped)
         self.scheduler.step()

@@ -32,12 +32,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from rlhf.actor import MetricSums, check_features
+from rlhf.actor import MetricSums, check_features, clipped_step, from_last_stage, global_agg_norm
 from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.value_loss import compute_value_loss
 from rlhf.batch import RolloutBatch, split_rows
@@ -47,7 +46,7 @@ from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import DTYPES, check_model_dir
 from rlhf.models.logprobs import position_ids_from_mask
 from rlhf.models.packed import packed_forward_values
-from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
+from rlhf.models.parallelize import ParallelModel, parallelize_model
 from rlhf.optim import NonFiniteGuard, build_optimizer, build_scheduler
 from rlhf.parallel import all_reduce_sum
 
@@ -229,32 +228,16 @@ class CriticWorker:
         for _ in range(cfg.ppo_epochs):
             for mini_rows in split_rows(n_rows, mini_batch_rows):
                 mini = batch.select(mini_rows)
-                mask = mini.response_mask
-                counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).double()
-                all_reduce_sum(counts, self.dp_group)
-                norm = AggNorm(global_tokens=counts[0].item(), global_seqs=counts[1].item(),
-                               max_response_len=self.max_response_length)
+                norm = global_agg_norm(mini.response_mask, self.dp_group, self.max_response_length)
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.pipeline is not None:
                     step_loss = self._pp_mini_step(mini, norm, metrics)
                 else:
                     step_loss = self._mini_step(mini, norm, metrics)
                 all_reduce_sum(step_loss, self.dp_group)
-                grad_norm = clip_grad_norm_(params, cfg.grad_clip, stage_ranks=self.stage_ranks,
-                                            norm_params=norm_params, device=self.device)
-                if not self.nonfinite.ok(step_loss.item(), float(grad_norm), self.optimizer):
-                    continue
-                self.optimizer.step()
-                metrics.add("critic/vf_loss", step_loss.item())
-                metrics.add("critic/grad_norm", float(grad_norm))
+                clipped_step(self, step_loss, params, norm_params, cfg.grad_clip, metrics, "critic", "vf_loss")
         self.optimizer.zero_grad(set_to_none=True)
-        out = metrics.reduce(self.dp_group)
-        if self.pipeline is not None:
-            # Loss-term metrics exist on the last stage only; its dp group has the totals.
-            box = [out]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pipeline.pp - 1),
-                                       group=self.pp_group)
-            out = box[0]
+        out = from_last_stage(metrics.reduce(self.dp_group), self.pipeline, self.pp_group)
         out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
         out["critic/skipped_nonfinite_steps"] = float(self.nonfinite.skipped)
         self.scheduler.step()
