@@ -176,9 +176,18 @@ class MetricsLogger:
             self._wandb.log(values, step=step)
 
     def mark_start(self, step: int) -> None:
-        """Steps before `step` were done by an earlier process (resume): ETA counts from here."""
+        """Steps before `step` were done by an earlier process (resume): ETA counts from here,
+        and rows the earlier process logged after its last checkpoint (step > `step`) are
+        dropped, so each step appears once in metrics.jsonl."""
         self._first_step = step
         self._start = time.perf_counter()
+        if self._file is None or not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if len(keep) != len(lines):
+            # The append-mode handle writes at the end of whatever the file now holds.
+            self.path.write_text("".join(keep))
 
     def close(self) -> None:
         """Flush and close every backend."""

@@ -125,3 +125,21 @@ def test_plot_series_last_value_per_step():
         sys.path.pop(0)
     rows = [{"step": 1, "a": 1.0}, {"step": 2}, {"step": 2, "a": 5.0}, {"step": 1, "a": 3.0}, {"step": 3, "a": math.nan}]
     assert series(rows, "a") == ([1, 2], [3.0, 5.0])
+
+
+def test_mark_start_drops_rows_after_the_resumed_step(tmp_path):
+    from rlhf.metrics import MetricsLogger, read_metrics
+
+    first = MetricsLogger(tmp_path, backends=("jsonl",), total_steps=5)
+    for step in range(1, 5):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    # A restart from the step-2 checkpoint: steps 3-4 of the first process are gone, 3-5 re-logged.
+    second = MetricsLogger(tmp_path, backends=("jsonl",), total_steps=5)
+    second.mark_start(2)
+    for step in range(3, 6):
+        second.log(step, {"loss": 10.0 * step})
+    second.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in rows] == [1.0, 2.0, 30.0, 40.0, 50.0]
