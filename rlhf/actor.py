@@ -68,35 +68,52 @@ class MetricSums:
         return {n: (t[i, 0] / t[i, 1]).item() if t[i, 1] > 0 else 0.0 for i, n in enumerate(names)}
 
 
-def global_agg_norm(mask: torch.Tensor, group, max_response_len: int) -> AggNorm:
-    """Token and sequence counts of a mini-batch over all dp ranks (mask [N, R]).
+def run_ppo_epochs(worker, batch: RolloutBatch, *, mini_batch_rows: int, epochs: int, shuffle: bool,
+                   max_response_len: int, grad_clip: float, prefix: str, loss_name: str,
+                   mini_step: Callable[[RolloutBatch, AggNorm, "MetricSums"], torch.Tensor]) -> dict[str, float]:
+    """The update loop shared by the actor and the critic: `epochs` passes over mini-batches of
+    `mini_batch_rows` local rows, one clipped optimizer step per mini-batch.
 
-    Sequences with no response token do not count, as in agg_loss with norm=None.
+    `mini_step(mini, norm, metrics)` accumulates gradients and returns this rank's loss sum;
+    `norm` holds the mini-batch's token and sequence counts over all dp ranks (sequences
+    without a response token do not count, as in agg_loss with norm=None). Steps whose loss
+    or global grad norm is not finite are skipped by the worker's NonFiniteGuard. Returns
+    metrics reduced over dp (and taken from the last pipeline stage, which computes the loss).
     """
-    counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).double()
-    all_reduce_sum(counts, group)
-    return AggNorm(global_tokens=counts[0].item(), global_seqs=counts[1].item(), max_response_len=max_response_len)
-
-
-def clipped_step(worker, step_loss: torch.Tensor, params: list, norm_params: list, max_norm: float,
-                 metrics: "MetricSums", prefix: str, loss_name: str) -> None:
-    """Global grad-norm clipping, then an optimizer step unless loss or norm is non-finite."""
-    grad_norm = clip_grad_norm_(params, max_norm, stage_ranks=worker.stage_ranks, norm_params=norm_params,
-                                device=worker.device)
-    if not worker.nonfinite.ok(step_loss.item(), float(grad_norm), worker.optimizer):
-        return
-    worker.optimizer.step()
-    metrics.add(f"{prefix}/{loss_name}", step_loss.item())
-    metrics.add(f"{prefix}/grad_norm", float(grad_norm))
-
-
-def from_last_stage(out: dict, pipeline, pp_group) -> dict:
-    """Loss-term metrics exist on the last pipeline stage only; its dp group has the totals."""
-    if pipeline is None:
-        return out
-    box = [out]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(pp_group, pipeline.pp - 1), group=pp_group)
-    return box[0]
+    metrics = MetricSums.new(worker.device)
+    params = [p for p in worker.model.parameters() if p.requires_grad]
+    norm_params = [p for p in worker.parallel.norm_parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(1234)
+    n_rows = len(batch)
+    for _ in range(epochs):
+        order = torch.randperm(n_rows, generator=gen) if shuffle else torch.arange(n_rows)
+        for rows in split_rows(n_rows, mini_batch_rows):
+            mini = batch.select(order[rows])
+            mask = mini.response_mask
+            counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).double()
+            all_reduce_sum(counts, worker.dp_group)
+            norm = AggNorm(global_tokens=counts[0].item(), global_seqs=counts[1].item(),
+                           max_response_len=max_response_len)
+            worker.optimizer.zero_grad(set_to_none=True)
+            step_loss = mini_step(mini, norm, metrics)
+            all_reduce_sum(step_loss, worker.dp_group)
+            grad_norm = clip_grad_norm_(params, grad_clip, stage_ranks=worker.stage_ranks, norm_params=norm_params,
+                                        device=worker.device)
+            if worker.nonfinite.ok(step_loss.item(), float(grad_norm), worker.optimizer):
+                worker.optimizer.step()
+                metrics.add(f"{prefix}/{loss_name}", step_loss.item())
+                metrics.add(f"{prefix}/grad_norm", float(grad_norm))
+    worker.optimizer.zero_grad(set_to_none=True)
+    out = metrics.reduce(worker.dp_group)
+    if worker.pipeline is not None:
+        box = [out]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(worker.pp_group, worker.pipeline.pp - 1),
+                                   group=worker.pp_group)
+        out = box[0]
+    out[f"{prefix}/lr"] = worker.optimizer.param_groups[0]["lr"]
+    out[f"{prefix}/skipped_nonfinite_steps"] = float(worker.nonfinite.skipped)
+    worker.scheduler.step()
+    return out
 
 
 def check_features(model_cfg: ModelConfig, mesh: DeviceMesh, lora: bool) -> None:
@@ -262,31 +279,16 @@ class PolicyWorker:
         low = cfg.clip_ratio_low if cfg.clip_ratio_low >= 0 else cfg.clip_ratio
         high = cfg.clip_ratio_high if cfg.clip_ratio_high >= 0 else cfg.clip_ratio
         mode = cfg.loss_agg_mode
-        metrics = MetricSums.new(self.device)
         self.model.train()
-        n_rows = len(batch)
-        gen = torch.Generator().manual_seed(1234)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm_params = [p for p in self.parallel.norm_parameters() if p.requires_grad]
-        for epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(n_rows, generator=gen) if cfg.shuffle else torch.arange(n_rows)
-            for mini_rows in split_rows(n_rows, mini_batch_rows):
-                mini = batch.select(order[mini_rows])
-                norm = global_agg_norm(mini.response_mask, self.dp_group, max_response_length)
-                self.optimizer.zero_grad(set_to_none=True)
-                terms = dict(pg_fn=loss_fn, low=low, high=high, mode=mode, norm=norm)
-                if self.pipeline is not None:
-                    step_loss = self._pp_mini_step(mini, terms, temperature, metrics)
-                else:
-                    step_loss = self._mini_step(mini, terms, temperature, metrics)
-                all_reduce_sum(step_loss, self.dp_group)
-                clipped_step(self, step_loss, params, norm_params, cfg.grad_clip, metrics, "actor", "loss")
-        self.optimizer.zero_grad(set_to_none=True)
-        out = from_last_stage(metrics.reduce(self.dp_group), self.pipeline, self.pp_group)
-        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["actor/skipped_nonfinite_steps"] = float(self.nonfinite.skipped)
-        self.scheduler.step()
-        return out
+
+        def mini_step(mini: RolloutBatch, norm: AggNorm, metrics: MetricSums) -> torch.Tensor:
+            terms = dict(pg_fn=loss_fn, low=low, high=high, mode=mode, norm=norm)
+            step = self._pp_mini_step if self.pipeline is not None else self._mini_step
+            return step(mini, terms, temperature, metrics)
+
+        return run_ppo_epochs(self, batch, mini_batch_rows=mini_batch_rows, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+                              max_response_len=max_response_length, grad_clip=cfg.grad_clip, prefix="actor",
+                              loss_name="loss", mini_step=mini_step)
 
     def _mini_step(self, mini: RolloutBatch, terms: dict, temperature: float, metrics: MetricSums) -> torch.Tensor:
         """Gradient accumulation over micro-batches; returns this rank's loss sum (float64)."""

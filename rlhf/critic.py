@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from rlhf.actor import MetricSums, check_features, clipped_step, from_last_stage, global_agg_norm
+from rlhf.actor import MetricSums, check_features, run_ppo_epochs
 from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.value_loss import compute_value_loss
 from rlhf.batch import RolloutBatch, split_rows
@@ -48,7 +48,6 @@ from rlhf.models.logprobs import position_ids_from_mask
 from rlhf.models.packed import packed_forward_values
 from rlhf.models.parallelize import ParallelModel, parallelize_model
 from rlhf.optim import NonFiniteGuard, build_optimizer, build_scheduler
-from rlhf.parallel import all_reduce_sum
 
 _HEAD_NAMES = ("score", "classifier")
 _RM_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
@@ -220,28 +219,11 @@ class CriticWorker:
         ``critic.loss_agg_mode`` with the mini-batch's global counts.
         """
         cfg = self.cfg
-        metrics = MetricSums.new(self.device)
         self.parallel.train()
-        n_rows = len(batch)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm_params = [p for p in self.parallel.norm_parameters() if p.requires_grad]
-        for _ in range(cfg.ppo_epochs):
-            for mini_rows in split_rows(n_rows, mini_batch_rows):
-                mini = batch.select(mini_rows)
-                norm = global_agg_norm(mini.response_mask, self.dp_group, self.max_response_length)
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.pipeline is not None:
-                    step_loss = self._pp_mini_step(mini, norm, metrics)
-                else:
-                    step_loss = self._mini_step(mini, norm, metrics)
-                all_reduce_sum(step_loss, self.dp_group)
-                clipped_step(self, step_loss, params, norm_params, cfg.grad_clip, metrics, "critic", "vf_loss")
-        self.optimizer.zero_grad(set_to_none=True)
-        out = from_last_stage(metrics.reduce(self.dp_group), self.pipeline, self.pp_group)
-        out["critic/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["critic/skipped_nonfinite_steps"] = float(self.nonfinite.skipped)
-        self.scheduler.step()
-        return out
+        return run_ppo_epochs(self, batch, mini_batch_rows=mini_batch_rows, epochs=cfg.ppo_epochs, shuffle=False,
+                              max_response_len=self.max_response_length, grad_clip=cfg.grad_clip, prefix="critic",
+                              loss_name="vf_loss",
+                              mini_step=self._pp_mini_step if self.pipeline is not None else self._mini_step)
 
     def _loss(self, vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
               norm: AggNorm) -> tuple[torch.Tensor, dict[str, float], float]:
