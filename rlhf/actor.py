@@ -116,6 +116,15 @@ def run_ppo_epochs(worker, batch: RolloutBatch, *, mini_batch_rows: int, epochs:
     return out
 
 
+def adopt_layout(worker, parallel: ParallelModel, mesh: DeviceMesh) -> None:
+    """Attributes every training worker (actor, reference, critic) derives from its layout."""
+    worker.model = parallel.module
+    worker.pipeline = parallel.pipeline
+    worker.pp_group = parallel.pp_group
+    worker.stage_ranks = mesh["dp"].size() * mesh["tp"].size()  # ranks holding one pp stage
+    worker.grad_scale = grad_scale(mesh["dp"])
+
+
 def check_features(model_cfg: ModelConfig, mesh: DeviceMesh, lora: bool) -> None:
     """Feature combinations this version does not support, named before any work is done."""
     tp, pp = mesh["tp"].size(), mesh["pp"].size()
@@ -163,11 +172,7 @@ class PolicyWorker:
             param_offload=model_cfg.param_offload,
             activation_checkpointing=trainable and model_cfg.enable_gradient_checkpointing)
         del model  # with pp, the other stages' layers are freed here
-        self.model = self.parallel.module
-        self.pipeline = self.parallel.pipeline
-        self.pp_group = self.parallel.pp_group
-        self.stage_ranks = mesh["dp"].size() * mesh["tp"].size()
-        self.grad_scale = grad_scale(mesh["dp"])
+        adopt_layout(self, self.parallel, mesh)
         self.optimizer = self.scheduler = None
         self.nonfinite = NonFiniteGuard("actor", "lower actor.lr or check the data")
         if trainable:

@@ -36,13 +36,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from rlhf.actor import MetricSums, check_features, run_ppo_epochs
+from rlhf.actor import MetricSums, adopt_layout, check_features, run_ppo_epochs
 from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.value_loss import compute_value_loss
 from rlhf.batch import RolloutBatch, split_rows
 from rlhf.config import ConfigError, CriticConfig, ModelConfig, ParallelConfig
 from rlhf.data.batching import micro_batches_for_rank
-from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import DTYPES, check_model_dir
 from rlhf.models.logprobs import position_ids_from_mask
 from rlhf.models.packed import packed_forward_values
@@ -133,11 +132,7 @@ class CriticWorker:
             param_offload=model_cfg.param_offload, activation_checkpointing=model_cfg.enable_gradient_checkpointing,
             pp_output="values")
         del model  # with pp, the other stages' layers are freed here
-        self.model = self.parallel.module
-        self.pipeline = self.parallel.pipeline
-        self.pp_group = self.parallel.pp_group
-        self.stage_ranks = mesh["dp"].size() * mesh["tp"].size()
-        self.grad_scale = grad_scale(mesh["dp"])
+        adopt_layout(self, self.parallel, mesh)
         self.optimizer = build_optimizer(self.model.parameters(), lr=critic_cfg.lr,
                                          weight_decay=critic_cfg.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, total_steps=total_steps,

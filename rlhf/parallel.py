@@ -102,10 +102,6 @@ def init_distributed(device: str = "auto") -> DistEnv:
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend)
 
 
-def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    return mesh["dp"].get_group()
-
-
 def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -118,14 +114,6 @@ def all_gather_object(obj, group: Optional[dist.ProcessGroup] = None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def broadcast_object(obj, src: int = 0):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def make_global_whiten(group: Optional[dist.ProcessGroup] = None, eps: float = 1e-8):

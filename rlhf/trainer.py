@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -6,7 +6,6 @@ torchtitan one: apply_tp -> apply_ac -> apply_fsdp.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,7 +43,3 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
 def grad_scale(dp_mesh: DeviceMesh) -> float:
     """Factor that undoes FSDP2's gradient averaging over dp (see apply_fsdp)."""
     return float(dp_mesh.size())
-
-
-def fsdp_modules(model: torch.nn.Module):
-    return [m for m in model.modules() if hasattr(m, "reshard") and hasattr(m, "unshard")]

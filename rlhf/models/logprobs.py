@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from rlhf.algos.kl import entropy_from_logits
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, L] -> [B, L] positions counting only real tokens (left padding gets 0)."""
@@ -28,10 +30,7 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if compute_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = lse - (probs * logits).sum(-1)
+    entropy = entropy_from_logits(logits) if compute_entropy else None
     return picked - lse, entropy
 
 

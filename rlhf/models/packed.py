@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlhf.algos.kl import entropy_from_logits
 from rlhf.data.packing import PackedBatch, unpad
 from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention
 
@@ -29,7 +30,6 @@ __all__ = [
     "response_positions",
     "packed_forward_log_probs",
     "packed_forward_hidden",
-    "entropy_from_logits",
 ]
 
 
@@ -69,12 +69,6 @@ def response_positions(
     keep = (rows >= 0) & attention_mask[:, P:].bool()  # [B, R]
     flat = torch.nonzero(keep.flatten(), as_tuple=False).flatten()  # [N]
     return ResponsePositions(rows=rows.flatten()[flat], flat=flat, labels=input_ids[:, P:].flatten()[flat])
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """``H = logsumexp(z) - sum_v softmax(z)_v z_v`` for ``logits [N, V]`` -> ``[N]`` (verl's form)."""
-    pd = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(dim=-1)
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:

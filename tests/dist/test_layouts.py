@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._assets import write_tiny_assets
 from tests.dist._batches import random_rollout_batch
 from tests.dist._dist_utils import run_distributed
 
@@ -39,13 +40,7 @@ def digit_share(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    from rlhf.data.synthetic import make_addition_task
-    from rlhf.models.tiny import write_tiny_model
-
-    d = tmp_path_factory.mktemp("layouts")
-    write_tiny_model(str(d / "model"), hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
-                     intermediate_size=64)
-    make_addition_task(d / "data", n_train=64, n_val=8, n_sft=8)
+    d = write_tiny_assets(tmp_path_factory.mktemp("layouts"), num_layers=4, n_train=64, n_val=8, n_sft=8)
     (d / "reward.py").write_text(REWARD_FILE)
     return d
 

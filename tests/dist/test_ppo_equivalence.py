@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._assets import write_tiny_assets
 from tests.dist._batches import random_rollout_batch
 from tests.dist._dist_utils import run_distributed
 
@@ -23,14 +24,7 @@ COMPARED = ["critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from rlhf.data.synthetic import make_addition_task
-    from rlhf.models.tiny import write_tiny_model
-
-    d = tmp_path_factory.mktemp("ppo")
-    write_tiny_model(str(d / "model"), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                     intermediate_size=64)
-    make_addition_task(d / "data", n_train=16, n_val=0, n_sft=0)
-    return d
+    return write_tiny_assets(tmp_path_factory.mktemp("ppo"), n_train=16, n_val=0)
 
 
 def _config(root, world: int):

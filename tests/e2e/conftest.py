@@ -9,18 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests._assets import write_tiny_assets
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
-    from rlhf.data.synthetic import make_addition_task
-    from rlhf.models.tiny import write_tiny_model
-
-    d = tmp_path_factory.mktemp("assets")
-    write_tiny_model(str(d / "model"), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
-    make_addition_task(d / "data", n_train=64, n_val=16, n_sft=64, seed=0)
-    return d
+    return write_tiny_assets(tmp_path_factory.mktemp("assets"), n_train=64, n_val=16, n_sft=64)
 
 
 PARITY_REWARD = '''

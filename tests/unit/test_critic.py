@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
-from torch.distributed.device_mesh import init_device_mesh
 
 from rlhf.batch import RolloutBatch
 from rlhf.config import ConfigError, CriticConfig, ModelConfig
@@ -18,14 +16,6 @@ P, R = 5, 4
 def _qwen_cfg(**kw) -> transformers.Qwen2Config:
     return transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **kw)
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    return init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
-from torch.distributed.device_mesh import init_device_mesh
 
 from rlhf.batch import RolloutBatch
 from rlhf.config import ConfigError, RewardModelConfig
@@ -23,14 +21,6 @@ RM_TEMPLATE = ("{%- for m in messages -%}{%- if m['role'] == 'user' -%}{{ 'Q: ' 
                "{%- else -%}{{ 'A: ' + m['content'] }}{%- endif -%}{%- endfor -%}")
 PROMPTS = ["47+38=", "9+1="]
 RESPONSES = ["7+8=15;4+3+1=8 #### 85", "10 #### 10"]
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    return init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
 
 
 def _rm_tokenizer():
