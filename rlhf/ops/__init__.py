@@ -1,0 +1,1 @@
+"""Hardware facts and cost models used by benches and throughput metrics (no training logic)."""

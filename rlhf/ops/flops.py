@@ -1,0 +1,65 @@
+"""Matmul FLOPs per token of a dense decoder, for MFU and compute-roofline shares.
+
+Convention (Megatron / PaLM, as verl's `flops_counter` for Qwen2/Llama):
+
+* Dense part: 2 FLOPs per multiply-accumulate, so a token costs `2 * N` in the forward pass,
+  where N counts the weights of every matmul a token goes through: per layer q/k/v/o
+  projections and the gated MLP (gate, up, down), plus the LM head (`vocab * hidden`).
+  The input embedding is a lookup, not a matmul, so it is not counted (verl counts it; that
+  adds `2 * vocab * hidden` per token on their side). Biases and norms are left out.
+* Attention: `Q K^T` and `P V` each cost `2 * seq * q_dim` per token and layer (q_dim =
+  heads * head_dim), i.e. `4 * n_layers * seq * q_dim` for a token that attends to `seq`
+  keys. With `causal=True` (the default), a token of a length-`seq_len` sequence attends on
+  average to `seq_len / 2` keys, so the figure is halved to `2 * n_layers * seq_len * q_dim`:
+  the work a causal flash-attention kernel actually does. PaLM's and verl's MFU use the
+  un-halved figure (`causal=False`); pass it to compare with their numbers. For one decode
+  step of a token whose context is `seq_len` long, use `causal=False` with that context.
+* Training = 3 x forward (backward costs two matmuls per forward matmul: input and weight
+  gradients). Activation recomputation is *not* counted: MFU measures useful model FLOPs.
+"""
+
+from __future__ import annotations
+
+
+def _head_dim(cfg) -> int:
+    head_dim = getattr(cfg, "head_dim", None)
+    return int(head_dim) if head_dim else cfg.hidden_size // cfg.num_attention_heads
+
+
+def matmul_params(hf_config) -> dict[str, int]:
+    """Weights of the per-token matmuls of a dense decoder: {"layers": ..., "lm_head": ...}.
+
+    `hf_config` is a transformers config of a Llama/Qwen2-style model (hidden_size,
+    intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+    optional head_dim, vocab_size). Mixture-of-experts configs are refused (their per-token
+    cost depends on the routing top-k, which this counter does not model).
+    """
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(hf_config, key, None):
+            raise ValueError(f"model_flops_per_token: mixture-of-experts config ({key}="
+                             f"{getattr(hf_config, key)}) is not supported; dense decoders only")
+    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    hd = _head_dim(hf_config)
+    attn = h * heads * hd * 2 + h * kv_heads * hd * 2      # q and o; k and v (GQA)
+    mlp = 3 * h * hf_config.intermediate_size               # gate, up, down
+    return {"layers": layers * (attn + mlp), "lm_head": hf_config.vocab_size * h}
+
+
+def model_flops_per_token(hf_config, seq_len: int, training: bool, *, causal: bool = True) -> float:
+    """Model FLOPs for one token of a length-`seq_len` sequence (conventions in the module doc).
+
+    forward = 2 * (N_layers + N_lm_head) + 4 * n_layers * seq_len * q_dim * (1/2 if causal);
+    training = 3 * forward.
+    """
+    n = matmul_params(hf_config)
+    q_dim = hf_config.num_attention_heads * _head_dim(hf_config)
+    attn = 4.0 * hf_config.num_hidden_layers * seq_len * q_dim
+    if causal:
+        attn /= 2
+    fwd = 2.0 * (n["layers"] + n["lm_head"]) + attn
+    return 3.0 * fwd if training else fwd
+
+
+__all__ = ["matmul_params", "model_flops_per_token"]
