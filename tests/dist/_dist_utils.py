@@ -12,6 +12,11 @@ Each worker uses one thread (the test machines have few cores), a FileStore rend
 in a temporary directory (no port to collide on), and a process-group timeout so that
 a collective mismatch fails the test instead of hanging it. An exception or failed
 assert in any worker fails the call with that worker's traceback.
+
+Backend switch: with ``RLHF_DIST_DEVICE=cuda`` the same tests run on nccl, one GPU per
+rank (``tests/gpu/test_dist_nccl.py`` does this); tests that place tensors or build meshes
+use :func:`dist_device` / :func:`dist_device_type` instead of naming "cpu", and a call
+that needs more ranks than there are GPUs is skipped.
 """
 
 from __future__ import annotations
@@ -25,6 +30,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+DEVICE_ENV = "RLHF_DIST_DEVICE"
+
+
+def dist_device_type() -> str:
+    """The device kind from ``RLHF_DIST_DEVICE``: cpu (gloo, the default) or cuda (nccl)."""
+    kind = os.environ.get(DEVICE_ENV, "cpu")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={kind!r}: expected cpu or cuda")
+    return kind
+
+
+def dist_device() -> torch.device:
+    """This rank's device: the CPU, or GPU ``LOCAL_RANK`` under the nccl switch."""
+    if dist_device_type() == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 def _worker(
@@ -41,8 +63,11 @@ def _worker(
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     store = dist.FileStore(store_path, world_size)
+    cuda = dist_device_type() == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        "nccl" if cuda else "gloo",
         store=store,
         rank=rank,
         world_size=world_size,
@@ -64,8 +89,13 @@ def run_distributed(
 
     ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Raises
     ``torch.multiprocessing.ProcessRaisedException`` carrying the failing rank's
-    traceback when any worker raises.
+    traceback when any worker raises. Under the nccl switch, skips the calling test when
+    there are fewer GPUs than ``world_size``.
     """
+    if dist_device_type() == "cuda" and torch.cuda.device_count() < world_size:
+        import pytest
+
+        pytest.skip(f"needs {world_size} GPUs for {world_size} nccl ranks; {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _worker,

@@ -6,7 +6,7 @@ import torch
 
 from rlhf.algos.advantages import get_adv_estimator
 from rlhf.algos.masked import masked_whiten
-from tests.dist._dist_utils import run_distributed
+from tests.dist._dist_utils import dist_device, run_distributed
 
 
 def _data():
@@ -20,7 +20,7 @@ def _data():
 def _worker(rank: int, world: int) -> None:
     from rlhf.parallel import make_global_whiten
 
-    rewards, mask, index = _data()
+    rewards, mask, index = (t.to(dist_device()) for t in _data())
     for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         fn = get_adv_estimator(name)
         full, _ = fn(token_level_rewards=rewards, response_mask=mask, index=index)
@@ -28,7 +28,7 @@ def _worker(rank: int, world: int) -> None:
         local, _ = fn(token_level_rewards=rewards[rows], response_mask=mask[rows], index=index[rows],
                       whiten=make_global_whiten())
         torch.testing.assert_close(local * mask[rows], full[rows] * mask[rows], rtol=1e-5, atol=1e-6)
-    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(1)).to(dist_device())
     torch.testing.assert_close(make_global_whiten()(x[rank * 4:rank * 4 + 4], mask[rank * 4:rank * 4 + 4]),
                                masked_whiten(x, mask)[rank * 4:rank * 4 + 4], rtol=1e-5, atol=1e-6)
 

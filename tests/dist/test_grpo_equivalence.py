@@ -14,7 +14,7 @@ import torch
 
 from rlhf.config import ActorConfig, ModelConfig
 from tests.dist._batches import random_rollout_batch
-from tests.dist._dist_utils import run_distributed
+from tests.dist._dist_utils import dist_device, dist_device_type, run_distributed
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 N_PROMPTS, N_SAMPLES, P, R = 8, 4, 6, 10
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_global_batch(vocab: int):
-    """A deterministic batch of N = 32 rows with uneven response lengths."""
+    """A deterministic batch of N = 32 rows with uneven response lengths (CPU tensors)."""
     return random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab)
 
 
@@ -40,21 +40,22 @@ def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:
     from rlhf.parallel import ParallelDims
 
     dims = ParallelDims.resolve(-1, 1, 1, world)
-    mesh = dims.build_mesh("cpu")
+    mesh = dims.build_mesh(dist_device_type())
     results = {}
     for mode in MODES:
         torch.manual_seed(0)
         cfg = ActorConfig(lr=1e-3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, loss_agg_mode=mode,
                           use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01, clip_ratio_high=0.28,
                           grad_clip=1e9, weight_decay=0.0)
-        worker = PolicyWorker(ModelConfig(path=model_dir), mesh, torch.device("cpu"), actor_cfg=cfg, total_steps=1)
+        worker = PolicyWorker(ModelConfig(path=model_dir, mixed_precision=False), mesh, dist_device(), actor_cfg=cfg,
+                              total_steps=1)
         batch = make_global_batch(worker.hf_config.vocab_size)
         mini_rows = cfg.ppo_mini_batch_size * N_SAMPLES // world
         # Prompts (and their samples) are dealt to ranks mini-batch-major, as the trainer does.
         prompts = minibatch_major_shard(list(range(N_PROMPTS)), rank, world, cfg.ppo_mini_batch_size)
-        local = batch.select([p * N_SAMPLES + j for p in prompts for j in range(N_SAMPLES)])
+        local = batch.select([p * N_SAMPLES + j for p in prompts for j in range(N_SAMPLES)]).to(dist_device())
         metrics = worker.update_policy(local, mini_batch_rows=mini_rows, temperature=1.0, max_response_length=R)
-        params = {n: p.full_tensor().clone() for n, p in worker.model.named_parameters()}
+        params = {n: p.full_tensor().cpu().clone() for n, p in worker.model.named_parameters()}
         results[mode] = (metrics, params)
     if rank == 0:
         torch.save(results, out)
@@ -66,24 +67,24 @@ def _features_worker(rank: int, world: int, model_dir: str, out: str, packed: bo
     from rlhf.batch import minibatch_major_shard
     from rlhf.parallel import ParallelDims
 
-    mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh("cpu")
+    mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh(dist_device_type())
     torch.manual_seed(0)
     # A 20-token budget forces several micro-batches of uneven row counts per rank, and
     # (with 2 ranks) empty micro-batches on the rank whose rows are shorter.
     cfg = ActorConfig(lr=1e-3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, use_kl_loss=True,
                       kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, weight_decay=0.0,
                       use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=20, log_prob_max_token_len_per_gpu=20)
-    worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=packed), mesh, torch.device("cpu"),
-                          actor_cfg=cfg, total_steps=1)
+    worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=packed, mixed_precision=False), mesh,
+                          dist_device(), actor_cfg=cfg, total_steps=1)
     batch = make_global_batch(worker.hf_config.vocab_size)
     prompts = minibatch_major_shard(list(range(N_PROMPTS)), rank, world, cfg.ppo_mini_batch_size)
-    local = batch.select([p * N_SAMPLES + j for p in prompts for j in range(N_SAMPLES)])
+    local = batch.select([p * N_SAMPLES + j for p in prompts for j in range(N_SAMPLES)]).to(dist_device())
     log_probs, _ = worker.compute_log_probs(local, temperature=1.0, micro_batch_size=4)
     metrics = worker.update_policy(local, mini_batch_rows=cfg.ppo_mini_batch_size * N_SAMPLES // world,
                                    temperature=1.0, max_response_length=R)
-    params = {n: p.full_tensor().clone() for n, p in worker.model.named_parameters()}
+    params = {n: p.full_tensor().cpu().clone() for n, p in worker.model.named_parameters()}
     gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, (prompts, log_probs * local.response_mask))
+    torch.distributed.all_gather_object(gathered, (prompts, (log_probs * local.response_mask).cpu()))
     if rank == 0:
         torch.save((metrics, params, gathered), out)
 
@@ -95,8 +96,8 @@ def _reshard_worker(rank: int, world: int, model_dir: str) -> None:
     from rlhf.parallel import ParallelDims
     from rlhf.rollout.reshard import gather_rollout_weights
 
-    mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh("cpu")
-    worker = PolicyWorker(ModelConfig(path=model_dir), mesh, torch.device("cpu"), trainable=False)
+    mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh(dist_device_type())
+    worker = PolicyWorker(ModelConfig(path=model_dir, mixed_precision=False), mesh, dist_device(), trainable=False)
     local_numel = sum(p.to_local().numel() for p in worker.model.parameters())
     full_numel = sum(p.numel() for p in worker.model.parameters())
     assert local_numel < full_numel  # really sharded
@@ -104,7 +105,7 @@ def _reshard_worker(rank: int, world: int, model_dir: str) -> None:
     reference = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
     assert set(weights) == set(reference), set(weights) ^ set(reference)
     for name, ref in reference.items():
-        assert torch.equal(weights[name], ref.detach()), name
+        assert torch.equal(weights[name].cpu(), ref.detach()), name
     assert stats.bytes_received > 0 and stats.numel == full_numel
 
 

@@ -1,4 +1,7 @@
-"""Seeded sampling on 2 gloo ranks equals the 1-process result (keys are global prompt indices)."""
+"""Seeded sampling on 2 ranks equals the 1-process result (keys are global prompt indices).
+
+gloo on CPU; nccl on GPUs under the RLHF_DIST_DEVICE=cuda switch (tests/dist/_dist_utils.py).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import torch.distributed as dist
 import transformers
 
 from rlhf.rollout import Sampler, SamplingParams
-from tests.dist._dist_utils import run_distributed
+from tests.dist._dist_utils import dist_device, run_distributed
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [5], [33, 34, 35, 36], [40, 41], [2, 9, 4]]
 PARAMS = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_new_tokens=12, seed=21, stop_token_ids=[3, 7])
@@ -19,7 +22,7 @@ def _sampler(max_num_seqs: int) -> Sampler:
     cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
     model = transformers.Qwen2ForCausalLM(cfg).eval()
-    return Sampler(cfg, model.state_dict(), pad_token_id=0, max_num_seqs=max_num_seqs)
+    return Sampler(cfg, model.state_dict(), pad_token_id=0, max_num_seqs=max_num_seqs, device=dist_device())
 
 
 def _generate_shard(rank: int, world_size: int) -> None:
@@ -30,8 +33,8 @@ def _generate_shard(rank: int, world_size: int) -> None:
     mine = list(range(rank, len(PROMPTS), world_size))
     out = _sampler(max_num_seqs=3 + rank).generate([PROMPTS[i] for i in mine], PARAMS, step=STEP, prompt_keys=mine)
     n = PARAMS.n
-    local = torch.zeros(len(PROMPTS) * n, PARAMS.max_new_tokens, dtype=torch.int64)
-    local_lp = torch.zeros(len(PROMPTS) * n, PARAMS.max_new_tokens)
+    local = torch.zeros(len(PROMPTS) * n, PARAMS.max_new_tokens, dtype=torch.int64, device=dist_device())
+    local_lp = torch.zeros(len(PROMPTS) * n, PARAMS.max_new_tokens, device=dist_device())
     for j, i in enumerate(mine):
         local[i * n : (i + 1) * n] = out.response_ids[j * n : (j + 1) * n]
         local_lp[i * n : (i + 1) * n] = out.log_probs[j * n : (j + 1) * n]
@@ -64,7 +67,7 @@ def _generate_tensor_parallel(rank: int, world_size: int) -> None:
     cfg = full.config
     weights = transformers.Qwen2ForCausalLM(cfg).eval().state_dict()
     sharded = {k: _tp_slice(k, v, rank, world_size) for k, v in weights.items()}
-    s = Sampler(cfg, sharded, pad_token_id=0, max_num_seqs=5, tp_group=dist.group.WORLD)
+    s = Sampler(cfg, sharded, pad_token_id=0, max_num_seqs=5, tp_group=dist.group.WORLD, device=dist_device())
     assert s.spec.num_heads == 2 and s.spec.num_kv_heads == 1
     out = s.generate(PROMPTS, PARAMS, step=STEP)
     assert torch.equal(out.response_ids, ref.response_ids)
