@@ -56,6 +56,9 @@ MODELS = {
     "quickstart": {},  # rlhf.models.tiny defaults
     "qwen2_100m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
                        vocab_size=32000),
+    # Qwen2.5-0.5B's shape (random weights; tied embeddings as in tiny_qwen2_config)
+    "qwen2.5_0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                         vocab_size=151936),
 }
 
 
@@ -111,6 +114,21 @@ def _batch(rollout: RolloutBatch, gen: torch.Generator) -> RolloutBatch:
     return rollout
 
 
+class _PhasePeak:
+    """Peak GPU memory allocated during each phase (``max_memory_allocated``, reset per phase)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.peaks: dict[str, int] = {}
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def mark(self, phase: str) -> None:
+        if self.cuda:
+            self.peaks[phase] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+
 def bench_model(name: str, root: Path, args, device: torch.device) -> dict:
     path = _write_model(name, root)
     world = dist.get_world_size()
@@ -135,12 +153,16 @@ def bench_model(name: str, root: Path, args, device: torch.device) -> dict:
     for rep in range(args.repeats + 1):  # the first step warms up allocators / lazy inits
         dist.barrier()
         t0 = time.perf_counter()
+        mem = _PhasePeak(device)
         rollout, stats = engine.generate(worker.model, worker.hf_config, prompts, step=rep, n=args.n, temperature=1.0,
                                          local_rows=local_rows, pp_group=worker.pp_group)
+        mem.mark("generate")
         batch = _batch(rollout, g)
         batch.old_log_probs, _ = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.n * mini)
+        mem.mark("log_probs")
         worker.update_policy(batch, mini_batch_rows=len(batch), temperature=1.0,
                              max_response_length=args.response_length)
+        mem.mark("update")
         dist.barrier()
         if rep:
             steps.append(time.perf_counter() - t0)
@@ -167,7 +189,7 @@ def bench_model(name: str, root: Path, args, device: torch.device) -> dict:
     naive_step = step_s - reshard_s + naive_s
     del worker, engine
     return {
-        "params_of_this_stage": n_params, "step_s": step_s, "reshard_s": reshard_s, "reshard_alone_s": reshard_alone_s,
+        "peak_mem_bytes_by_phase": mem.peaks, "params_of_this_stage": n_params, "step_s": step_s, "reshard_s": reshard_s, "reshard_alone_s": reshard_alone_s,
         "reshard_share_of_step": reshard_s / step_s, "reshard_bytes_per_rank": rbytes,
         "naive_s": naive_s, "naive_bytes_per_rank": nbytes, "naive_share_of_step": naive_s / naive_step,
         "speedup_vs_naive": naive_s / reshard_alone_s, "bytes_ratio_naive_over_reshard": nbytes / max(rbytes, 1.0),
@@ -184,10 +206,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2, help="samples per prompt")
     ap.add_argument("--response-length", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when visible")
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/reshard.py: --device cuda but no CUDA device is visible")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

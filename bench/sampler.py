@@ -20,7 +20,9 @@ Cases, for batch sizes 1, 16, 64, 256 (``--quick``: 1, 16, 64):
 * ``grpo``: 16 prompts x n=8 samples, temperature 1 (HF: ``num_return_sequences=8``); our
   sampler prefills each prompt once for its 8 samples.
 
-Usage: ``python bench/sampler.py [--model tiny|100m|all] [--quick] [--repeats 3] [--threads N]``
+Usage: ``python bench/sampler.py [--model tiny|100m|qwen2.5-0.5b|all] [--quick] [--repeats 3] [--threads N]``;
+on a GPU: ``--device cuda [--dtype bfloat16] [--compile] [--batches 1,64,256]`` (bf16 by default),
+which adds the share of the HBM-bandwidth roofline (weights read once per decode step).
 (threads default to 1, see ``--help``).
 The last printed line is one JSON object with all figures.
 """
@@ -49,17 +51,22 @@ MODELS = {
     # ~100M parameters: Qwen2-0.5B-like shape scaled down (tied embeddings, GQA 12/2)
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                  num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    # Qwen2.5-0.5B's architecture exactly (random weights): the GPU check's model
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                         rope_theta=1000000.0, max_position_embeddings=32768),
 }
 SETTINGS = {  # prompt length range, max_new_tokens (full, quick)
     "tiny": ((8, 24), 64, 32),
     "100m": ((8, 16), 16, 8),
+    "qwen2.5-0.5b": ((16, 64), 128, 64),
 }
 
 
-def build(name: str) -> torch.nn.Module:
+def build(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(**MODELS[name])
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model = transformers.Qwen2ForCausalLM(cfg).to(device, dtype).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = PAD
     return model
@@ -101,7 +108,7 @@ def choose_stop(sampler: Sampler, prompts: list[list[int]], max_new: int) -> tup
     padded batch still needs every step), pick the one with the shortest mean length.
     """
     out = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new))
-    ids = out.response_ids
+    ids = out.response_ids.cpu()
     best, best_mean, best_lens = None, float("inf"), []
     for v in ids.unique().tolist():
         lens = hf_lengths(ids, v)
@@ -111,6 +118,12 @@ def choose_stop(sampler: Sampler, prompts: list[list[int]], max_new: int) -> tup
         best = max(ids.unique().tolist(), key=lambda v: float(hf_lengths(ids, v).float().mean()))
         best_lens = hf_lengths(ids, best).tolist()
     return best, best_lens
+
+
+def sync(device) -> None:
+    """Wait for queued GPU work so that wall-clock times cover it (no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_case(model, sampler, prompts, case: str, max_new: int, repeats: int) -> dict:
@@ -123,12 +136,14 @@ def run_case(model, sampler, prompts, case: str, max_new: int, repeats: int) -> 
     else:
         params = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, seed=1)
         hf_kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n)
-    ids, mask = left_pad(prompts)
+    ids, mask = (t.to(model.device) for t in left_pad(prompts))
     ours_t, hf_t, ours_tok, hf_tok, stats = [], [], 0, 0, {}
     match = None
     for _ in range(repeats):
+        sync(model.device)
         t = time.perf_counter()
         out = sampler.generate(prompts, params)
+        sync(model.device)
         ours_t.append(time.perf_counter() - t)
         ours_tok = int(out.response_lengths.sum())
         stats = out.stats
@@ -136,10 +151,11 @@ def run_case(model, sampler, prompts, case: str, max_new: int, repeats: int) -> 
         with torch.no_grad():
             gen = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, use_cache=True,
                                  pad_token_id=PAD, eos_token_id=stop, **hf_kw)
+        sync(model.device)
         hf_t.append(time.perf_counter() - t)
-        lens = hf_lengths(gen[:, ids.shape[1]:], stop)
+        lens = hf_lengths(gen[:, ids.shape[1]:].cpu(), stop)
         hf_tok = int(lens.sum())
-        match = float((lens == out.response_lengths).float().mean())
+        match = float((lens == out.response_lengths.cpu()).float().mean())
     ours_s, hf_s = statistics.median(ours_t), statistics.median(hf_t)
     return {
         "case": case, "batch": len(prompts) * n, "prompts": len(prompts), "n": n, "max_new_tokens": max_new,
@@ -187,57 +203,84 @@ def flops_per_token(model: torch.nn.Module) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["tiny", "100m", "all"], default="all")
+    ap.add_argument("--model", choices=["tiny", "100m", "qwen2.5-0.5b", "all"], default="all",
+                    help="all = tiny and 100m (the CPU set)")
     ap.add_argument("--quick", action="store_true", help="batch sizes 1/16/64, fewer new tokens")
+    ap.add_argument("--batches", default=None, help="comma list of batch sizes (overrides the default set)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: fp32 on CPU, bf16 on CUDA")
+    ap.add_argument("--compile", action="store_true", help="CUDA-graph decode (rollout.compile) for our sampler")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for both engines (0: torch's default). Default 1: on a small shared "
                          "machine multi-threaded timings are dominated by OpenMP barrier stalls whenever "
                          "another process holds a core")
     ap.add_argument("--cases", default="equal,uneven,grpo")
     args = ap.parse_args()
+    from rlhf.ops.hardware import device_description, hbm_bandwidth, peak_flops
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/sampler.py: --device cuda but no CUDA device is visible")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [1, 16, 64] if args.quick else [1, 16, 64, 256]
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
     cases = args.cases.split(",")
     result: dict = {"bench": "sampler", "threads": torch.get_num_threads(), "machine": platform.machine(),
                     "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-                    "quick": args.quick, "repeats": args.repeats, "models": {}}
-    peak = matmul_peak_flops()
-    result["matmul_peak_gflops"] = peak / 1e9
+                    "device": device_description(device), "dtype": str(dtype).removeprefix("torch."),
+                    "compile": args.compile, "quick": args.quick, "repeats": args.repeats, "models": {}}
+    # compute roof: the datasheet on a GPU, a measured matmul on CPU; memory roof on GPU only
+    peak = peak_flops(device, dtype) if device.type == "cuda" else matmul_peak_flops()
+    hbm = hbm_bandwidth(device)
+    result["matmul_peak_gflops"] = peak / 1e9 if peak else None
+    result["hbm_gb_s"] = hbm / 1e9 if hbm else None
     names = ["tiny", "100m"] if args.model == "all" else [args.model]
     for name in names:
-        model = build(name)
+        model = build(name, args.device, dtype)
         lens, full_new, quick_new = SETTINGS[name]
         max_new = quick_new if args.quick else full_new
         t = time.perf_counter()
-        sampler = Sampler(model.config, model.state_dict(), pad_token_id=PAD, max_num_seqs=256)
+        sampler = Sampler(model.config, model.state_dict(), pad_token_id=PAD, max_num_seqs=256, device=device,
+                          use_cuda_graph=args.compile)
         setup_s = time.perf_counter() - t
         warm = make_prompts(4, lens, model.config.vocab_size, seed=99)
         sampler.generate(warm, SamplingParams(max_new_tokens=4))
         with torch.no_grad():
-            model.generate(left_pad(warm)[0], max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+            model.generate(left_pad(warm)[0].to(device), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied head counted once
         rows = []
         for case in cases:
             for b in ([16] if case == "grpo" else batches):
                 prompts = make_prompts(b, lens, model.config.vocab_size, seed=b)
                 row = run_case(model, sampler, prompts, case, max_new, args.repeats)
-                # Share of the CPU's matmul peak each engine reaches (the CPU analogue of a
-                # roofline): useful work = every prompt token once + every generated token.
+                # Share of the compute roof each engine reaches: useful work = every prompt
+                # token once + every generated token.
                 body, head = flops_per_token(model)
                 useful = sum(len(p) for p in prompts) * body + row["ours_tokens"] * (body + head)
-                row["ours_frac_of_peak"] = useful / row["ours_s"] / peak
-                row["hf_frac_of_peak"] = useful / row["hf_s"] / peak
+                row["ours_frac_of_peak"] = useful / row["ours_s"] / peak if peak else None
+                row["hf_frac_of_peak"] = useful / row["hf_s"] / peak if peak else None
+                # Share of the HBM roofline: each decode step must read every weight once
+                # (KV reads left out, so this under-counts a little); the binding roof at batch 1.
+                steps = row["decode_steps"] or max_new
+                row["ours_frac_of_hbm"] = steps * weight_bytes / row["ours_s"] / hbm if hbm else None
+                row["hf_frac_of_hbm"] = max_new * weight_bytes / row["hf_s"] / hbm if hbm else None
                 rows.append(row)
+                roof = f"  hbm share ours {row['ours_frac_of_hbm']:.2f}" if hbm else ""
                 print(f"{name:5s} {case:7s} batch {row['batch']:4d}: ours {row['ours_tok_s']:9.1f} tok/s  "
                       f"hf {row['hf_tok_s']:9.1f} tok/s  ratio {row['ratio']:5.2f}  "
                       f"len/max {row['mean_len_frac']:.2f}  lengths_match {row['lengths_match']:.2f}  "
-                      f"peak share ours {row['ours_frac_of_peak']:.2f} hf {row['hf_frac_of_peak']:.2f}", flush=True)
+                      f"peak share ours {row['ours_frac_of_peak'] or 0:.3f} hf {row['hf_frac_of_peak'] or 0:.3f}"
+                      + roof, flush=True)
         params = sum(p.numel() for p in model.parameters())
         big = [r["ratio"] for r in rows if r["batch"] >= 16]
         result["models"][name] = {"params": params, "sampler_setup_s": setup_s, "cases": rows,
                                   "min_ratio_batch_ge_16": min(big) if big else None,
                                   "median_ratio_batch_ge_16": statistics.median(big) if big else None}
+        del model, sampler
     print(json.dumps(result))
 
 

@@ -60,8 +60,9 @@ except ImportError:  # the bench also runs where the trainer's module is not the
 
 def model_config(args) -> transformers.Qwen2Config:
     return transformers.Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(args.heads // 2, 1),
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate or args.hidden * 8 // 3,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads or max(args.heads // 2, 1),
         max_position_embeddings=args.prompt + args.max_response + 8, tie_word_embeddings=True, use_cache=False,
     )
 
@@ -79,6 +80,9 @@ def make_batch(args, device):
     return ids.to(device), mask.to(device), adv.to(device)
 
 
+AUTOCAST = {"dtype": None}  # --dtype bfloat16: bf16 compute, fp32 weights (as FSDP2 mixed precision)
+
+
 def train_step(model, opt, ids, mask, adv, R, micro_batches, fn):
     """One update: token-mean policy-gradient surrogate, global normaliser; returns seconds."""
     resp_mask = mask[:, -R:].float()
@@ -87,7 +91,8 @@ def train_step(model, opt, ids, mask, adv, R, micro_batches, fn):
     t0 = time.perf_counter()
     for mb in micro_batches:
         idx = torch.tensor(mb, device=ids.device)
-        lp, _ = fn(model, ids[idx], mask[idx], response_length=R)
+        with torch.autocast(ids.device.type, dtype=AUTOCAST["dtype"], enabled=AUTOCAST["dtype"] is not None):
+            lp, _ = fn(model, ids[idx], mask[idx], response_length=R)
         loss = -(lp * adv[idx] * resp_mask[idx]).sum() / n_tok
         loss.backward()
     opt.step()
@@ -99,6 +104,23 @@ def train_step(model, opt, ids, mask, adv, R, micro_batches, fn):
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def update_mfu(config, lens: list[int], seconds: float, device) -> float | None:
+    """Model FLOPs of one update over the batch (rlhf.ops.flops conventions) / seconds / the
+    device's peak for the compute dtype; None where the peak is unknown."""
+    from rlhf.ops.flops import model_flops_per_token
+    from rlhf.ops.hardware import peak_flops
+
+    peak = peak_flops(device, AUTOCAST["dtype"] or torch.float32)
+    if not peak:
+        return None
+    flops = sum(n * model_flops_per_token(config, n, training=True) for n in lens)
+    return round(flops / seconds / peak, 4)
+
+
+def peak_memory(device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def throughput(args, device) -> dict:
@@ -132,10 +154,12 @@ def throughput(args, device) -> dict:
     real = int(mask.sum())
     med = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: real / v for k, v in med.items()}
+    mfu = update_mfu(base.config, lens, med["dynamic"], device)
     mb_tokens = lambda mbs: [sum(lens[i] for i in mb) for mb in mbs]  # noqa: E731
     return {
         "batch": B, "prompt": args.prompt, "max_response": R, "real_tokens": real,
         "padded_tokens": int(mask.numel()), "padding_fraction": round(1 - real / mask.numel(), 4),
+        "mfu_dynamic": mfu, "peak_mem_bytes_update": peak_memory(device),
         "tokens_per_s_padded": round(tps["padded"], 1),
         "tokens_per_s_packed": round(tps["packed"], 1),
         "tokens_per_s_dynamic": round(tps["dynamic"], 1),
@@ -264,6 +288,12 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default 8/3 x hidden)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="default heads // 2")
+    ap.add_argument("--preset", choices=["qwen2.5-0.5b"], default=None,
+                    help="a real architecture's shape (overrides hidden/layers/heads/vocab)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="compute dtype of the update (bfloat16: autocast over fp32 weights)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -276,20 +306,25 @@ def main(argv=None) -> None:
     if args.quick:
         args.batch, args.max_response, args.hidden, args.layers, args.heads, args.vocab = 8, 128, 128, 2, 4, 8192
         args.micro_batch = 2
+    if args.preset == "qwen2.5-0.5b":
+        args.hidden, args.layers, args.heads, args.kv_heads, args.vocab, args.intermediate = 896, 24, 14, 2, 151936, 4864
+    AUTOCAST["dtype"] = torch.bfloat16 if args.dtype == "bfloat16" else None
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/train_step.py: --device cuda but no CUDA device is visible")
     if args.mem_child:
         tag, what = args.mem_child.split(":")
         print(json.dumps(memory_child(args, device, tag == "ac", what)))
         return
 
-    figures: dict = {"device": str(device), "torch_threads": torch.get_num_threads(), "quick": args.quick,
+    figures: dict = {"device": str(device), "dtype": args.dtype, "torch_threads": torch.get_num_threads(), "quick": args.quick,
                      "model": f"qwen2 h{args.hidden} L{args.layers} V{args.vocab}", "repeats": args.repeats}
     t = throughput(args, device)
     figures.update(t)
     print(f"update phase tokens/s  padded {t['tokens_per_s_padded']:.0f}  packed {t['tokens_per_s_packed']:.0f}  "
-          f"dynamic {t['tokens_per_s_dynamic']:.0f}")
+          f"dynamic {t['tokens_per_s_dynamic']:.0f}  (update MFU, dynamic: {t['mfu_dynamic']})")
     print(f"  padding-free vs padded: {t['speedup_packed_vs_padded']:.2f}x (goal >= 1.8x); "
           f"dynamic vs fixed (both packed): {t['speedup_dynamic_vs_fixed_packed']:.2f}x; "
           f"dynamic+packed vs padded: {t['speedup_dynamic_packed_vs_padded']:.2f}x")
