@@ -76,7 +76,10 @@ class RolloutConfig:
     kv_cache_tokens: int = _f(0, "KV-cache budget in tokens per rank; 0 = max_num_seqs x max sequence length.")
     val_temperature: float = _f(0.0, "Validation sampling temperature (0 = greedy, like verl val_kwargs.do_sample=False).")
     seed: int = _f(0, "Sampling seed; samples are keyed by (seed, step, prompt index, sample index).")
-    compile: bool = _f(False, "On CUDA: capture decode steps as CUDA graphs (static shapes); ignored on CPU.")
+    compile: bool = _f(False, "On CUDA: capture decode steps as CUDA graphs (static shapes); ignored on CPU. "
+                              "The sampler, its KV cache and graphs then stay allocated for the whole run.")
+    gpu_memory_utilization: float = _f(0.5, "On CUDA with kv_cache_tokens 0: the KV cache takes at most this "
+                                            "fraction of the device memory free after the rollout weights (verl name).")
 
 
 @dataclass
@@ -381,6 +384,7 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.top_k == -1 or cfg.rollout.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
     need(cfg.rollout.tp >= 1, "rollout.tp", "must be >= 1")
+    need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
     need(cfg.actor.ppo_mini_batch_size > 0, "actor.ppo_mini_batch_size", "must be > 0")
     need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
          f"must divide data.train_batch_size ({cfg.data.train_batch_size}), got {cfg.actor.ppo_mini_batch_size}")

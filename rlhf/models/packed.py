@@ -23,7 +23,7 @@ from torch import nn
 
 from rlhf.algos.kl import entropy_from_logits
 from rlhf.data.packing import PackedBatch, unpad
-from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention
+from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention, flash_attn_available
 
 __all__ = [
     "ResponsePositions",
@@ -87,7 +87,10 @@ def _packed_call(model: nn.Module, packed: PackedBatch, **extra) -> object:
     The model is switched to varlen attention for good (it behaves as sdpa for padded
     calls): an activation-checkpointed backward recomputes blocks after this returns.
     """
-    plan = build_varlen_plan(packed.cu_seqlens) if not packed.input_ids.is_cuda else None
+    # The SDPA fallback needs a plan; build it once per forward, not once per layer (each
+    # build reads cu_seqlens on the host: a device sync per layer on a GPU without flash-attn).
+    flash = packed.input_ids.is_cuda and flash_attn_available()
+    plan = None if flash else build_varlen_plan(packed.cu_seqlens)
     kwargs = dict(packed.attention_kwargs())
     if plan is not None:
         kwargs["varlen_plan"] = plan

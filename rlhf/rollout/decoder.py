@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -171,6 +171,19 @@ class DecoderWeights:
     layers: list[LayerWeights]
     norm: Tensor  # [hidden]
     lm_head: Tensor  # [V, hidden]
+
+
+def copy_weights_(dst: DecoderWeights, src: DecoderWeights) -> None:
+    """Copy ``src`` into ``dst`` tensor by tensor, keeping ``dst``'s storage (what captured CUDA
+    graphs read). The two must come from the same spec (same shapes and optional parts)."""
+    pairs = [(dst.embed, src.embed), (dst.norm, src.norm), (dst.lm_head, src.lm_head)]
+    for d, s in zip(dst.layers, src.layers):
+        pairs += [(getattr(d, f.name), getattr(s, f.name)) for f in fields(LayerWeights)]
+    for d, s in pairs:
+        if (d is None) != (s is None):
+            raise ValueError("copy_weights_: the new weights have a different structure")
+        if d is not None:
+            d.copy_(s)
 
 
 def _qk_norm_table(spec: DecoderSpec, q: Tensor | None, k: Tensor | None) -> Tensor | None:

@@ -77,6 +77,7 @@ class RolloutEngine:
         self.cfg = cfg
         self.lora = lora
         self._lora_base: Optional[dict[str, torch.Tensor]] = None
+        self._kept: Optional[Sampler] = None  # the run-long sampler under CUDA graphs
         self.layout = layout or RolloutLayout()
         self.tokenizer = tokenizer
         self.P = max_prompt_length
@@ -107,6 +108,23 @@ class RolloutEngine:
         alpha, rank = self.lora
         return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank), rs
 
+    def _sampler(self, hf_config, weights: dict[str, torch.Tensor]) -> Sampler:
+        """A sampler holding ``weights``. With CUDA graphs (``rollout.compile`` on CUDA) one sampler
+        lives for the whole run: its KV cache, graphs and graph memory pool are reused each step
+        and new weights are copied into the captured addresses. Otherwise a fresh one per step,
+        so nothing of the rollout outlives its window."""
+        if self._kept is not None:
+            self._kept.load_weights(weights)
+            return self._kept
+        graphs = self.cfg.compile and self.device.type == "cuda"
+        sampler = Sampler(hf_config, weights, pad_token_id=self.pad_id, device=self.device, dtype=self.dtype,
+                          max_num_seqs=self.cfg.max_num_seqs, max_seq_len=self.P + self.R,
+                          kv_cache_tokens=self.cfg.kv_cache_tokens or None, tp_group=self.layout.tp_group,
+                          use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization)
+        if graphs:
+            self._kept = sampler
+        return sampler
+
     def generate(self, model: torch.nn.Module, hf_config, prompts: PromptBatch, *, step: int, n: int,
                  temperature: float, local_rows: Optional[list[int]] = None,
                  pp_group: Optional[dist.ProcessGroup] = None) -> tuple[RolloutBatch, dict[str, float]]:
@@ -127,10 +145,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         weights, rs = self._rollout_weights(model, pp_group)
         t1 = time.perf_counter()
-        sampler = Sampler(hf_config, weights, pad_token_id=self.pad_id, device=self.device, dtype=self.dtype,
-                          max_num_seqs=self.cfg.max_num_seqs, max_seq_len=self.P + self.R,
-                          kv_cache_tokens=self.cfg.kv_cache_tokens or None, tp_group=lay.tp_group,
-                          use_cuda_graph=self.cfg.compile and self.device.type == "cuda")
+        sampler = self._sampler(hf_config, weights)
         params = self.sampling_params(n=n, temperature=temperature, seed=self.cfg.seed)
         if local_rows is None and dist.is_initialized() and dist.get_world_size() > 1:
             prompts, local_rows = self._global_prompts(prompts)
@@ -147,7 +162,9 @@ class RolloutEngine:
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
             out.stats = stats_local
             mine = prompts.subset(local_rows)
-        del sampler, weights  # the rollout weights live only for this window
+        del sampler, weights  # the rollout weights live only for this window (unless kept for CUDA graphs)
+        if self.device.type == "cuda" and self._kept is None:
+            torch.cuda.empty_cache()  # hand the rollout copy and KV cache back before the update
         t2 = time.perf_counter()
         batch = self.to_batch(mine, out, n)
         stats = {"timing/reshard": t1 - t0, "timing/generate": t2 - t1,

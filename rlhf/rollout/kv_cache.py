@@ -27,6 +27,19 @@ def num_slots_for(max_num_seqs: int, max_seq_len: int, kv_cache_tokens: int | No
     return slots
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one cached token takes: K and V of every layer's (local) kv heads."""
+    return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_tokens_for_memory(free_bytes: int, fraction: float, bytes_per_token: int) -> int:
+    """Token budget of a cache allowed ``fraction`` of ``free_bytes`` (verl's
+    ``gpu_memory_utilization`` idea, applied to the memory left after the rollout weights)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+    return int(free_bytes * fraction) // bytes_per_token
+
+
 class StaticKVCache:
     """K/V buffer ``[L, S, 2*Hkv, T, D]`` with slot-indexed writes and views."""
 

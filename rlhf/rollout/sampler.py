@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhf.rollout import decoder
-from rlhf.rollout.kv_cache import StaticKVCache, num_slots_for
+from rlhf.rollout.kv_cache import StaticKVCache, kv_bytes_per_token, kv_tokens_for_memory, num_slots_for
 from rlhf.rollout.sampling import SamplingParams, position_keys, sample_next, sequence_keys, uniforms
 
 
@@ -93,6 +93,10 @@ class Sampler:
             slice: rows of q/k/v and gate/up (column parallel), columns of o_proj / down_proj
             (row parallel, outputs all-reduced over the group), everything else full. Every
             rank computes full-vocab logits and draws the same tokens. None: no TP.
+        gpu_memory_utilization: on CUDA without ``kv_cache_tokens``, cap the cache at this
+            fraction of the device memory free when it is allocated (after the weights), so a
+            large ``max_num_seqs`` x ``max_seq_len`` shrinks to the slots that fit instead of
+            running out of memory. None: no cap.
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class Sampler:
         prefill_tokens: int = 8192,
         use_cuda_graph: bool = False,
         tp_group: Any = None,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -127,6 +132,7 @@ class Sampler:
         self.dtype = dtype or next(iter(weights.values())).dtype
         self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.refill_fraction = refill_fraction
         self.prefill_tokens = prefill_tokens
         self.use_cuda_graph = use_cuda_graph
@@ -147,13 +153,31 @@ class Sampler:
     # ------------------------------------------------------------------ setup
 
     def load_weights(self, weights: Mapping[str, Tensor]) -> None:
-        """Swap in new weights (e.g. after a training step); the KV cache is kept."""
-        self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype)
-        self._graphs = {}  # graphs captured the old tensors' addresses
+        """Swap in new weights (e.g. after a training step); the KV cache is kept.
+
+        Captured CUDA graphs read the weights at fixed addresses, so when there are any the
+        new values are copied into the old tensors and the graphs (and their memory pool)
+        are replayed as they are: no re-capture per training step.
+        """
+        new = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype)
+        if self._graphs:
+            decoder.copy_weights_(self.weights, new)
+        else:
+            self.weights = new
 
     def _allocate(self, max_seq_len: int) -> None:
         self.spec.check_seq_len(max_seq_len)
-        slots = num_slots_for(self.max_num_seqs, max_seq_len, self.kv_cache_tokens)
+        budget = self.kv_cache_tokens
+        if budget is None and self.gpu_memory_utilization is not None and self.device.type == "cuda":
+            self.cache = None  # count the old cache's memory as free
+            free, _ = torch.cuda.mem_get_info(self.device)
+            per_token = kv_bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+            budget = min(self.max_num_seqs * max_seq_len, kv_tokens_for_memory(free, self.gpu_memory_utilization, per_token))
+            if self.tp_group is not None:  # TP peers decode in lockstep: the same slot count on each
+                t = torch.tensor([budget], dtype=torch.int64, device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
+                budget = int(t)
+        slots = num_slots_for(self.max_num_seqs, max_seq_len, budget)
         self.cache = None  # free the old buffers before allocating new ones
         self.cache = StaticKVCache(
             self.spec.num_layers, slots, self.spec.num_kv_heads, max_seq_len, self.spec.head_dim,

@@ -296,3 +296,35 @@ def test_cache_grows_when_not_fixed():
     assert s.max_seq_len == 64 and s.cache.kv.shape[1] == 4
     out = s.generate([list(range(1, 60))], SamplingParams(temperature=0.0, max_new_tokens=10))
     assert s.max_seq_len == 128 and out.response_lengths.item() == 10
+
+
+def test_kv_cache_budget_from_free_memory():
+    from rlhf.rollout.kv_cache import kv_bytes_per_token, kv_tokens_for_memory, num_slots_for
+
+    # Qwen2.5-0.5B in bf16: 24 layers x (K, V) x 2 kv heads x 64 dims x 2 bytes = 12 KiB per token
+    per = kv_bytes_per_token(24, 2, 64, torch.bfloat16)
+    assert per == 24 * 2 * 2 * 64 * 2 == 12288
+    tokens = kv_tokens_for_memory(10 * 2**30, 0.5, per)  # half of 10 GiB free
+    assert tokens == 5 * 2**30 // 12288 == 436906
+    assert num_slots_for(256, 4096, tokens) == 106  # 256 requested slots shrink to what fits
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_tokens_for_memory(2**30, 0.0, per)
+
+
+def test_load_weights_in_place_keeps_captured_addresses():
+    """With captured graphs, new weights are copied into the old storage (graphs replay them)."""
+    from rlhf.rollout import decoder
+
+    m = _model()
+    s = _sampler()
+    new_sd = {k: v + 0.01 for k, v in m.state_dict().items()}
+    before = s.weights.layers[0].qkv_w.data_ptr()
+    s._graphs = {64: None}  # what a capture leaves behind (CUDA only)
+    s.load_weights(new_sd)
+    assert s.weights.layers[0].qkv_w.data_ptr() == before
+    fresh = decoder.prepare_weights(s.spec, new_sd, device=s.device, dtype=s.dtype)
+    assert torch.equal(s.weights.layers[0].qkv_w, fresh.layers[0].qkv_w)
+    assert torch.equal(s.weights.lm_head, fresh.lm_head)
+    s._graphs = {}
+    s.load_weights(m.state_dict())  # no graphs: plain swap
+    assert s.weights.layers[0].qkv_w.data_ptr() != before
