@@ -27,7 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from rlhf.algos.aggregation import AggNorm, agg_loss
 from rlhf.algos.kl import kl_penalty
-from rlhf.algos.policy_loss import get_policy_loss
+from rlhf.algos.cov_selection import COV_LOSSES, global_cov_select
+from rlhf.algos.entropy_tools import covariance_from_sums, covariance_sums, entropy_coeff_at
+from rlhf.algos.policy_loss import PolicyLossParams, get_policy_loss
 from rlhf.batch import RolloutBatch, split_rows
 from rlhf.config import ActorConfig, ConfigError, ModelConfig, ParallelConfig
 from rlhf.data.batching import micro_batches_for_rank
@@ -174,6 +176,8 @@ class PolicyWorker:
         del model  # with pp, the other stages' layers are freed here
         adopt_layout(self, self.parallel, mesh)
         self.optimizer = self.scheduler = None
+        self.total_steps = total_steps
+        self.entropy_coeff = actor_cfg.entropy_coeff if actor_cfg is not None else 0.0
         self.nonfinite = NonFiniteGuard("actor", "lower actor.lr or check the data")
         if trainable:
             assert actor_cfg is not None
@@ -284,16 +288,30 @@ class PolicyWorker:
         low = cfg.clip_ratio_low if cfg.clip_ratio_low >= 0 else cfg.clip_ratio
         high = cfg.clip_ratio_high if cfg.clip_ratio_high >= 0 else cfg.clip_ratio
         mode = cfg.loss_agg_mode
+        params = loss_params(cfg)
+        # scheduler.last_epoch counts finished updates (restored on resume)
+        self.entropy_coeff = entropy_coeff_at(self.scheduler.last_epoch, self.total_steps, cfg.entropy_coeff,
+                                              cfg.entropy_coeff_final, cfg.entropy_coeff_schedule)
         self.model.train()
+        covs: list[float] = []
 
         def mini_step(mini: RolloutBatch, norm: AggNorm, metrics: MetricSums) -> torch.Tensor:
-            terms = dict(pg_fn=loss_fn, low=low, high=high, mode=mode, norm=norm)
+            sums = all_reduce_sum(covariance_sums(mini.old_log_probs, mini.advantages, mini.response_mask),
+                                  self.dp_group)
+            covs.append(covariance_from_sums(sums))
+            if cfg.policy_loss in COV_LOSSES:  # one selection per mini-batch over all its tokens
+                mini.cov_select = global_cov_select(cfg.policy_loss, mini.old_log_probs, mini.advantages,
+                                                    mini.response_mask, params, self.dp_group)
+            terms = dict(pg_fn=loss_fn, low=low, high=high, mode=mode, norm=norm, params=params)
             step = self._pp_mini_step if self.pipeline is not None else self._mini_step
             return step(mini, terms, temperature, metrics)
 
-        return run_ppo_epochs(self, batch, mini_batch_rows=mini_batch_rows, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
-                              max_response_len=max_response_length, grad_clip=cfg.grad_clip, prefix="actor",
-                              loss_name="loss", mini_step=mini_step)
+        out = run_ppo_epochs(self, batch, mini_batch_rows=mini_batch_rows, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+                             max_response_len=max_response_length, grad_clip=cfg.grad_clip, prefix="actor",
+                             loss_name="loss", mini_step=mini_step)
+        out["actor/entropy_coeff"] = self.entropy_coeff
+        out["actor/cov_logp_adv"] = sum(covs) / max(len(covs), 1)
+        return out
 
     def _mini_step(self, mini: RolloutBatch, terms: dict, temperature: float, metrics: MetricSums) -> torch.Tensor:
         """Gradient accumulation over micro-batches; returns this rank's loss sum (float64)."""
@@ -314,7 +332,7 @@ class PolicyWorker:
                                                         response_length=mb.response_length, temperature=temperature,
                                                         compute_entropy=cfg.entropy_coeff != 0)
             loss, parts = self._loss(log_probs, entropy, mb.response_mask, mb.old_log_probs, mb.advantages,
-                                     mb.rollout_log_probs, mb.ref_log_probs, **terms)
+                                     mb.rollout_log_probs, mb.ref_log_probs, cov_select=mb.cov_select, **terms)
             (loss * self.grad_scale).backward()
             step_loss += loss.detach().double()
             w = float(mb.response_mask.sum())
@@ -333,14 +351,17 @@ class PolicyWorker:
                   "advantages": mini.advantages, "rollout_log_probs": mini.rollout_log_probs}
         if cfg.use_kl_loss:
             inputs["ref_log_probs"] = mini.ref_log_probs
+        if mini.cov_select is not None:
+            inputs["cov_select"] = mini.cov_select
 
         calls: list[tuple[dict, float]] = []
 
         def stage_loss(log_probs, entropy=None, *, response_mask, old_log_probs, advantages, rollout_log_probs,
-                       ref_log_probs=None):
+                       ref_log_probs=None, cov_select=None):
             # log_probs [b, L] aligned with input_ids: the response is the last R columns.
             loss, parts = self._loss(log_probs[:, -R:], None if entropy is None else entropy[:, -R:], response_mask,
-                                     old_log_probs, advantages, rollout_log_probs, ref_log_probs, **terms)
+                                     old_log_probs, advantages, rollout_log_probs, ref_log_probs,
+                                     cov_select=cov_select, **terms)
             calls.append(({k: float(v) for k, v in parts.items()}, float(response_mask.sum())))
             return loss * self.grad_scale
 
@@ -354,7 +375,8 @@ class PolicyWorker:
 
     def _loss(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor,
               old_log_probs: torch.Tensor, advantages: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
-              ref_log_probs: Optional[torch.Tensor], *, pg_fn, low: float, high: float, mode: str, norm: AggNorm
+              ref_log_probs: Optional[torch.Tensor], *, pg_fn, low: float, high: float, mode: str, norm: AggNorm,
+              params: PolicyLossParams, cov_select: Optional[torch.Tensor] = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO-style loss of one micro-batch ([b, R] tensors), normalised by the global `norm`:
 
@@ -364,11 +386,11 @@ class PolicyWorker:
         pg_loss, pg_metrics = pg_fn(old_log_probs, log_probs, advantages, mask,
                                     clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c,
                                     loss_agg_mode=mode, norm=norm, rollout_log_probs=rollout_log_probs,
-                                    tis_imp_ratio_cap=cfg.tis_imp_ratio_cap)
+                                    tis_imp_ratio_cap=cfg.tis_imp_ratio_cap, params=params, cov_select=cov_select)
         loss = pg_loss
         parts = {f"actor/{k}": v for k, v in pg_metrics.items()}
-        if cfg.entropy_coeff != 0:
-            loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode, norm)
+        if cfg.entropy_coeff != 0 and self.entropy_coeff != 0:
+            loss = loss - self.entropy_coeff * agg_loss(entropy, mask, mode, norm)
         if cfg.use_kl_loss:
             kl = kl_penalty(log_probs, ref_log_probs, cfg.kl_loss_type)
             loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, mode, norm)
@@ -379,6 +401,15 @@ class PolicyWorker:
         # Reduce-scatter gradients only on the last micro-batch of a mini-batch.
         if hasattr(self.model, "set_requires_gradient_sync"):
             self.model.set_requires_gradient_sync(last)
+
+def loss_params(cfg: ActorConfig) -> PolicyLossParams:
+    """The loss-specific settings of ``cfg`` (actor.clip_cov_*, dro_beta, tau_*, rollout_is...)."""
+    return PolicyLossParams(clip_cov_ratio=cfg.clip_cov_ratio, clip_cov_lb=cfg.clip_cov_lb, clip_cov_ub=cfg.clip_cov_ub,
+                            kl_cov_ratio=cfg.kl_cov_ratio, ppo_kl_coef=cfg.ppo_kl_coef,
+                            dro_beta=cfg.dro_beta if cfg.dro_beta > 0 else None, tau_pos=cfg.tau_pos,
+                            tau_neg=cfg.tau_neg, rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold,
+                            loss_type=cfg.rollout_correction_loss_type)
+
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)

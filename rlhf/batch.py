@@ -33,6 +33,7 @@ class RolloutBatch:
     returns: Optional[torch.Tensor] = None              # [N, R]
     reward_baselines: Optional[torch.Tensor] = None     # [N] (ReMax greedy baseline reward)
     acc: Optional[torch.Tensor] = None                  # [N] 1.0 where the response is correct
+    cov_select: Optional[torch.Tensor] = None           # [N, R] clip_cov / kl_cov token selection
     # Python-side per-row data (not tensors).
     response_texts: list = field(default_factory=list)
     ground_truths: list = field(default_factory=list)

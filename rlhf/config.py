@@ -99,18 +99,35 @@ class ActorConfig:
     log_prob_max_token_len_per_gpu: int = _f(32768, "Token budget for forward-only passes when use_dynamic_bsz.")
     ppo_epochs: int = _f(1, "Passes over each rollout batch.")
     shuffle: bool = _f(False, "Shuffle sequences between mini-batches each epoch.")
-    policy_loss: str = _f("vanilla", "Policy loss by name: vanilla (PPO clip) or gspo.")
+    policy_loss: str = _f("vanilla", "Policy loss by name (verl policy_loss.loss_mode): vanilla, gspo, clip_cov, "
+                                     "kl_cov, cispo, gpg, geo_mean, sapo, dro, dppo_kl, dppo_tv, bypass_mode.")
     clip_ratio: float = _f(0.2, "PPO clip epsilon; default for clip_ratio_low/high.")
     clip_ratio_low: float = _f(-1.0, "Lower clip epsilon; -1 = clip_ratio.")
     clip_ratio_high: float = _f(-1.0, "Upper clip epsilon (DAPO clip-higher); -1 = clip_ratio.")
     clip_ratio_c: float = _f(3.0, "Dual-clip constant for negative advantages.")
-    loss_agg_mode: str = _f("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.")
+    loss_agg_mode: str = _f("token-mean", "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | "
+                                          "seq-mean-token-sum-norm.")
     entropy_coeff: float = _f(0.0, "Entropy bonus coefficient.")
     use_kl_loss: bool = _f(False, "Add KL(actor || reference) as a loss term (GRPO style).")
     kl_loss_coef: float = _f(0.001, "Coefficient of the KL loss.")
     kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss: kl(k1), abs, mse(k2), low_var_kl(k3).")
     tis_imp_ratio_cap: float = _f(-1.0, "Truncated importance sampling cap between sampler and trainer; -1 off.")
     grad_clip: float = _f(1.0, "Max global gradient norm.")
+    # loss-specific settings (verl actor.policy_loss.* / algorithm.rollout_correction.*)
+    clip_cov_ratio: float = _f(0.0002, "clip_cov: share of tokens dropped from the loss.")
+    clip_cov_lb: float = _f(1.0, "clip_cov: lower covariance bound of the candidates.")
+    clip_cov_ub: float = _f(5.0, "clip_cov: upper covariance bound of the candidates.")
+    kl_cov_ratio: float = _f(0.0002, "kl_cov: share of tokens given the KL penalty.")
+    ppo_kl_coef: float = _f(0.1, "kl_cov: coefficient of |log pi - log pi_old| on the selected tokens.")
+    dro_beta: float = _f(-1.0, "dro: coefficient of the quadratic proximal penalty (required, > 0).")
+    tau_pos: float = _f(1.0, "sapo: gate temperature for positive advantages.")
+    tau_neg: float = _f(1.05, "sapo: gate temperature for negative advantages.")
+    rollout_is: str = _f("token", "bypass_mode + reinforce: importance weights per token, sequence or '' (off).")
+    rollout_is_threshold: float = _f(2.0, "bypass_mode: truncation of the importance weights.")
+    rollout_correction_loss_type: str = _f("ppo_clip", "bypass_mode: ppo_clip or reinforce.")
+    entropy_coeff_schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant", "Entropy coefficient over training: from entropy_coeff to entropy_coeff_final.")
+    entropy_coeff_final: float = _f(0.0, "Entropy coefficient at the last step (linear / cosine schedules).")
 
 
 @dataclass
@@ -390,6 +407,18 @@ def validate(cfg: Config) -> None:
          f"must divide data.train_batch_size ({cfg.data.train_batch_size}), got {cfg.actor.ppo_mini_batch_size}")
     need(cfg.actor.ppo_micro_batch_size_per_gpu > 0, "actor.ppo_micro_batch_size_per_gpu", "must be > 0")
     need(cfg.actor.ppo_epochs >= 1, "actor.ppo_epochs", "must be >= 1")
+    a = cfg.actor
+    need(a.policy_loss != "dro" or a.dro_beta > 0, "actor.dro_beta",
+         "actor.policy_loss 'dro' needs actor.dro_beta > 0 (verl actor.policy_loss.dro_beta); it has no default")
+    need(a.policy_loss != "clip_cov" or (a.clip_cov_ratio > 0 and a.clip_cov_lb < a.clip_cov_ub), "actor.clip_cov_ratio",
+         "clip_cov needs actor.clip_cov_ratio > 0 and actor.clip_cov_lb < actor.clip_cov_ub")
+    need(a.policy_loss != "kl_cov" or a.kl_cov_ratio > 0, "actor.kl_cov_ratio", "kl_cov needs actor.kl_cov_ratio > 0")
+    need(a.policy_loss != "sapo" or (a.tau_pos > 0 and a.tau_neg > 0), "actor.tau_pos",
+         "sapo needs actor.tau_pos > 0 and actor.tau_neg > 0")
+    need(a.rollout_is in ("token", "sequence", ""), "actor.rollout_is", "must be token, sequence or '' (off)")
+    need(a.rollout_correction_loss_type in ("ppo_clip", "reinforce"), "actor.rollout_correction_loss_type",
+         "must be ppo_clip or reinforce")
+    need(a.rollout_is_threshold > 0, "actor.rollout_is_threshold", "must be > 0")
     need(cfg.actor.lr >= 0, "actor.lr", "must be >= 0")
     need(cfg.actor.clip_ratio > 0, "actor.clip_ratio", "must be > 0")
     need(cfg.actor.grad_clip > 0, "actor.grad_clip", "must be > 0")

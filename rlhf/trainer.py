@@ -293,7 +293,8 @@ class RLTrainer:
         batch.advantages, batch.returns = fn(
             token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask, index=batch.index,
             values=batch.values, reward_baselines=batch.reward_baselines, gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, whiten=make_global_whiten(self.dp_group))
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, whiten=make_global_whiten(self.dp_group),
+            global_sum=lambda t: all_reduce_sum(t, self.dp_group))
         if alg.filter_truncated:
             batch.response_mask = batch.response_mask * (~batch.truncated).float().unsqueeze(-1)
         adv = all_reduce_sum(torch.stack([(batch.advantages * batch.response_mask).sum(),

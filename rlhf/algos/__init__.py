@@ -21,7 +21,14 @@ from rlhf.algos.kl import (
     kl_penalty,
 )
 from rlhf.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from rlhf.algos.policy_loss import POLICY_LOSS_REGISTRY, PolicyLossFn, get_policy_loss, register_policy_loss
+from rlhf.algos.policy_loss import (
+    POLICY_LOSS_REGISTRY,
+    PolicyLossFn,
+    PolicyLossParams,
+    get_policy_loss,
+    register_policy_loss,
+)
+from rlhf.algos import policy_loss_cov, policy_loss_pg, rollout_correction  # noqa: F401  (register their losses)
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
 from rlhf.algos.value_loss import compute_value_loss, explained_variance
 
@@ -46,6 +53,7 @@ __all__ = [
     "masked_whiten",
     "POLICY_LOSS_REGISTRY",
     "PolicyLossFn",
+    "PolicyLossParams",
     "get_policy_loss",
     "register_policy_loss",
     "overlong_reward_penalty",

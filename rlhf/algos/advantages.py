@@ -40,6 +40,8 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_opo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_gpg_outcome_advantage",
     "group_ids",
 ]
 
@@ -62,10 +64,13 @@ class AdvantageEstimatorFn(Protocol):
         norm_adv_by_std_in_grpo: bool = True,
         epsilon: float = 1e-6,
         whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``whiten(values, mask)`` normalises over "the batch"; the trainer passes one whose
         statistics are all-reduced over data-parallel ranks, so whitening estimators (gae,
-        reinforce_plus_plus, reinforce_plus_plus_baseline) do not depend on the layout."""
+        reinforce_plus_plus, reinforce_plus_plus_baseline) do not depend on the layout.
+        ``global_sum(t)`` sums a tensor over those ranks (identity by default), for estimators
+        whose scale depends on batch-wide counts (gpg)."""
 
 
 ADV_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimatorFn] = {}
@@ -165,6 +170,7 @@ def compute_gae_advantage_return(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16), PPO with a critic.
 
@@ -208,6 +214,7 @@ def compute_grpo_outcome_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath eq. 3 / sec. 4.1.2).
 
@@ -241,6 +248,7 @@ def compute_rloo_outcome_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, eq. 7).
 
@@ -271,6 +279,7 @@ def compute_opo_outcome_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """On-Policy RL with Optimal reward baseline (Hao et al. 2025, eq. 6).
 
@@ -306,6 +315,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, eq. 7-9): discounted return, whitened over the whole batch.
 
@@ -337,6 +347,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (Hu 2025, sec. 3): group-mean baseline, then batch whitening.
 
@@ -365,6 +376,7 @@ def compute_remax_outcome_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023, eq. 7): baseline = reward of the greedy response to the prompt.
 
@@ -376,3 +388,82 @@ def compute_remax_outcome_advantage(
     returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
     advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
     return advantages, returns
+
+
+@register_adv_estimator("grpo_passk")
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k-optimised GRPO (verl ``grpo_passk``; Walder & Karkhanis 2025, "Pass@K Policy
+    Optimization"): only the best response of each group is reinforced, by its margin over the
+    runner-up, ``A_i = (s_max - s_2nd) / (std_g(s) + eps)`` for ``i = argmax_g s`` (first on ties),
+    0 for the others; without ``norm_adv_by_std_in_grpo`` the margin is not divided.
+    Groups need >= 2 samples. Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    stats = _group_stats(scores, index)
+    if bool((stats.count < 2).any()):
+        raise ValueError("adv_estimator 'grpo_passk' needs >= 2 samples per prompt (rollout.n >= 2)")
+    gid, G, B = stats.gid, stats.n_groups, scores.shape[0]
+    # best = lowest row index among the group's maxima; runner-up = max over the other rows
+    neg_inf = torch.full((G,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    best_score = neg_inf.scatter_reduce(0, gid, scores, reduce="amax")
+    rows = torch.arange(B, device=scores.device)
+    is_max = scores == best_score[gid]
+    best_row = torch.full((G,), B, dtype=torch.long, device=scores.device).scatter_reduce(
+        0, gid, torch.where(is_max, rows, torch.full_like(rows, B)), reduce="amin")
+    is_best = rows == best_row[gid]
+    second = neg_inf.scatter_reduce(0, gid, torch.where(is_best, torch.full_like(scores, float("-inf")), scores),
+                                    reduce="amax")
+    margin = best_score - second
+    if norm_adv_by_std_in_grpo:
+        margin = margin / (stats.std.new_zeros(G).index_copy(0, gid, stats.std) + epsilon)
+    adv = torch.where(is_best, margin[gid], torch.zeros_like(scores))
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("gpg")
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group Policy Gradient (Chu et al. 2025, "GPG", eq. 6-7; verl ``gpg``):
+    ``A_i = alpha (s_i - mean_g(s))`` with the batch correction ``alpha = B / M``, ``M`` the
+    number of samples with a non-zero score (as verl counts them), over the global batch
+    (``global_sum``). No std division. Pair with ``actor.policy_loss: gpg``.
+    Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    stats = _group_stats(scores, index)
+    counts = torch.stack([torch.tensor(float(scores.shape[0]), dtype=torch.float64, device=scores.device),
+                          (scores != 0).sum().double()])
+    if global_sum is not None:
+        counts = global_sum(counts)
+    alpha = float(counts[0] / counts[1].clamp(min=1))
+    adv = _zero_if_constant(scores - stats.mean, stats) * alpha
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv

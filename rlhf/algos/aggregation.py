@@ -16,6 +16,9 @@ Modes (verl's ``actor.loss_agg_mode`` names), with ``l`` the loss, ``m`` the mas
 * ``seq-mean-token-sum``      ``sum_i (sum_t l_it m_it) / N_seq``
 * ``seq-mean-token-mean``     ``sum_i (sum_t l_it m_it / |y_i|) / N_seq``           (GRPO eq. 3)
 * ``seq-mean-token-sum-norm`` ``sum_i (sum_t l_it m_it / L_max) / N_seq``           (Dr.GRPO)
+* ``token-sum``               ``sum_{i,t} l_it m_it``  (no normaliser; verl's ``token-sum``, the
+  reduction of Tinker-style losses: the loss grows with the batch, so the learning rate must
+  be set for the batch size)
 
 Dr.GRPO choice: the Dr.GRPO paper (Liu et al. 2025, listing 1) replaces the per-response
 ``1/|o_i|`` by a constant ``1/MAX_TOKENS`` and keeps the mean over responses, i.e.
@@ -43,6 +46,7 @@ LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
+    "token-sum",
 )
 
 
@@ -122,6 +126,8 @@ def agg_loss(
 
     if loss_agg_mode == "token-mean":
         return masked_sum(loss_mat, loss_mask) / n_tokens
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask)
 
     seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)  # [B]
     if loss_agg_mode == "seq-mean-token-mean":

@@ -5,7 +5,13 @@ Uniform signature (``PolicyLossFn``)::
     loss, metrics = fn(old_log_prob, log_prob, advantages, response_mask, *,
                        clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
                        loss_agg_mode="token-mean", norm=None,
-                       rollout_log_probs=None, tis_imp_ratio_cap=-1)
+                       rollout_log_probs=None, tis_imp_ratio_cap=-1,
+                       params=None, cov_select=None)
+
+``params`` (``PolicyLossParams``) carries the loss-specific settings (verl's
+``actor.policy_loss.*`` keys: ``clip_cov_ratio``, ``kl_cov_ratio``, ``dro_beta`` ...);
+``cov_select`` is an optional precomputed token selection for ``clip_cov`` / ``kl_cov``
+(see rlhf/algos/policy_loss_cov.py).  A loss ignores the arguments it does not use.
 
 All tensors are ``[B, T]``; ``loss`` is a scalar aggregated with ``agg_loss`` (pass the
 mini-batch ``AggNorm`` so micro-batch / rank losses sum to the full-batch loss).  Metric
@@ -20,7 +26,8 @@ with ``tis_imp_ratio_cap > 0`` every per-token loss is multiplied by the constan
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Optional, Protocol
 
 import torch
 
@@ -28,6 +35,7 @@ from rlhf.algos.aggregation import AggNorm, agg_loss
 from rlhf.algos.masked import masked_mean, masked_sum
 
 __all__ = [
+    "PolicyLossParams",
     "PolicyLossFn",
     "POLICY_LOSS_REGISTRY",
     "register_policy_loss",
@@ -35,6 +43,37 @@ __all__ = [
     "compute_policy_loss_vanilla",
     "compute_policy_loss_gspo",
 ]
+
+
+@dataclass(frozen=True)
+class PolicyLossParams:
+    """Loss-specific settings; defaults are verl's.  Field -> config key (verl key):
+
+    * ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``: ``actor.clip_cov_*``
+      (``actor.policy_loss.clip_cov_*``), Clip-Cov.
+    * ``kl_cov_ratio``, ``ppo_kl_coef``: ``actor.kl_cov_ratio`` / ``actor.ppo_kl_coef``
+      (``actor.policy_loss.*``), KL-Cov.
+    * ``dro_beta``: ``actor.dro_beta`` (``actor.policy_loss.dro_beta``), DRO; no default.
+    * ``tau_pos``, ``tau_neg``: ``actor.tau_pos`` / ``actor.tau_neg`` (same in verl), SAPO.
+    * ``rollout_is``, ``rollout_is_threshold``, ``loss_type``: ``actor.rollout_is``,
+      ``actor.rollout_is_threshold``, ``actor.rollout_correction_loss_type``
+      (``algorithm.rollout_correction.{rollout_is, rollout_is_threshold, loss_type}``), bypass mode.
+    """
+
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    dro_beta: Optional[float] = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    rollout_is: str = "token"
+    rollout_is_threshold: float = 2.0
+    loss_type: str = "ppo_clip"
+
+
+DEFAULT_PARAMS = PolicyLossParams()
 
 
 class PolicyLossFn(Protocol):
@@ -52,6 +91,8 @@ class PolicyLossFn(Protocol):
         norm: AggNorm | None = None,
         rollout_log_probs: torch.Tensor | None = None,
         tis_imp_ratio_cap: float = -1,
+        params: PolicyLossParams | None = None,
+        cov_select: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
@@ -109,6 +150,8 @@ def compute_policy_loss_vanilla(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    params: PolicyLossParams | None = None,
+    cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with decoupled clip (DAPO) and dual clip.
 
@@ -170,6 +213,8 @@ def compute_policy_loss_gspo(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    params: PolicyLossParams | None = None,
+    cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Sequence Policy Optimization, GSPO-token form (Zheng et al. 2025, eq. 7 and 13).
 

@@ -89,8 +89,14 @@ def test_empty_mask_gives_zero_with_graph(mode):
 
 
 def test_unknown_mode_lists_valid_modes():
-    with pytest.raises(ValueError, match="token-mean.*seq-mean-token-sum-norm"):
-        agg_loss(LOSS, MASK, "token-sum")
+    with pytest.raises(ValueError, match="token-mean.*seq-mean-token-sum-norm.*token-sum"):
+        agg_loss(LOSS, MASK, "token-avg")
+
+
+def test_token_sum_is_the_unnormalised_sum_and_splits_exactly():
+    assert torch.allclose(agg_loss(LOSS, MASK, "token-sum"), (LOSS * MASK).sum())
+    parts = agg_loss(LOSS[:1], MASK[:1], "token-sum") + agg_loss(LOSS[1:], MASK[1:], "token-sum")
+    assert torch.allclose(parts, agg_loss(LOSS, MASK, "token-sum"))
 
 
 def test_aggnorm_from_masks_counts_tokens_and_nonempty_seqs():
