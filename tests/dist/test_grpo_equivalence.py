@@ -2,7 +2,8 @@
 
 One GRPO-style update (PPO-clip + KL loss + entropy bonus, two mini-batches, several
 micro-batches) of the same global batch on 1 rank and on 2 ranks must give the same
-loss, metrics and updated parameters, for every loss aggregation mode.
+loss, metrics and updated parameters, for every loss aggregation mode and every policy loss
+(the 1-rank run uses 4 micro-batches per mini-batch, each of the 2 ranks 2).
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from rlhf.config import ActorConfig, ModelConfig
 from tests.dist._batches import random_rollout_batch
 from tests.dist._dist_utils import dist_device, dist_device_type, run_distributed
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"]
+# every policy loss beyond vanilla, with the settings it needs (ratios raised so that
+# clip_cov / kl_cov select several tokens of this small batch)
+LOSSES = {
+    "gspo": {"loss_agg_mode": "seq-mean-token-mean"}, "gpg": {}, "cispo": {"clip_ratio_high": 4.0},
+    "dro": {"dro_beta": 0.5}, "dppo_tv": {}, "dppo_kl": {}, "sapo": {"loss_agg_mode": "seq-mean-token-mean"},
+    "geo_mean": {"loss_agg_mode": "seq-mean-token-mean"}, "bypass_mode": {}, "clip_cov": {"clip_cov_ratio": 0.05},
+    "kl_cov": {"kl_cov_ratio": 0.05},
+}
+CASES = {**{m: {"loss_agg_mode": m} for m in MODES}, **{f"loss:{k}": {"policy_loss": k, **v} for k, v in LOSSES.items()}}
 N_PROMPTS, N_SAMPLES, P, R = 8, 4, 6, 10
 
 
@@ -42,11 +52,11 @@ def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:
     dims = ParallelDims.resolve(-1, 1, 1, world)
     mesh = dims.build_mesh(dist_device_type())
     results = {}
-    for mode in MODES:
+    for mode, over in CASES.items():
         torch.manual_seed(0)
-        cfg = ActorConfig(lr=1e-3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, loss_agg_mode=mode,
-                          use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01, clip_ratio_high=0.28,
-                          grad_clip=1e9, weight_decay=0.0)
+        cfg = ActorConfig(**{**dict(lr=1e-3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, use_kl_loss=True,
+                                    kl_loss_coef=0.1, entropy_coeff=0.01, clip_ratio_high=0.28, grad_clip=1e9,
+                                    weight_decay=0.0), **over})
         worker = PolicyWorker(ModelConfig(path=model_dir, mixed_precision=False), mesh, dist_device(), actor_cfg=cfg,
                               total_steps=1)
         batch = make_global_batch(worker.hf_config.vocab_size)
@@ -115,12 +125,16 @@ def test_update_same_on_1_and_2_ranks(model_dir, tmp_path):
     run_distributed(_update_worker, 2, model_dir, two)
     r1, r2 = torch.load(one, weights_only=False), torch.load(two, weights_only=False)
     init = {n: p.detach() for n, p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
-    for mode in MODES:
+    for mode in CASES:
         m1, p1 = r1[mode]
         m2, p2 = r2[mode]
         assert m1["actor/loss"] == pytest.approx(m2["actor/loss"], rel=1e-5, abs=1e-7), mode
         assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-4), mode
         assert m1["actor/pg_clipfrac"] == pytest.approx(m2["actor/pg_clipfrac"], abs=1e-6), mode
+        assert m1["actor/cov_logp_adv"] == pytest.approx(m2["actor/cov_logp_adv"], rel=1e-6), mode
+        if "cov" in mode:
+            assert m1["actor/cov_selected_frac"] > 0, mode
+            assert m1["actor/cov_selected_frac"] == pytest.approx(m2["actor/cov_selected_frac"], abs=1e-9), mode
         moved = 0.0
         for name in p1:
             diff = float((p1[name] - p2[name]).abs().max())
