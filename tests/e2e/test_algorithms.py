@@ -20,6 +20,19 @@ CASES = {
     "opo": {"algorithm.adv_estimator": "opo"},
     "gspo": {"actor.policy_loss": "gspo", "actor.loss_agg_mode": "seq-mean-token-mean"},
     "kl_in_reward": {"algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive"},
+    "grpo_passk": {"algorithm.adv_estimator": "grpo_passk"},
+    "gpg": {"algorithm.adv_estimator": "gpg", "actor.policy_loss": "gpg"},
+    "clip_cov": {"actor.policy_loss": "clip_cov", "actor.clip_cov_ratio": 0.05, "actor.clip_cov_lb": 0.0},
+    "kl_cov": {"actor.policy_loss": "kl_cov", "actor.kl_cov_ratio": 0.05},
+    "cispo": {"actor.policy_loss": "cispo", "actor.clip_ratio_high": 4.0},
+    "geo_mean": {"actor.policy_loss": "geo_mean", "actor.loss_agg_mode": "seq-mean-token-mean"},
+    "sapo": {"actor.policy_loss": "sapo", "actor.loss_agg_mode": "seq-mean-token-mean"},
+    "dro": {"actor.policy_loss": "dro", "actor.dro_beta": 0.5},
+    "dppo_kl": {"actor.policy_loss": "dppo_kl"},
+    "dppo_tv": {"actor.policy_loss": "dppo_tv"},
+    "bypass_mode": {"actor.policy_loss": "bypass_mode", "actor.rollout_correction_loss_type": "reinforce"},
+    "token_sum_entropy_schedule": {"actor.loss_agg_mode": "token-sum", "actor.entropy_coeff": 0.01,
+                                   "actor.entropy_coeff_schedule": "linear"},
     "dapo": {"algorithm.filter_groups.enable": True, "data.gen_batch_size": 8, "actor.clip_ratio_high": 0.28,
              "reward.overlong_buffer_enable": True, "reward.overlong_buffer_len": 4, "rollout.n": 4},
 }
@@ -36,6 +49,11 @@ def test_algorithm_runs(name, tiny_assets, tmp_path, parity_reward):
         assert math.isfinite(m["actor/loss"]) and m["actor/grad_norm"] > 0
         low = -1.0 if name == "dapo" else 0.0  # the overlong penalty can reach -penalty_factor
         assert low <= m["reward/mean"] <= 1.0 + 1e-6
+    assert "actor/cov_logp_adv" in rows[0] and "actor/entropy_coeff" in rows[0]
+    if name in ("clip_cov", "kl_cov"):
+        assert all(m["actor/cov_selected_frac"] > 0 for m in rows)
+    if name == "token_sum_entropy_schedule":  # linear from 0.01 to 0 over the 2 steps
+        assert [m["actor/entropy_coeff"] for m in rows] == pytest.approx([0.01, 0.0])
     if name == "remax":
         assert "reward/remax_baseline_mean" in rows[0]
     if name == "kl_in_reward":
