@@ -22,8 +22,9 @@ setup(
         "pyarrow",
     ],
     extras_require={
-        "test": ["pytest", "matplotlib"],
+        "test": ["pytest", "matplotlib", "math-verify"],
         "gpu": ["flash-attn"],
         "log": ["tensorboard", "mlflow"],
+        "math": ["math-verify"],
     },
 )

@@ -6,8 +6,9 @@ Every reward function has verl's signature::
         -> float | dict   # a dict holds "score"; its other numeric keys become metrics
 
 Built-ins: ``gsm8k`` (strict ``#### <number>``), ``gsm8k_flexible`` (last number),
-``exact_match`` and ``default`` (dispatch on ``data_source`` like verl's
-``default_compute_score``). A user function is loaded from a file, as verl's
+``exact_match``, ``math`` (last ``\\boxed{}`` judged by math-verify), ``math_dapo``
+(DAPO's ``Answer:`` line, +1 / -1) and ``default`` (dispatch on ``data_source`` like
+verl's ``default_compute_score``). A user function is loaded from a file, as verl's
 ``custom_reward_function.path`` / ``.name`` do; ``reward_kwargs`` are bound to it
 (verl's ``custom_reward_function.reward_kwargs``).
 """
@@ -24,6 +25,8 @@ from typing import Any, Callable
 
 from rlhf.rewards.gsm8k import gsm8k, gsm8k_flexible
 from rlhf.rewards.match import exact_match
+from rlhf.rewards.math_answer import math_verify_score
+from rlhf.rewards.math_dapo import math_dapo
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
 
@@ -31,7 +34,13 @@ RewardFn = Callable[..., "float | dict[str, Any]"]
 DATA_SOURCE_REWARDS: dict[str, RewardFn] = {
     "openai/gsm8k": gsm8k,
     "synthetic/addition": gsm8k,
+    "lighteval/MATH": math_verify_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_verify_score,
+    "HuggingFaceH4/MATH-500": math_verify_score,
+    "math_dapo": math_dapo,
 }
+# data_source prefixes, as verl routes every "aime..." source to the DAPO scorer.
+DATA_SOURCE_PREFIX_REWARDS: dict[str, RewardFn] = {"aime": math_dapo}
 
 
 def default_compute_score(
@@ -44,8 +53,11 @@ def default_compute_score(
     """Pick the reward function from ``data_source`` (see ``DATA_SOURCE_REWARDS``)."""
     fn = DATA_SOURCE_REWARDS.get(data_source)
     if fn is None:
+        fn = next((f for p, f in DATA_SOURCE_PREFIX_REWARDS.items() if data_source.startswith(p)), None)
+    if fn is None:
         raise NotImplementedError(
-            f"no default reward for data_source '{data_source}'; known: {sorted(DATA_SOURCE_REWARDS)}. "
+            f"no default reward for data_source '{data_source}'; known: {sorted(DATA_SOURCE_REWARDS)} "
+            f"and prefixes {sorted(DATA_SOURCE_PREFIX_REWARDS)}. "
             f"Set the reward function by name or as path/to/file.py:function_name"
         )
     return fn(data_source, solution_str, ground_truth, extra_info, **kwargs)
@@ -55,6 +67,8 @@ _REGISTRY: dict[str, RewardFn] = {
     "gsm8k": gsm8k,
     "gsm8k_flexible": gsm8k_flexible,
     "exact_match": exact_match,
+    "math": math_verify_score,
+    "math_dapo": math_dapo,
     "default": default_compute_score,
 }
 
