@@ -330,7 +330,7 @@ class PolicyWorker:
             mb = mini.select(rows)
             log_probs, entropy = self.forward_log_probs(mb.input_ids, mb.attention_mask,
                                                         response_length=mb.response_length, temperature=temperature,
-                                                        compute_entropy=cfg.entropy_coeff != 0)
+                                                        compute_entropy=_needs_entropy(cfg))
             loss, parts = self._loss(log_probs, entropy, mb.response_mask, mb.old_log_probs, mb.advantages,
                                      mb.rollout_log_probs, mb.ref_log_probs, cov_select=mb.cov_select, **terms)
             (loss * self.grad_scale).backward()
@@ -345,7 +345,7 @@ class PolicyWorker:
         """One pipelined forward-backward over the mini-batch; the loss runs on the last stage."""
         cfg = self.actor_cfg
         R = mini.response_length
-        need_entropy = cfg.entropy_coeff != 0
+        need_entropy = _needs_entropy(cfg)
         self._pp_mode(temperature, need_entropy)
         inputs = {"response_mask": mini.response_mask, "old_log_probs": mini.old_log_probs,
                   "advantages": mini.advantages, "rollout_log_probs": mini.rollout_log_probs}
@@ -389,7 +389,7 @@ class PolicyWorker:
                                     tis_imp_ratio_cap=cfg.tis_imp_ratio_cap, params=params, cov_select=cov_select)
         loss = pg_loss
         parts = {f"actor/{k}": v for k, v in pg_metrics.items()}
-        if cfg.entropy_coeff != 0 and self.entropy_coeff != 0:
+        if entropy is not None and self.entropy_coeff != 0:
             loss = loss - self.entropy_coeff * agg_loss(entropy, mask, mode, norm)
         if cfg.use_kl_loss:
             kl = kl_penalty(log_probs, ref_log_probs, cfg.kl_loss_type)
@@ -401,6 +401,12 @@ class PolicyWorker:
         # Reduce-scatter gradients only on the last micro-batch of a mini-batch.
         if hasattr(self.model, "set_requires_gradient_sync"):
             self.model.set_requires_gradient_sync(last)
+
+
+def _needs_entropy(cfg: ActorConfig) -> bool:
+    """Whether any update of the run uses the entropy bonus (constant or scheduled)."""
+    return cfg.entropy_coeff != 0 or (cfg.entropy_coeff_schedule != "constant" and cfg.entropy_coeff_final != 0)
+
 
 def loss_params(cfg: ActorConfig) -> PolicyLossParams:
     """The loss-specific settings of ``cfg`` (actor.clip_cov_*, dro_beta, tau_*, rollout_is...)."""
