@@ -41,6 +41,8 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rlhf.ops.flops import matmul_params  # noqa: E402
+from rlhf.ops.hardware import device_description, hbm_bandwidth, peak_flops  # noqa: E402
 from rlhf.rollout import Sampler, SamplingParams  # noqa: E402
 
 PAD = 0
@@ -168,37 +170,13 @@ def run_case(model, sampler, prompts, case: str, max_new: int, repeats: int) -> 
     }
 
 
-def matmul_peak_flops(repeats: int = 5) -> float:
-    """FLOP/s of fp32 matmuls with the current thread count: this CPU's compute roof.
-
-    The best of a few shapes like the models' projections (the roof is what the CPU can
-    reach, so the maximum, not a typical shape).
-    """
-    best = 0.0
-    for m, k, n in ((512, 768, 2048), (256, 768, 32000), (1024, 1024, 1024)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        for _ in range(2):
-            a @ b
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t)
-        best = max(best, 2 * m * k * n / statistics.median(times))
-    return best
-
-
 def flops_per_token(model: torch.nn.Module) -> tuple[float, float]:
-    """(body, head): 2 x weights touched per token in the decoder blocks, and in the LM head.
-
-    A prompt token costs `body` (prefill computes logits only at the last position), a
-    generated token `body + head`. Attention over the short contexts here is left out, so
-    the shares below slightly under-count.
-    """
-    cfg = model.config
-    body = sum(p.numel() for n, p in model.named_parameters()
-               if p.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n)
-    return 2.0 * body, 2.0 * cfg.vocab_size * cfg.hidden_size
+    """(body, head): matmul FLOPs per token in the decoder blocks and in the LM head
+    (``rlhf.ops.flops.matmul_params``). A prompt token costs ``body`` (prefill computes logits
+    only at the last position), a generated token ``body + head``. Attention over the short
+    contexts here is left out, so the shares below slightly under-count."""
+    n = matmul_params(model.config)
+    return 2.0 * n["layers"], 2.0 * n["lm_head"]
 
 
 def main() -> None:
@@ -217,8 +195,6 @@ def main() -> None:
                          "another process holds a core")
     ap.add_argument("--cases", default="equal,uneven,grpo")
     args = ap.parse_args()
-    from rlhf.ops.hardware import device_description, hbm_bandwidth, peak_flops
-
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/sampler.py: --device cuda but no CUDA device is visible")
@@ -234,7 +210,7 @@ def main() -> None:
                     "device": device_description(device), "dtype": str(dtype).removeprefix("torch."),
                     "compile": args.compile, "quick": args.quick, "repeats": args.repeats, "models": {}}
     # compute roof: the datasheet on a GPU, a measured matmul on CPU; memory roof on GPU only
-    peak = peak_flops(device, dtype) if device.type == "cuda" else matmul_peak_flops()
+    peak = peak_flops(device, dtype)
     hbm = hbm_bandwidth(device)
     result["matmul_peak_gflops"] = peak / 1e9 if peak else None
     result["hbm_gb_s"] = hbm / 1e9 if hbm else None

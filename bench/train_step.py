@@ -80,10 +80,12 @@ def make_batch(args, device):
     return ids.to(device), mask.to(device), adv.to(device)
 
 
-AUTOCAST = {"dtype": None}  # --dtype bfloat16: bf16 compute, fp32 weights (as FSDP2 mixed precision)
+def compute_dtype(args) -> torch.dtype | None:
+    """--dtype bfloat16: bf16 autocast over fp32 weights (as FSDP2 mixed precision); else None."""
+    return torch.bfloat16 if args.dtype == "bfloat16" else None
 
 
-def train_step(model, opt, ids, mask, adv, R, micro_batches, fn):
+def train_step(model, opt, ids, mask, adv, R, micro_batches, fn, dtype=None):
     """One update: token-mean policy-gradient surrogate, global normaliser; returns seconds."""
     resp_mask = mask[:, -R:].float()
     n_tok = resp_mask.sum()
@@ -91,7 +93,7 @@ def train_step(model, opt, ids, mask, adv, R, micro_batches, fn):
     t0 = time.perf_counter()
     for mb in micro_batches:
         idx = torch.tensor(mb, device=ids.device)
-        with torch.autocast(ids.device.type, dtype=AUTOCAST["dtype"], enabled=AUTOCAST["dtype"] is not None):
+        with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
             lp, _ = fn(model, ids[idx], mask[idx], response_length=R)
         loss = -(lp * adv[idx] * resp_mask[idx]).sum() / n_tok
         loss.backward()
@@ -106,13 +108,13 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def update_mfu(config, lens: list[int], seconds: float, device) -> float | None:
+def update_mfu(config, lens: list[int], seconds: float, device, dtype=None) -> float | None:
     """Model FLOPs of one update over the batch (rlhf.ops.flops conventions) / seconds / the
     device's peak for the compute dtype; None where the peak is unknown."""
     from rlhf.ops.flops import model_flops_per_token
     from rlhf.ops.hardware import peak_flops
 
-    peak = peak_flops(device, AUTOCAST["dtype"] or torch.float32)
+    peak = peak_flops(device, dtype or torch.float32)
     if not peak:
         return None
     flops = sum(n * model_flops_per_token(config, n, training=True) for n in lens)
@@ -147,14 +149,14 @@ def throughput(args, device) -> dict:
     }
     times: dict[str, list[float]] = {k: [] for k in plans}
     for name, (mbs, fn) in plans.items():  # warm-up
-        train_step(models[name], opts[name], ids, mask, adv, R, mbs, fn)
+        train_step(models[name], opts[name], ids, mask, adv, R, mbs, fn, compute_dtype(args))
     for _ in range(args.repeats):
         for name, (mbs, fn) in plans.items():
-            times[name].append(train_step(models[name], opts[name], ids, mask, adv, R, mbs, fn))
+            times[name].append(train_step(models[name], opts[name], ids, mask, adv, R, mbs, fn, compute_dtype(args)))
     real = int(mask.sum())
     med = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: real / v for k, v in med.items()}
-    mfu = update_mfu(base.config, lens, med["dynamic"], device)
+    mfu = update_mfu(base.config, lens, med["dynamic"], device, compute_dtype(args))
     mb_tokens = lambda mbs: [sum(lens[i] for i in mb) for mb in mbs]  # noqa: E731
     return {
         "batch": B, "prompt": args.prompt, "max_response": R, "real_tokens": real,
@@ -219,12 +221,15 @@ def memory_child(args, device, use_ac: bool, what: str) -> dict:
     R = args.max_response
 
     def fwd_bwd():
-        if what == "hidden":
-            h = packed_forward_hidden(model, ids, mask, response_length=R)
-            (h.float().pow(2).mean(-1) * adv * mask[:, -R:]).sum().backward()
-        else:
-            lp, _ = packed_forward_log_probs(model, ids, mask, response_length=R)
-            (-(lp * adv * mask[:, -R:]).sum()).backward()
+        dtype = compute_dtype(args)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):  # backward runs outside
+            if what == "hidden":
+                h = packed_forward_hidden(model, ids, mask, response_length=R)
+                loss = (h.float().pow(2).mean(-1) * adv * mask[:, -R:]).sum()
+            else:
+                lp, _ = packed_forward_log_probs(model, ids, mask, response_length=R)
+                loss = -(lp * adv * mask[:, -R:]).sum()
+        loss.backward()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -308,7 +313,6 @@ def main(argv=None) -> None:
         args.micro_batch = 2
     if args.preset == "qwen2.5-0.5b":
         args.hidden, args.layers, args.heads, args.kv_heads, args.vocab, args.intermediate = 896, 24, 14, 2, 151936, 4864
-    AUTOCAST["dtype"] = torch.bfloat16 if args.dtype == "bfloat16" else None
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

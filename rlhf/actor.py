@@ -27,9 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from rlhf.algos.aggregation import AggNorm, agg_loss
 from rlhf.algos.kl import kl_penalty
-from rlhf.algos.cov_selection import COV_LOSSES, global_cov_select
 from rlhf.algos.entropy_tools import covariance_from_sums, covariance_sums, entropy_coeff_at
 from rlhf.algos.policy_loss import PolicyLossParams, get_policy_loss
+from rlhf.algos.policy_loss_cov import COV_LOSSES, select_cov_tokens
 from rlhf.batch import RolloutBatch, split_rows
 from rlhf.config import ActorConfig, ConfigError, ModelConfig, ParallelConfig
 from rlhf.data.batching import micro_batches_for_rank
@@ -300,8 +300,8 @@ class PolicyWorker:
                                   self.dp_group)
             covs.append(covariance_from_sums(sums))
             if cfg.policy_loss in COV_LOSSES:  # one selection per mini-batch over all its tokens
-                mini.cov_select = global_cov_select(cfg.policy_loss, mini.old_log_probs, mini.advantages,
-                                                    mini.response_mask, params, self.dp_group)
+                mini.cov_select = select_cov_tokens(cfg.policy_loss, mini.old_log_probs, mini.advantages,
+                                                    mini.response_mask, params, sums, self.dp_group)
             terms = dict(pg_fn=loss_fn, low=low, high=high, mode=mode, norm=norm, params=params)
             step = self._pp_mini_step if self.pipeline is not None else self._mini_step
             return step(mini, terms, temperature, metrics)

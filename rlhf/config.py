@@ -122,9 +122,10 @@ class ActorConfig:
     dro_beta: float = _f(-1.0, "dro: coefficient of the quadratic proximal penalty (required, > 0).")
     tau_pos: float = _f(1.0, "sapo: gate temperature for positive advantages.")
     tau_neg: float = _f(1.05, "sapo: gate temperature for negative advantages.")
-    rollout_is: str = _f("token", "bypass_mode + reinforce: importance weights per token, sequence or '' (off).")
+    rollout_is: Literal["token", "sequence", ""] = _f(
+        "token", "bypass_mode + reinforce: importance weights per token, sequence or '' (off).")
     rollout_is_threshold: float = _f(2.0, "bypass_mode: truncation of the importance weights.")
-    rollout_correction_loss_type: str = _f("ppo_clip", "bypass_mode: ppo_clip or reinforce.")
+    rollout_correction_loss_type: Literal["ppo_clip", "reinforce"] = _f("ppo_clip", "bypass_mode: ppo_clip or reinforce.")
     entropy_coeff_schedule: Literal["constant", "linear", "cosine"] = _f(
         "constant", "Entropy coefficient over training: from entropy_coeff to entropy_coeff_final.")
     entropy_coeff_final: float = _f(0.0, "Entropy coefficient at the last step (linear / cosine schedules).")
@@ -415,9 +416,6 @@ def validate(cfg: Config) -> None:
     need(a.policy_loss != "kl_cov" or a.kl_cov_ratio > 0, "actor.kl_cov_ratio", "kl_cov needs actor.kl_cov_ratio > 0")
     need(a.policy_loss != "sapo" or (a.tau_pos > 0 and a.tau_neg > 0), "actor.tau_pos",
          "sapo needs actor.tau_pos > 0 and actor.tau_neg > 0")
-    need(a.rollout_is in ("token", "sequence", ""), "actor.rollout_is", "must be token, sequence or '' (off)")
-    need(a.rollout_correction_loss_type in ("ppo_clip", "reinforce"), "actor.rollout_correction_loss_type",
-         "must be ppo_clip or reinforce")
     need(a.rollout_is_threshold > 0, "actor.rollout_is_threshold", "must be > 0")
     need(cfg.actor.lr >= 0, "actor.lr", "must be >= 0")
     need(cfg.actor.clip_ratio > 0, "actor.clip_ratio", "must be > 0")

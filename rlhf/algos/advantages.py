@@ -117,6 +117,7 @@ class _GroupStats:
     mean: torch.Tensor  # group mean (verl's 0 for a group of one)
     std: torch.Tensor  # unbiased group std (verl's 1 for a group of one)
     constant: torch.Tensor  # bool: every score in the group is equal
+    max: torch.Tensor  # group maximum
     gid: torch.Tensor  # dense group id
     n_groups: int
 
@@ -143,6 +144,7 @@ def _group_stats(scores: torch.Tensor, index: GroupIndex | None) -> _GroupStats:
         mean=torch.where(single, torch.zeros_like(scores), mean_g[gid]),
         std=torch.where(single, torch.ones_like(scores), std_g[gid]),
         constant=(max_g == min_g)[gid],
+        max=max_g[gid],
         gid=gid,
         n_groups=n_groups,
     )
@@ -418,19 +420,16 @@ def compute_grpo_passk_outcome_advantage(
         raise ValueError("adv_estimator 'grpo_passk' needs >= 2 samples per prompt (rollout.n >= 2)")
     gid, G, B = stats.gid, stats.n_groups, scores.shape[0]
     # best = lowest row index among the group's maxima; runner-up = max over the other rows
-    neg_inf = torch.full((G,), float("-inf"), dtype=scores.dtype, device=scores.device)
-    best_score = neg_inf.scatter_reduce(0, gid, scores, reduce="amax")
     rows = torch.arange(B, device=scores.device)
-    is_max = scores == best_score[gid]
     best_row = torch.full((G,), B, dtype=torch.long, device=scores.device).scatter_reduce(
-        0, gid, torch.where(is_max, rows, torch.full_like(rows, B)), reduce="amin")
+        0, gid, torch.where(scores == stats.max, rows, torch.full_like(rows, B)), reduce="amin")
     is_best = rows == best_row[gid]
-    second = neg_inf.scatter_reduce(0, gid, torch.where(is_best, torch.full_like(scores, float("-inf")), scores),
-                                    reduce="amax")
-    margin = best_score - second
+    neg_inf = torch.full_like(scores, float("-inf"))
+    second = neg_inf[:G].scatter_reduce(0, gid, torch.where(is_best, neg_inf, scores), reduce="amax")
+    margin = stats.max - second[gid]
     if norm_adv_by_std_in_grpo:
-        margin = margin / (stats.std.new_zeros(G).index_copy(0, gid, stats.std) + epsilon)
-    adv = torch.where(is_best, margin[gid], torch.zeros_like(scores))
+        margin = margin / (stats.std + epsilon)
+    adv = torch.where(is_best, margin, torch.zeros_like(scores))
     adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
 

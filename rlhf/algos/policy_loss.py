@@ -39,6 +39,8 @@ __all__ = [
     "PolicyLossFn",
     "POLICY_LOSS_REGISTRY",
     "register_policy_loss",
+    "clamped_log_ratio",
+    "finish_pg_loss",
     "get_policy_loss",
     "compute_policy_loss_vanilla",
     "compute_policy_loss_gspo",
@@ -136,6 +138,32 @@ def _tis_weight(
     return torch.exp(old_log_prob - rollout_log_probs).clamp(max=tis_imp_ratio_cap).detach()
 
 
+def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """``log_prob - old_log_prob`` clamped to [-20, 20] (where verl clamps before ``exp``)."""
+    return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+
+
+def finish_pg_loss(
+    pg_losses: torch.Tensor,
+    response_mask: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+    *,
+    old_log_prob: torch.Tensor,
+    rollout_log_probs: torch.Tensor | None,
+    tis_imp_ratio_cap: float,
+    loss_agg_mode: str,
+    norm: AggNorm | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The common tail of token-level losses: the TIS weight (adds ``tis_imp_ratio_mean``),
+    ``agg_loss`` with the mini-batch ``norm``, and detached scalar metrics."""
+    tis = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
+    if tis is not None:
+        pg_losses = pg_losses * tis
+        metrics["tis_imp_ratio_mean"] = masked_mean(tis, response_mask)
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, norm)
+    return loss, {k: torch.as_tensor(v, device=loss.device).detach() for k, v in metrics.items()}
+
+
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: torch.Tensor,
@@ -168,7 +196,7 @@ def compute_policy_loss_vanilla(
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1.0, got {clip_ratio_c}")
-    neg_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    neg_approx_kl = clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(neg_approx_kl)
 
     pg_losses1 = -advantages * ratio
@@ -177,11 +205,6 @@ def compute_policy_loss_vanilla(
     pg_losses3 = -advantages * clip_ratio_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-
-    tis = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
-    if tis is not None:
-        pg_losses = pg_losses * tis
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, norm)
 
     with torch.no_grad():
         neg_adv = (advantages < 0).float()
@@ -194,9 +217,9 @@ def compute_policy_loss_vanilla(
             "clipfrac_low": masked_mean(((ratio < 1 - clip_ratio_low) & (advantages < 0)).float(), response_mask),
             "ppo_kl": masked_mean(-neg_approx_kl, response_mask),
         }
-        if tis is not None:
-            metrics["tis_imp_ratio_mean"] = masked_mean(tis, response_mask)
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
+                          rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
+                          loss_agg_mode=loss_agg_mode, norm=norm)
 
 
 @register_policy_loss("gspo")
@@ -242,15 +265,10 @@ def compute_policy_loss_gspo(
     pg_losses2 = -advantages * torch.clamp(seq_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
 
-    tis = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
-    if tis is not None:
-        pg_losses = pg_losses * tis
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, norm)
-
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask),
-            "pg_clipfrac_lower": torch.zeros((), device=loss.device),
+            "pg_clipfrac_lower": torch.zeros((), device=pg_losses.device),
             "clipfrac_high": masked_mean(
                 ((seq_ratio > 1 + clip_ratio_high) & (advantages > 0)).float(), response_mask
             ),
@@ -259,6 +277,6 @@ def compute_policy_loss_gspo(
             ),
             "ppo_kl": masked_mean(-neg_approx_kl, response_mask),
         }
-        if tis is not None:
-            metrics["tis_imp_ratio_mean"] = masked_mean(tis, response_mask)
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
+                          rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
+                          loss_agg_mode=loss_agg_mode, norm=norm)

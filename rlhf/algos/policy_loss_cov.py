@@ -15,7 +15,7 @@ the few tokens with the largest centred product
 Layout invariance.  verl computes the means, the top-k and the random choice over each
 micro-batch, so its update depends on the micro-batch size.  Here the selection is a
 ``[B, T]`` 0/1 ``cov_select`` computed once per mini-batch over all its tokens on all ranks
-(rlhf/algos/cov_selection.py) and passed to the loss; the "random" choice uses a key that is a
+(:func:`select_cov_tokens`, all-reduced means and an all-gathered top-n) and passed to the loss; the "random" choice uses a key that is a
 fixed hash of the token's ``(old log-prob, advantage, position)``, so the same tokens are
 chosen on any layout.  The selection then uses ``l_old`` (the log-probs at the start of the
 update, equal to ``l`` at its first step) instead of the current ``l``.  Without
@@ -26,10 +26,13 @@ update, equal to ``l`` at its first step) instead of the current ``l``.  Without
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from rlhf.algos.aggregation import AggNorm, agg_loss
+from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.masked import masked_mean
-from rlhf.algos.policy_loss import DEFAULT_PARAMS, PolicyLossParams, _tis_weight, register_policy_loss
+from rlhf.algos.policy_loss import DEFAULT_PARAMS, PolicyLossParams, finish_pg_loss, register_policy_loss
+
+COV_LOSSES = ("clip_cov", "kl_cov")
 
 __all__ = [
     "token_covariance",
@@ -38,6 +41,8 @@ __all__ = [
     "nth_largest",
     "select_clip_cov",
     "select_kl_cov",
+    "select_cov_tokens",
+    "COV_LOSSES",
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_kl_cov",
 ]
@@ -72,22 +77,31 @@ def n_selected(ratio: float, n_tokens: float) -> int:
     return max(1, int(ratio * n_tokens))
 
 
-def nth_largest(values: torch.Tensor, n: int) -> torch.Tensor:
-    """The ``n``-th largest of a 1-D tensor (``-inf`` when it has fewer than ``n`` finite entries)."""
-    flat = values.reshape(-1)
-    if flat.numel() < n:
-        return torch.tensor(float("-inf"), dtype=flat.dtype, device=flat.device)
-    return torch.topk(flat, n).values[-1]
+def nth_largest(values: torch.Tensor, n: int, group=None) -> torch.Tensor:
+    """The ``n``-th largest entry of ``values`` over all ranks of ``group`` (this rank alone when
+    None), as a float64 scalar; ``-inf`` when there are fewer than ``n`` finite entries. Each
+    rank contributes its local top ``n`` (one all-gather of ``n`` numbers)."""
+    flat = values.reshape(-1).double()
+    top = torch.full((n,), float("-inf"), dtype=torch.float64, device=values.device)
+    k = min(n, flat.numel())
+    if k:
+        top[:k] = torch.topk(flat, k).values
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(top) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, top, group=group)
+        top = torch.cat(parts)
+    return torch.topk(top, n).values[-1]
 
 
 @torch.no_grad()
-def select_kl_cov(cov: torch.Tensor, mask: torch.Tensor, threshold: torch.Tensor | None = None,
-                  ratio: float = 0.0002) -> torch.Tensor:
-    """0/1 ``[B, T]``: masked tokens with ``cov >= threshold`` (default: the n-th largest local cov)."""
+def select_kl_cov(cov: torch.Tensor, mask: torch.Tensor, *, ratio: float, n_tokens: float | None = None,
+                  group=None) -> torch.Tensor:
+    """0/1 ``[B, T]``: the ``n_selected(ratio, n_tokens)`` masked tokens of largest ``cov`` over the
+    ranks of ``group`` (``n_tokens``: the token count over those ranks; default this mask's)."""
     valid = mask.bool()
     score = torch.where(valid, cov, torch.full_like(cov, float("-inf")))
-    if threshold is None:
-        threshold = nth_largest(score, n_selected(ratio, float(mask.sum())))
+    n = n_selected(ratio, float(mask.sum()) if n_tokens is None else n_tokens)
+    threshold = nth_largest(score, n, group)
     return (valid & (score >= threshold) & torch.isfinite(score)).to(cov.dtype)
 
 
@@ -97,16 +111,36 @@ def clip_cov_candidates(cov: torch.Tensor, mask: torch.Tensor, lb: float, ub: fl
 
 
 @torch.no_grad()
-def select_clip_cov(cov: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, *, lb: float, ub: float,
-                    threshold: torch.Tensor | None = None, ratio: float = 0.0002) -> torch.Tensor:
-    """0/1 ``[B, T]``: candidates (``lb < cov < ub``) whose ``-key >= threshold`` (the n smallest keys)."""
+def select_clip_cov(cov: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, *, lb: float, ub: float, ratio: float,
+                    n_tokens: float | None = None, group=None) -> torch.Tensor:
+    """0/1 ``[B, T]``: of the candidates (``lb < cov < ub``), the ``n_selected(ratio, n_tokens)``
+    with the smallest ``key`` over the ranks of ``group`` (all of them when there are fewer)."""
     cand = clip_cov_candidates(cov, mask, lb, ub)
     score = torch.where(cand, -key.to(cov.dtype), torch.full_like(cov, float("-inf")))
-    if threshold is None:
-        threshold = nth_largest(score, n_selected(ratio, float(mask.sum())))
-        if not torch.isfinite(threshold):  # fewer candidates than n: take them all
-            threshold = torch.tensor(-2.0, dtype=cov.dtype, device=cov.device)
+    threshold = nth_largest(score, n_selected(ratio, float(mask.sum()) if n_tokens is None else n_tokens), group)
+    if not torch.isfinite(threshold):  # fewer candidates than n: take them all
+        threshold = torch.tensor(-2.0, dtype=torch.float64, device=cov.device)
     return (cand & (score >= threshold)).to(cov.dtype)
+
+
+@torch.no_grad()
+def select_cov_tokens(loss_mode: str, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      params: PolicyLossParams, sums: torch.Tensor, group=None) -> torch.Tensor:
+    """``cov_select`` ``[B, R]`` of ``loss_mode`` for this rank's rows of a mini-batch whose other
+    rows live on the ranks of ``group`` (the dp group). ``sums`` are
+    :func:`rlhf.algos.entropy_tools.covariance_sums` of ``(old_log_prob, advantages, mask)``
+    already summed over ``group``: they give the global means and token count."""
+    _, s_a, s_l, n_tok = (float(x) for x in sums)
+    adv_mean, logp_mean = s_a / max(n_tok, 1.0), s_l / max(n_tok, 1.0)
+    cov = token_covariance(advantages.double(), old_log_prob.double(), mask, adv_mean, logp_mean)
+    if loss_mode == "kl_cov":
+        sel = select_kl_cov(cov, mask, ratio=params.kl_cov_ratio, n_tokens=n_tok, group=group)
+    elif loss_mode == "clip_cov":
+        sel = select_clip_cov(cov, selection_key(old_log_prob, advantages), mask, lb=params.clip_cov_lb,
+                              ub=params.clip_cov_ub, ratio=params.clip_cov_ratio, n_tokens=n_tok, group=group)
+    else:
+        raise ValueError(f"select_cov_tokens: {loss_mode!r} is not one of {COV_LOSSES}")
+    return sel.to(old_log_prob.dtype)
 
 
 @register_policy_loss("clip_cov")
@@ -148,17 +182,13 @@ def compute_policy_loss_clip_cov(
                                          lb=p.clip_cov_lb, ub=p.clip_cov_ub, ratio=p.clip_cov_ratio)
         drop = cov_select.bool() & ~clip_by_origin & response_mask.bool()
     pg_losses = torch.maximum(pg_losses1, pg_losses2) * (~drop).to(pg_losses1.dtype)
-    tis = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
-    if tis is not None:
-        pg_losses = pg_losses * tis
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, norm)
     with torch.no_grad():
         metrics = {"pg_clipfrac": masked_mean(drop.float(), response_mask),
                    "ppo_kl": masked_mean(-neg_kl, response_mask),
                    "cov_selected_frac": masked_mean(drop.float(), response_mask)}
-        if tis is not None:
-            metrics["tis_imp_ratio_mean"] = masked_mean(tis, response_mask)
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
+                          rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
+                          loss_agg_mode=loss_agg_mode, norm=norm)
 
 
 @register_policy_loss("kl_cov")
@@ -194,14 +224,10 @@ def compute_policy_loss_kl_cov(
         cov_select = select_kl_cov(cov, response_mask, ratio=p.kl_cov_ratio)
     sel = cov_select.to(ratio.dtype) * response_mask
     pg_losses = -advantages * ratio + p.ppo_kl_coef * abs_kl * sel
-    tis = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
-    if tis is not None:
-        pg_losses = pg_losses * tis
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, norm)
     with torch.no_grad():
-        metrics = {"pg_clipfrac": torch.zeros((), device=loss.device),
+        metrics = {"pg_clipfrac": torch.zeros((), device=pg_losses.device),
                    "ppo_kl": masked_mean(abs_kl, response_mask),
                    "cov_selected_frac": masked_mean(sel, response_mask)}
-        if tis is not None:
-            metrics["tis_imp_ratio_mean"] = masked_mean(tis, response_mask)
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
+                          rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
+                          loss_agg_mode=loss_agg_mode, norm=norm)

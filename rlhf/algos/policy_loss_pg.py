@@ -17,7 +17,14 @@ import torch
 
 from rlhf.algos.aggregation import AggNorm, agg_loss
 from rlhf.algos.masked import masked_mean, masked_sum
-from rlhf.algos.policy_loss import DEFAULT_PARAMS, PolicyLossParams, _tis_weight, register_policy_loss
+from rlhf.algos.policy_loss import (
+    DEFAULT_PARAMS,
+    PolicyLossParams,
+    _tis_weight,
+    clamped_log_ratio,
+    finish_pg_loss,
+    register_policy_loss,
+)
 
 __all__ = [
     "compute_policy_loss_gpg",
@@ -28,19 +35,6 @@ __all__ = [
     "compute_policy_loss_sapo",
     "compute_policy_loss_geo_mean",
 ]
-
-
-def _aggregate(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask, mode, norm, metrics):
-    tis = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
-    if tis is not None:
-        pg_losses = pg_losses * tis
-        metrics["tis_imp_ratio_mean"] = masked_mean(tis, response_mask)
-    loss = agg_loss(pg_losses, response_mask, mode, norm)
-    return loss, {k: torch.as_tensor(v, device=loss.device).detach() for k, v in metrics.items()}
-
-
-def _log_ratio(log_prob, old_log_prob):
-    return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
 
 
 @register_policy_loss("gpg")
@@ -69,8 +63,9 @@ def compute_policy_loss_gpg(
     with torch.no_grad():
         metrics = {"pg_clipfrac": torch.zeros(()),
                    "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask)}
-    return _aggregate(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask, loss_agg_mode,
-                      norm, metrics)
+    return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
+                          rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
+                          loss_agg_mode=loss_agg_mode, norm=norm)
 
 
 @register_policy_loss("cispo")
@@ -97,15 +92,16 @@ def compute_policy_loss_cispo(
     ``eps_low/high`` are ``actor.clip_ratio_low/high`` (MiniMax uses a large eps_high).
     Metrics: ``pg_clipfrac`` (share of tokens whose weight was clipped), ``ppo_kl``.
     """
-    neg_kl = _log_ratio(log_prob, old_log_prob)
+    neg_kl = clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(neg_kl)
     clipped = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = -clipped.detach() * advantages * log_prob
     with torch.no_grad():
         metrics = {"pg_clipfrac": masked_mean((ratio != clipped).float(), response_mask),
                    "ppo_kl": masked_mean(-neg_kl, response_mask)}
-    return _aggregate(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask, loss_agg_mode,
-                      norm, metrics)
+    return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
+                          rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
+                          loss_agg_mode=loss_agg_mode, norm=norm)
 
 
 @register_policy_loss("dro")
@@ -139,8 +135,9 @@ def compute_policy_loss_dro(
     pg_losses = -(advantages * log_prob - 0.5 * beta * log_ratio.square())
     with torch.no_grad():
         metrics = {"pg_clipfrac": torch.zeros(()), "ppo_kl": masked_mean(-log_ratio, response_mask)}
-    return _aggregate(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask, loss_agg_mode,
-                      norm, metrics)
+    return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
+                          rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
+                          loss_agg_mode=loss_agg_mode, norm=norm)
 
 
 def _dppo(valid: torch.Tensor, ratio, neg_kl, log_prob, old_log_prob, advantages, response_mask, clip_ratio_c,
@@ -152,8 +149,9 @@ def _dppo(valid: torch.Tensor, ratio, neg_kl, log_prob, old_log_prob, advantages
         metrics = {"pg_clipfrac": masked_mean(1.0 - valid, response_mask),
                    "pg_clipfrac_lower": masked_mean((ratio > clip_ratio_c).float() * valid, response_mask),
                    "ppo_kl": masked_mean(-neg_kl, response_mask)}
-    return _aggregate(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask, loss_agg_mode,
-                      norm, metrics)
+    return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
+                          rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
+                          loss_agg_mode=loss_agg_mode, norm=norm)
 
 
 _DPPO_DOC = """
@@ -185,7 +183,7 @@ def compute_policy_loss_dppo_tv(
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-TV: ``v_t = [p - p_old <= eps_high]`` if ``A_t > 0`` else ``[p - p_old >= -eps_low]``."""
-    neg_kl = _log_ratio(log_prob, old_log_prob)
+    neg_kl = clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(neg_kl)
     delta = torch.exp(log_prob) - torch.exp(old_log_prob)
     valid = torch.where(advantages > 0, delta <= clip_ratio_high, delta >= -clip_ratio_low)
@@ -213,7 +211,7 @@ def compute_policy_loss_dppo_kl(
     """DPPO-Binary-KL: binary KL ``D = p_old log(p_old/p) + (1-p_old) log((1-p_old)/(1-p))``;
     ``v_t = [D <= eps_high or p <= p_old]`` if ``A_t > 0`` else ``[D <= eps_low or p >= p_old]``
     (a token moving *against* its advantage is never masked)."""
-    neg_kl = _log_ratio(log_prob, old_log_prob)
+    neg_kl = clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(neg_kl)
     p, p_old = torch.exp(log_prob), torch.exp(old_log_prob)
     binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
@@ -256,15 +254,16 @@ def compute_policy_loss_sapo(
     Clip settings are unused.  Metrics: ``pg_clipfrac`` (0), ``ppo_kl``.
     """
     p = params or DEFAULT_PARAMS
-    neg_kl = _log_ratio(log_prob, old_log_prob)
+    neg_kl = clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(neg_kl)
     tau = torch.where(advantages > 0, torch.full_like(advantages, p.tau_pos), torch.full_like(advantages, p.tau_neg))
     gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     pg_losses = -gates * advantages
     with torch.no_grad():
         metrics = {"pg_clipfrac": torch.zeros(()), "ppo_kl": masked_mean(-neg_kl, response_mask)}
-    return _aggregate(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask, loss_agg_mode,
-                      norm, metrics)
+    return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
+                          rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
+                          loss_agg_mode=loss_agg_mode, norm=norm)
 
 
 @register_policy_loss("geo_mean")

@@ -96,8 +96,9 @@ class _BadRow(Exception):
     """Internal: a row that is skipped and counted."""
 
 
-def _read_rows(path: Path) -> tuple[list[Any], list[tuple[int, str]]]:
-    """Rows of one file, plus (row number, reason) for lines that are not valid JSON."""
+def read_rows(path: Path) -> tuple[list[Any], list[tuple[int, str]]]:
+    """Rows of one file (parquet or jsonl), plus (row number, reason) for lines that are not
+    valid JSON; those rows are ``None`` so that row numbers stay aligned with the file."""
     if not path.exists():
         raise DataError(f"dataset file not found: {path}")
     suffix = path.suffix.lower()
@@ -235,7 +236,7 @@ def load_prompt_dataset(
     examples: list[PromptExample] = []
     for raw_path in paths:
         path = Path(raw_path)
-        rows, bad_json = _read_rows(path)
+        rows, bad_json = read_rows(path)
         stats.n_rows += len(rows)
         problems: list[tuple[int, str]] = [(r, f"{path.name} row {r}: {reason}") for r, reason in bad_json]
         bad_rows = {r for r, _ in bad_json}

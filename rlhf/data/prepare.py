@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,12 +41,12 @@ from typing import Any, Callable, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf.data.dataset import DataError
+from rlhf.data.dataset import DataError, read_rows
+from rlhf.rewards.gsm8k import extract_solution
 from rlhf.rewards.math_answer import extract_boxed_answer
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
-_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
 class _Skip(Exception):
@@ -73,10 +72,9 @@ def _text(row: dict[str, Any], col: str) -> str:
 
 def _gsm8k(row: dict[str, Any]) -> tuple[Any, str, dict[str, Any]]:
     question, answer = _text(row, "question"), _text(row, "answer")
-    found = _GSM8K_ANSWER.search(answer)
-    if found is None:
+    gt = extract_solution(answer, "strict")  # the reward's own reading of "#### <number>"
+    if gt is None:
         raise _Skip("no '#### <number>' in answer")
-    gt = found.group(1).replace(",", "")
     prompt = [{"role": "user", "content": question + " " + GSM8K_INSTRUCTION}]
     return prompt, gt, {"answer": answer, "question": question}
 
@@ -131,24 +129,6 @@ class PrepareReport:
         return s
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Rows of a parquet or jsonl file (a jsonl line that is not JSON is a user error naming the line)."""
-    if not path.is_file():
-        raise DataError(f"input file not found: {path}")
-    if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    if path.suffix in (".jsonl", ".json"):
-        rows = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-        return rows
-    raise DataError(f"{path}: unsupported extension '{path.suffix}'; expected .parquet or .jsonl")
-
-
 def _check_columns(path: Path, rows: list[dict[str, Any]], name: str, layout: Layout) -> None:
     present = set().union(*(r.keys() for r in rows[:100] if isinstance(r, dict))) if rows else set()
     for col in layout.columns:
@@ -169,6 +149,8 @@ def convert(name: str, rows: list[dict[str, Any]], *, split: str, data_source: O
     out = []
     for r, row in enumerate(rows):
         try:
+            if row is None:
+                raise _Skip("invalid JSON line")
             if not isinstance(row, dict):
                 raise _Skip("row is not an object")
             prompt, gt, extra = layout.convert(row)
@@ -215,7 +197,7 @@ def prepare(name: str, inputs: list[str], out_dir: str, *, split: str = "train",
     report = PrepareReport()
     rows: list[dict[str, Any]] = []
     for f in inputs:
-        raw = read_rows(Path(f))
+        raw, _ = read_rows(Path(f))  # invalid JSON lines come back as None: skipped and counted
         if not raw:
             raise DataError(f"{f}: the file has no rows")
         _check_columns(Path(f), raw, name, layout)

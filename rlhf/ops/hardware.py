@@ -5,7 +5,7 @@ The GPU figures are the vendors' datasheet numbers for *dense* math (the datashe
 print "with sparsity" figures, twice as large, which no training run reaches); a GPU that
 is not in the table gets `None` so that no share is ever computed against a guessed roof.
 On CPU there is no datasheet to look up, so the roof is measured: the best FLOP/s of a few
-square matmuls with the current thread count, cached per (dtype, thread count).
+matmuls of model-like shapes with the current thread count, cached per (dtype, thread count).
 """
 
 from __future__ import annotations
@@ -107,28 +107,34 @@ def hbm_bandwidth(device: torch.device) -> float | None:
     return spec.hbm if spec is not None else None
 
 
-def measured_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 512, repeats: int = 3) -> float:
-    """Best FLOP/s of a `size`^3 CPU matmul in `dtype` with the current thread count (cached).
+# Shapes like a decoder's projections and LM head (hidden 768, MLP 2048, vocab 32000) and a
+# square one: the CPU roof is the best a matmul of model-like shape reaches.
+_ROOF_SHAPES = ((512, 768, 2048), (256, 768, 32000), (1024, 1024, 1024))
 
-    The roof is what the machine can reach, so the best of the repeats, not the median.
-    Cached per (dtype, size, repeats, thread count): a few tens of milliseconds the first time.
+
+def measured_matmul_flops(dtype: torch.dtype = torch.float32, repeats: int = 3) -> float:
+    """Best FLOP/s of CPU matmuls of model-like shapes in `dtype` with the current thread count.
+
+    The roof is what the machine can reach, so the best over shapes and repeats, not a median.
+    Cached per (dtype, repeats, thread count): well under a second the first time.
     """
-    return _measured(dtype, size, repeats, torch.get_num_threads())
+    return _measured(dtype, repeats, torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=None)
-def _measured(dtype: torch.dtype, size: int, repeats: int, threads: int) -> float:
+def _measured(dtype: torch.dtype, repeats: int, threads: int) -> float:
     del threads  # part of the cache key only
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g).to(dtype)
-    b = torch.randn(size, size, generator=g).to(dtype)
-    a @ b  # first call pays for kernel selection and page faults
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2.0 * size ** 3 / max(min(times), 1e-9)
+    best = 0.0
+    for m, k, n in _ROOF_SHAPES:
+        a = torch.randn(m, k, generator=g).to(dtype)
+        b = torch.randn(k, n, generator=g).to(dtype)
+        a @ b  # first call pays for kernel selection and page faults
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a @ b
+            best = max(best, 2.0 * m * k * n / max(time.perf_counter() - t, 1e-9))
+    return best
 
 
 def device_description(device: torch.device) -> dict:

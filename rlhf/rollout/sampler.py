@@ -167,9 +167,9 @@ class Sampler:
 
     def _allocate(self, max_seq_len: int) -> None:
         self.spec.check_seq_len(max_seq_len)
+        self.cache = None  # free the old buffers first (and count them as free below)
         budget = self.kv_cache_tokens
         if budget is None and self.gpu_memory_utilization is not None and self.device.type == "cuda":
-            self.cache = None  # count the old cache's memory as free
             free, _ = torch.cuda.mem_get_info(self.device)
             per_token = kv_bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
             budget = min(self.max_num_seqs * max_seq_len, kv_tokens_for_memory(free, self.gpu_memory_utilization, per_token))
@@ -178,7 +178,6 @@ class Sampler:
                 dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
                 budget = int(t)
         slots = num_slots_for(self.max_num_seqs, max_seq_len, budget)
-        self.cache = None  # free the old buffers before allocating new ones
         self.cache = StaticKVCache(
             self.spec.num_layers, slots, self.spec.num_kv_heads, max_seq_len, self.spec.head_dim,
             dtype=self.dtype, device=self.device,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rlhf.algos import get_policy_loss
-from rlhf.algos.cov_selection import global_cov_select
 from rlhf.algos.entropy_tools import covariance_from_sums, covariance_sums, entropy_coeff_at
 from rlhf.algos.policy_loss import PolicyLossParams
+from rlhf.algos.policy_loss_cov import select_cov_tokens
 
 NEW = ["clip_cov", "kl_cov", "cispo", "gpg", "geo_mean", "sapo", "dro", "dppo_kl", "dppo_tv", "bypass_mode"]
 CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.2)
@@ -144,7 +144,8 @@ def test_new_losses_respect_the_mask_and_split_over_micro_batches(name):
     roll = old + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64)
     A = torch.randn(B, T, generator=g, dtype=torch.float64)
     params = PolicyLossParams(dro_beta=0.5, clip_cov_lb=-10.0, clip_cov_ub=10.0, clip_cov_ratio=0.2, kl_cov_ratio=0.2)
-    sel = global_cov_select(name, old, A, mask, params) if name in ("clip_cov", "kl_cov") else None
+    sel = (select_cov_tokens(name, old, A, mask, params, covariance_sums(old, A, mask))
+           if name in ("clip_cov", "kl_cov") else None)
     fn = get_policy_loss(name)
     mode = "seq-mean-token-mean" if name == "geo_mean" else "token-mean"
     norm = AggNorm(global_tokens=float(mask.sum()), global_seqs=float((mask.sum(-1) > 0).sum()), max_response_len=T)
@@ -158,15 +159,16 @@ def test_new_losses_respect_the_mask_and_split_over_micro_batches(name):
     assert torch.allclose(full, again, atol=1e-12)
 
 
-def test_global_cov_select_picks_the_largest_covariance():
+def test_select_cov_tokens_picks_the_largest_covariance():
     A = torch.tensor([[1.0, -1.0, 2.0, 0.0]], dtype=torch.float64)
     old = torch.tensor([[-0.5, -2.0, -0.1, -1.0]], dtype=torch.float64)
     mask = torch.ones(1, 4)
     # means: A 0.5, l -0.9; cov = (A - .5)(l + .9) = [0.2, 1.65, 1.2, -0.05]
-    sel = global_cov_select("kl_cov", old, A, mask, PolicyLossParams(kl_cov_ratio=0.5))
+    sums = covariance_sums(old, A, mask)
+    sel = select_cov_tokens("kl_cov", old, A, mask, PolicyLossParams(kl_cov_ratio=0.5), sums)
     assert sel.tolist() == [[0.0, 1.0, 1.0, 0.0]]  # n = int(0.5 * 4) = 2 largest
-    sel = global_cov_select("clip_cov", old, A, mask, PolicyLossParams(clip_cov_ratio=0.9, clip_cov_lb=1.0,
-                                                                       clip_cov_ub=1.5))
+    sel = select_cov_tokens("clip_cov", old, A, mask, PolicyLossParams(clip_cov_ratio=0.9, clip_cov_lb=1.0,
+                                                                       clip_cov_ub=1.5), sums)
     assert sel.tolist() == [[0.0, 0.0, 1.0, 0.0]]  # the one candidate in (1, 1.5)
 
 
