@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from rlhf.algos.aggregation import AggNorm, agg_loss
 from rlhf.algos.kl import kl_penalty
 from rlhf.algos.entropy_tools import covariance_from_sums, covariance_sums, entropy_coeff_at
+from rlhf.algos.optimal_token_baseline import sum_pi_squared_from_logits
 from rlhf.algos.policy_loss import PolicyLossParams, get_policy_loss
 from rlhf.algos.policy_loss_cov import COV_LOSSES, select_cov_tokens
 from rlhf.batch import RolloutBatch, split_rows
@@ -264,6 +265,24 @@ class PolicyWorker:
             batch.rollout_log_probs.new_zeros(0, batch.response_length)
         entropy = torch.cat(ents)[inverse.to(self.device)] if compute_entropy and ents else None
         return log_probs, entropy
+
+    @torch.no_grad()
+    def compute_sum_pi_squared(self, batch: RolloutBatch, *, temperature: float, micro_batch_size: int) -> torch.Tensor:
+        """``sum_v pi_t(v)^2`` [N, R] of ``softmax(logits / T)`` at each response step (for the
+        optimal token baselines).  A separate forward pass over the padded rows: it needs the
+        full vocab distribution, which the log-prob paths reduce away; tp/pp are refused at
+        start-up (see RLTrainer._check_names)."""
+        self.model.eval()
+        R = batch.response_length
+        out = batch.rollout_log_probs.new_zeros(len(batch), R)
+        for rows in list(split_rows(len(batch), micro_batch_size)) or [torch.arange(0)]:
+            ids, mask = (batch.input_ids[rows], batch.attention_mask[rows]) if len(rows) else \
+                (batch.input_ids[:1], batch.attention_mask[:1])  # keep FSDP collectives in step
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                                use_cache=False, logits_to_keep=R + 1).logits[:, :-1]
+            if len(rows):
+                out[rows.to(out.device)] = sum_pi_squared_from_logits(logits.float() / temperature)
+        return out
 
     def _micro_batches(self, batch: RolloutBatch, size: int, token_budget: Optional[int]) -> list[torch.Tensor]:
         """Row indices per micro-batch: fixed `size`, or (actor.use_dynamic_bsz) a token budget

@@ -34,6 +34,8 @@ class RolloutBatch:
     reward_baselines: Optional[torch.Tensor] = None     # [N] (ReMax greedy baseline reward)
     acc: Optional[torch.Tensor] = None                  # [N] 1.0 where the response is correct
     cov_select: Optional[torch.Tensor] = None           # [N, R] clip_cov / kl_cov token selection
+    reward_components: Optional[torch.Tensor] = None    # [N, K] gdpo: algorithm.gdpo_reward_keys
+    sum_pi_squared: Optional[torch.Tensor] = None       # [N, R] optimal token baselines
     # Python-side per-row data (not tensors).
     response_texts: list = field(default_factory=list)
     ground_truths: list = field(default_factory=list)

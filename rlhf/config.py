@@ -194,6 +194,9 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig, metadata={"doc": "Dynamic sampling."})
     filter_truncated: bool = _f(False, "Mask out responses that hit max_response_length from the loss.")
     critic_warmup: int = _f(0, "Steps that update only the critic.")
+    gdpo_reward_keys: list = _f([], "gdpo: keys of the reward dict normalised one by one (e.g. [format, acc]); "
+                                     "empty = the summed score.")
+    gdpo_reward_weights: Optional[list] = _f(None, "gdpo: one weight per gdpo_reward_keys entry; null = all 1.")
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from rlhf.actor import PolicyWorker
 from rlhf.algos.advantages import get_adv_estimator
+from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
 from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
 from rlhf.batch import RolloutBatch, minibatch_major_shard
@@ -26,6 +27,7 @@ from rlhf.checkpoint import ModelOptimState, export_hf, find_resume_path, load_c
 from rlhf.algos.aggregation import agg_loss
 from rlhf.algos.dynamic_sampling import select_informative_groups
 from rlhf.algos.policy_loss import get_policy_loss
+from rlhf.algos.rollout_correction import rollout_is_weights
 from rlhf.config import Config, ConfigError
 from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
@@ -35,7 +37,7 @@ from rlhf.models.lora import reference_context
 from rlhf.models.parallelize import validate_layout
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
 from rlhf.rewards.registry import get_reward_fn
-from rlhf.rewards.scoring import score_responses
+from rlhf.rewards.scoring import reward_components, score_responses
 from rlhf.rollout.engine import PromptBatch, RolloutEngine
 from rlhf.rollout.reshard import RolloutLayout
 
@@ -120,6 +122,13 @@ class RLTrainer:
         self._named("actor.loss_agg_mode", lambda m: agg_loss(torch.zeros(1, 1), torch.ones(1, 1), m), c.actor.loss_agg_mode)
         for key, name in (("actor.kl_loss_type", c.actor.kl_loss_type), ("algorithm.kl_penalty", c.algorithm.kl_penalty)):
             self._named(key, lambda n: kl_penalty(torch.zeros(1), torch.zeros(1), n), name)
+        alg = c.algorithm
+        if alg.adv_estimator in TOKEN_BASELINE_ESTIMATORS and (c.parallel.tp > 1 or c.parallel.pp > 1):
+            raise ConfigError(f"algorithm.adv_estimator {alg.adv_estimator!r} needs sum_v pi(v)^2 of full-vocab "
+                              "logits, computed on data-parallel ranks only; set parallel.tp: 1 and parallel.pp: 1")
+        if alg.gdpo_reward_weights is not None and len(alg.gdpo_reward_weights) != max(1, len(alg.gdpo_reward_keys)):
+            raise ConfigError(f"algorithm.gdpo_reward_weights has {len(alg.gdpo_reward_weights)} entries for "
+                              f"{len(alg.gdpo_reward_keys)} algorithm.gdpo_reward_keys")
 
     def _load_data(self, files, key: str):
         d = self.cfg.data
@@ -244,6 +253,8 @@ class RLTrainer:
             metrics["reward/overlong_penalty"] = float(penalty.mean())
         batch.token_level_scores = place_reward_on_last_token(scores, batch.response_mask)
         batch.acc = acc
+        if self.cfg.algorithm.gdpo_reward_keys:
+            batch.reward_components = reward_components(res, self.cfg.algorithm.gdpo_reward_keys).to(self.device)
         return metrics
 
     def compute_log_probs(self, batch: RolloutBatch) -> dict[str, float]:
@@ -257,6 +268,9 @@ class RLTrainer:
         if dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=self.dp_group)
         metrics = {"actor/entropy": self._global_masked_mean(entropy, mask), "rollout/logprob_diff_max": float(diff)}
+        if self.cfg.algorithm.adv_estimator in TOKEN_BASELINE_ESTIMATORS:
+            batch.sum_pi_squared = self.actor.compute_sum_pi_squared(
+                batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu)
         if self.need_ref:
             if self.ref is not None:
                 ref_lp, _ = self.ref.compute_log_probs(batch, temperature=T,
@@ -294,13 +308,24 @@ class RLTrainer:
             token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask, index=batch.index,
             values=batch.values, reward_baselines=batch.reward_baselines, gamma=alg.gamma, lam=alg.lam,
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, whiten=make_global_whiten(self.dp_group),
-            global_sum=lambda t: all_reduce_sum(t, self.dp_group))
+            global_sum=lambda t: all_reduce_sum(t, self.dp_group), reward_components=batch.reward_components,
+            reward_weights=alg.gdpo_reward_weights, old_log_probs=batch.old_log_probs,
+            sum_pi_squared=batch.sum_pi_squared, rollout_is_weights=self._rollout_is_weights(batch))
         if alg.filter_truncated:
             batch.response_mask = batch.response_mask * (~batch.truncated).float().unsqueeze(-1)
         adv = all_reduce_sum(torch.stack([(batch.advantages * batch.response_mask).sum(),
                                           batch.response_mask.sum()]).double(), self.dp_group)
         metrics["advantage/mean"] = float(adv[0] / adv[1].clamp(min=1))
         return metrics
+
+    def _rollout_is_weights(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """Truncated rollout IS weights [N, R] under rollout correction (bypass_mode with actor.rollout_is),
+        for the estimators that use them (the optimal token baselines)."""
+        a = self.cfg.actor
+        if a.policy_loss != "bypass_mode" or not a.rollout_is or batch.old_log_probs is None:
+            return None
+        return rollout_is_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, a.rollout_is,
+                                  a.rollout_is_threshold)
 
     def compute_values(self, batch: RolloutBatch) -> dict[str, float]:
         """Critic values [N, R]; none in critic-free algorithms (PPOTrainer overrides)."""

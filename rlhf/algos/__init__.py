@@ -29,6 +29,7 @@ from rlhf.algos.policy_loss import (
     register_policy_loss,
 )
 from rlhf.algos import policy_loss_cov, policy_loss_pg, rollout_correction  # noqa: F401  (register their losses)
+from rlhf.algos import optimal_token_baseline  # noqa: F401  (registers its estimators)
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
 from rlhf.algos.value_loss import compute_value_loss, explained_variance
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from rlhf.algos.masked import masked_whiten
+from rlhf.algos.reward_shaping import place_reward_on_last_token
 
 __all__ = [
     "AdvantageEstimatorFn",
@@ -42,6 +43,7 @@ __all__ = [
     "compute_opo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
     "compute_gpg_outcome_advantage",
+    "compute_gdpo_outcome_advantage",
     "group_ids",
 ]
 
@@ -64,13 +66,21 @@ class AdvantageEstimatorFn(Protocol):
         norm_adv_by_std_in_grpo: bool = True,
         epsilon: float = 1e-6,
         whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
-    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        reward_components: torch.Tensor | None = None,
+        reward_weights: Sequence[float] | None = None,
+        old_log_probs: torch.Tensor | None = None,
+        sum_pi_squared: torch.Tensor | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``whiten(values, mask)`` normalises over "the batch"; the trainer passes one whose
         statistics are all-reduced over data-parallel ranks, so whitening estimators (gae,
-        reinforce_plus_plus, reinforce_plus_plus_baseline) do not depend on the layout.
+        reinforce_plus_plus, reinforce_plus_plus_baseline, gdpo) do not depend on the layout.
         ``global_sum(t)`` sums a tensor over those ranks (identity by default), for estimators
-        whose scale depends on batch-wide counts (gpg)."""
+        whose scale depends on batch-wide counts (gpg).  ``reward_components [B, K]`` and
+        ``reward_weights [K]`` feed gdpo; ``old_log_probs``, ``sum_pi_squared`` and
+        ``rollout_is_weights`` (all ``[B, T]``) feed the optimal token baselines.  Estimators
+        accept and ignore the arguments they do not use."""
 
 
 ADV_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimatorFn] = {}
@@ -173,6 +183,7 @@ def compute_gae_advantage_return(
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16), PPO with a critic.
 
@@ -217,6 +228,7 @@ def compute_grpo_outcome_advantage(
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath eq. 3 / sec. 4.1.2).
 
@@ -251,6 +263,7 @@ def compute_rloo_outcome_advantage(
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, eq. 7).
 
@@ -282,6 +295,7 @@ def compute_opo_outcome_advantage(
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """On-Policy RL with Optimal reward baseline (Hao et al. 2025, eq. 6).
 
@@ -318,6 +332,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, eq. 7-9): discounted return, whitened over the whole batch.
 
@@ -350,6 +365,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (Hu 2025, sec. 3): group-mean baseline, then batch whitening.
 
@@ -379,6 +395,7 @@ def compute_remax_outcome_advantage(
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023, eq. 7): baseline = reward of the greedy response to the prompt.
 
@@ -407,6 +424,7 @@ def compute_grpo_passk_outcome_advantage(
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k-optimised GRPO (verl ``grpo_passk``; Walder & Karkhanis 2025, "Pass@K Policy
     Optimization"): only the best response of each group is reinforced, by its margin over the
@@ -449,6 +467,7 @@ def compute_gpg_outcome_advantage(
     epsilon: float = 1e-6,
     whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
     global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group Policy Gradient (Chu et al. 2025, "GPG", eq. 6-7; verl ``gpg``):
     ``A_i = alpha (s_i - mean_g(s))`` with the batch correction ``alpha = B / M``, ``M`` the
@@ -465,4 +484,50 @@ def compute_gpg_outcome_advantage(
     alpha = float(counts[0] / counts[1].clamp(min=1))
     adv = _zero_if_constant(scores - stats.mean, stats) * alpha
     adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("gdpo")
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+    whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = masked_whiten,
+    reward_components: torch.Tensor | None = None,
+    reward_weights: Sequence[float] | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group reward-Decoupled normalization Policy Optimization (Liu et al. 2026, "GDPO",
+    arXiv 2601.05242, eq. 4-6; verl ``gdpo``), for several rewards per response.
+
+    GRPO on the summed reward lets the largest-variance reward decide the sign; GDPO
+    normalises each reward ``k`` within its group first, sums with weights, then whitens
+    over the whole batch's response tokens:
+    ``A_i = whiten_batch( sum_k w_k grpo_k(i) )`` with ``grpo_k(i) = (r_ik - mean_g r_k) /
+    (std_g r_k + eps)`` (no std division without ``norm_adv_by_std_in_grpo``).
+
+    Shapes: ``reward_components [B, K]`` (``algorithm.gdpo_reward_keys``, in that order),
+    ``reward_weights [K]`` (``algorithm.gdpo_reward_weights``, default all 1); without
+    components the summed ``token_level_rewards [B, T]`` is the single reward (verl's
+    fallback).  ``(advantages, returns) [B, T]``, equal.
+    """
+    if reward_components is None:
+        reward_components = token_level_rewards.sum(-1, keepdim=True)
+    K = reward_components.shape[-1]
+    weights = [1.0] * K if reward_weights is None else [float(w) for w in reward_weights]
+    if len(weights) != K:
+        raise ValueError(f"gdpo has {K} reward components but {len(weights)} weights "
+                         "(algorithm.gdpo_reward_keys vs algorithm.gdpo_reward_weights)")
+    combined = torch.zeros_like(response_mask, dtype=torch.float32)
+    for k in range(K):
+        per_k = place_reward_on_last_token(reward_components[:, k].float(), response_mask)
+        adv_k, _ = compute_grpo_outcome_advantage(
+            token_level_rewards=per_k, response_mask=response_mask, index=index,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, epsilon=epsilon)
+        combined = combined + weights[k] * adv_k
+    adv = whiten(combined, response_mask) * response_mask
     return adv, adv

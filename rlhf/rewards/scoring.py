@@ -14,6 +14,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rlhf.config import ConfigError
+
 
 @dataclass
 class ScoreResult:
@@ -114,3 +116,15 @@ def score_responses(
         for key, v in metrics.items():
             extra.setdefault(key, [math.nan] * b)[i] = v
     return ScoreResult(torch.tensor(scores, dtype=torch.float32), extra, n_errors, first_error)
+
+
+def reward_components(res: ScoreResult, keys: Sequence[str]) -> torch.Tensor:
+    """``[B, K]`` values of the reward-dict ``keys`` (gdpo), 0 where a sample did not report one
+    (a failed sample, already counted in ``n_errors``).  A key no sample reported is a config
+    error, named with the keys the reward function does return."""
+    missing = [k for k in keys if k not in res.extra_metrics]
+    if missing:
+        raise ConfigError(f"algorithm.gdpo_reward_keys: the reward function returned no {missing} "
+                         f"(its dict keys besides 'score': {sorted(res.extra_metrics) or 'none'})")
+    cols = [torch.tensor(res.extra_metrics[k], dtype=torch.float32).nan_to_num(0.0) for k in keys]
+    return torch.stack(cols, dim=-1)

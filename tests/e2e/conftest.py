@@ -22,7 +22,9 @@ def tiny_assets(tmp_path_factory):
 PARITY_REWARD = '''
 def parity(data_source, solution_str, ground_truth, extra_info=None):
     # Varied rewards from a random model, so groups are informative and updates move.
-    return {"score": float(len(solution_str) % 2), "acc": float(len(solution_str) % 2)}
+    # "short" is a second reward component for gdpo.
+    return {"score": float(len(solution_str) % 2), "acc": float(len(solution_str) % 2),
+            "short": float(len(solution_str) < 12)}
 '''
 
 

@@ -33,6 +33,11 @@ CASES = {
     "bypass_mode": {"actor.policy_loss": "bypass_mode", "actor.rollout_correction_loss_type": "reinforce"},
     "token_sum_entropy_schedule": {"actor.loss_agg_mode": "token-sum", "actor.entropy_coeff": 0.01,
                                    "actor.entropy_coeff_schedule": "linear"},
+    "gdpo": {"algorithm.adv_estimator": "gdpo", "algorithm.gdpo_reward_keys": ["acc", "short"],
+             "algorithm.gdpo_reward_weights": [1.0, 0.5]},
+    "optimal_token_baseline": {"algorithm.adv_estimator": "optimal_token_baseline"},
+    "tir_optimal_token_baseline": {"algorithm.adv_estimator": "tir_optimal_token_baseline",
+                                   "actor.policy_loss": "bypass_mode"},
     "dapo": {"algorithm.filter_groups.enable": True, "data.gen_batch_size": 8, "actor.clip_ratio_high": 0.28,
              "reward.overlong_buffer_enable": True, "reward.overlong_buffer_len": 4, "rollout.n": 4},
 }

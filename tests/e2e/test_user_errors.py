@@ -25,6 +25,8 @@ def _error_line(r) -> str:
     ({"actor.lrr": 1e-6}, "unknown config key 'actor.lrr'; did you mean actor.lr"),
     ({"rollout.n": "four"}, "config key 'rollout.n' must be int"),
     ({"data.train_files": "/no/such.parquet"}, "/no/such.parquet"),
+    ({"algorithm.adv_estimator": "gdpo", "algorithm.gdpo_reward_keys": ["acc"],
+      "algorithm.gdpo_reward_weights": [1.0, 2.0]}, "algorithm.gdpo_reward_weights has 2 entries for 1"),
 ])
 def test_one_line_errors(tiny_assets, tmp_path, override, expect):
     r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **override))

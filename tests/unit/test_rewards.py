@@ -118,3 +118,20 @@ def test_score_responses_gsm8k_batch_and_length_check():
     assert res.scores.tolist() == [1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="aligned"):
         score_responses(get_reward_fn("gsm8k"), ["a"], ["1", "2"], ["d"])
+
+
+def test_reward_components_for_gdpo_in_key_order_and_named_when_missing():
+    from rlhf.config import ConfigError
+    from rlhf.rewards.scoring import reward_components, score_responses
+
+    def fn(ds, s, gt, extra):
+        if s == "boom":
+            raise RuntimeError("bad")
+        return {"score": 1.0, "fmt": float(len(s)), "acc": float(s == gt)}
+
+    res = score_responses(fn, ["ab", "boom", "x"], ["ab", "y", "y"], ["d"] * 3)
+    comp = reward_components(res, ["acc", "fmt"])
+    assert comp.tolist() == [[1.0, 2.0], [0.0, 0.0], [0.0, 1.0]]  # the failed sample: 0 (and counted)
+    assert res.n_errors == 1
+    with pytest.raises(ConfigError, match=r"returned no \['len'\].*'acc', 'fmt'"):
+        reward_components(res, ["acc", "len"])
