@@ -226,7 +226,7 @@ class RLTrainer:
                               greedy.extra_infos)
         by_prompt = dict(zip(greedy.index.tolist(), res.scores.tolist()))
         batch.reward_baselines = torch.tensor([by_prompt[i] for i in batch.index.tolist()], device=self.device)
-        return {"reward/remax_baseline_mean": float(batch.reward_baselines.mean())}
+        return self._global_means({"reward/remax_baseline_mean": batch.reward_baselines.sum()}, len(batch))
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         """Rule-based rewards on the last response token, plus DAPO overlong shaping."""
@@ -235,14 +235,11 @@ class RLTrainer:
         scores = res.scores.to(self.device)
         acc = torch.tensor(res.extra_metrics["acc"], device=self.device) if "acc" in res.extra_metrics \
             else (scores >= 1.0).float()
-        metrics = {"reward/score_mean": float(scores.mean()), "reward/acc": float(acc.nan_to_num(0).mean()),
-                   "reward/errors": float(res.n_errors)}
-        if res.n_errors and self.env.is_main:
-            print(f"[rlhf] reward function raised on {res.n_errors} samples (scored 0): {res.first_error}", flush=True)
+        sums = {"reward/score_mean": scores.sum(), "reward/errors": float(res.n_errors)}  # reduced below
         r = self.cfg.reward
         if self.reward_model is not None:
             rm_scores = self.reward_model.score(batch).to(self.device).float()  # [N]
-            metrics["reward/rm_score_mean"] = float(rm_scores.mean())
+            sums["reward/rm_score_mean"] = rm_scores.sum()
             scores = rm_scores if r.reward_model.combine == "replace" else scores + rm_scores
         if r.overlong_buffer_enable:
             lengths = batch.response_mask.sum(-1)
@@ -250,12 +247,26 @@ class RLTrainer:
                                               overlong_buffer_len=r.overlong_buffer_len,
                                               penalty_factor=r.overlong_penalty_factor)
             scores = scores + penalty
-            metrics["reward/overlong_penalty"] = float(penalty.mean())
+            sums["reward/overlong_penalty"] = penalty.sum()
         batch.token_level_scores = place_reward_on_last_token(scores, batch.response_mask)
         batch.acc = acc
         if self.cfg.algorithm.gdpo_reward_keys:
             batch.reward_components = reward_components(res, self.cfg.algorithm.gdpo_reward_keys).to(self.device)
+        metrics = self._global_means(sums, len(batch), totals=("reward/errors",))
+        if metrics["reward/errors"] and self.env.is_main:
+            where = f"; first on this rank: {res.first_error}" if res.first_error else ""
+            print(f"[rlhf] reward function failed on {int(metrics['reward/errors'])} samples (scored 0){where}",
+                  flush=True)
         return metrics
+
+    def _global_means(self, sums: dict, n_rows: int, totals: tuple[str, ...] = ()) -> dict[str, float]:
+        """Per-row sums on this rank -> means over every dp rank's rows (``totals``: global sums), so the
+        logged value does not depend on the layout. One all-reduce."""
+        keys = list(sums)
+        t = torch.tensor([float(sums[k]) for k in keys] + [float(n_rows)], dtype=torch.float64, device=self.device)
+        all_reduce_sum(t, self.dp_group)
+        n = max(float(t[-1]), 1.0)
+        return {k: float(t[i]) if k in totals else float(t[i]) / n for i, k in enumerate(keys)}
 
     def compute_log_probs(self, batch: RolloutBatch) -> dict[str, float]:
         """Old log-probs of the actor (training layout) and reference log-probs."""
