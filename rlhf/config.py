@@ -209,6 +209,15 @@ class ParallelConfig:
 
 
 @dataclass
+class ValKwargsConfig:
+    n: int = _f(1, "Responses per validation prompt; pass@k and maj@k are logged for k = powers of 2 up to n.")
+    do_sample: bool = _f(False, "Sample validation responses (False = greedy, unless rollout.val_temperature > 0).")
+    temperature: float = _f(1.0, "Validation sampling temperature when do_sample.")
+    top_p: float = _f(1.0, "Validation nucleus threshold when do_sample; 1.0 disables.")
+    top_k: int = _f(-1, "Validation top-k when do_sample; -1 disables.")
+
+
+@dataclass
 class TrainerConfig:
     total_epochs: int = _f(1, "Epochs over the training prompts.")
     total_training_steps: int = _f(-1, "Stop after this many steps; -1 = total_epochs x steps per epoch.")
@@ -224,6 +233,8 @@ class TrainerConfig:
                                  "abort after this many in a row.")
     stop_after_steps: int = _f(-1, "Exit after this many steps in this process (e.g. a time-limited slurm job); "
                                    "the schedule still spans total_training_steps and a later run resumes.")
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig, metadata={
+        "doc": "Validation sampling (verl's val_kwargs): n, do_sample, temperature, top_p, top_k."})
 
 
 @dataclass
@@ -432,6 +443,16 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.total_epochs >= 1, "trainer.total_epochs", "must be >= 1")
     if cfg.model.lora_rank < 0:
         raise ConfigError("config key 'model.lora_rank': must be >= 0")
+    vk = cfg.trainer.val_kwargs
+    need(vk.n >= 1, "trainer.val_kwargs.n", "must be >= 1")
+    need(not (vk.do_sample and cfg.rollout.val_temperature > 0), "rollout.val_temperature",
+         "set either rollout.val_temperature (legacy) or trainer.val_kwargs.do_sample/temperature, not both")
+    sampling = vk.do_sample or cfg.rollout.val_temperature > 0
+    need(vk.n == 1 or sampling, "trainer.val_kwargs.n",
+         f"is {vk.n} but validation is greedy (identical samples); set trainer.val_kwargs.do_sample=true")
+    need(not vk.do_sample or vk.temperature > 0, "trainer.val_kwargs.temperature", "must be > 0 when do_sample")
+    need(0 < vk.top_p <= 1, "trainer.val_kwargs.top_p", "must be in (0, 1]")
+    need(vk.top_k == -1 or vk.top_k > 0, "trainer.val_kwargs.top_k", "must be -1 (off) or > 0")
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[str]:

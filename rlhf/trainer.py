@@ -10,7 +10,6 @@ global counts, so results do not depend on the layout.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from rlhf.algos.rollout_correction import rollout_is_weights
 from rlhf.config import Config, ConfigError
 from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
+from rlhf.evaluation import flat_metrics, score_batch, summarize, val_sampling
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.models.loading import check_model_dir, load_tokenizer, model_config
 from rlhf.models.lora import reference_context
@@ -397,25 +397,15 @@ class RLTrainer:
 
     @torch.no_grad()
     def validate(self, step: int) -> dict[str, float]:
-        """Greedy (val_temperature) accuracy on the whole held-out set, split over dp ranks."""
+        """pass@1 / pass@k / maj@k (trainer.val_kwargs sampling) on the whole held-out set, split over dp ranks."""
         if self.val_data is None:
             return {}
-        n_val = len(self.val_data)
-        idx = list(range(self.dp_rank, n_val, self.dims.dp))
+        idx = list(range(self.dp_rank, len(self.val_data), self.dims.dp))
         prompts = self._prompts(idx, self.val_data.examples)
-        batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step, n=1,
-                                             temperature=self.cfg.rollout.val_temperature)
-        res = score_responses(self.reward_fn, batch.response_texts, batch.ground_truths, batch.data_sources,
-                              batch.extra_infos)
-        acc = res.extra_metrics.get("acc")
-        acc = [0.0 if math.isnan(a) else a for a in acc] if acc else [float(s >= 1.0) for s in res.scores.tolist()]
-        pieces = all_gather_object((acc, res.scores.tolist(), batch.response_mask.sum(-1).tolist()), self.dp_group)
-        accs = [a for p in pieces for a in p[0]]
-        scores = [s for p in pieces for s in p[1]]
-        lens = [x for p in pieces for x in p[2]]
-        return {"val/acc": sum(accs) / len(accs), "val/score": sum(scores) / len(scores),
-                "val/response_length": sum(lens) / len(lens), "val/n": float(len(accs)),
-                "timing/validate_generate": stats["timing/generate"]}
+        batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
+                                             **val_sampling(self.cfg))
+        records = [r for piece in all_gather_object(score_batch(self.reward_fn, batch), self.dp_group) for r in piece]
+        return {**flat_metrics(summarize(records), "val"), "timing/validate_generate": stats["timing/generate"]}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -23,13 +23,15 @@ class ScoreResult:
 
     ``scores`` is ``[B]`` float32. ``extra_metrics[k]`` is a length-``B`` list aligned with
     the responses: the numeric value under key ``k`` of the dict a sample returned, NaN
-    where that sample did not return ``k`` (or failed).
+    where that sample did not return ``k`` (or failed). ``preds[i]`` is the string a dict
+    returned under ``"pred"`` (the extracted answer that majority voting counts), else None.
     """
 
     scores: torch.Tensor
     extra_metrics: dict[str, list[float]] = field(default_factory=dict)
     n_errors: int = 0
     first_error: str | None = None
+    preds: list[str | None] = field(default_factory=list)
 
     def metric_means(self, prefix: str = "reward/") -> dict[str, float]:
         """``{prefix + key: mean over the samples that reported key}`` for the extra metrics."""
@@ -78,6 +80,7 @@ def score_responses(
             f"{len(data_sources)} data sources, {len(extra_infos)} extra_infos"
         )
     scores = [0.0] * b
+    preds: list[str | None] = [None] * b
     extra: dict[str, list[float]] = {}
     n_errors = 0
     first_error: str | None = None
@@ -94,6 +97,8 @@ def score_responses(
             out = fn(data_sources[i], responses[i], ground_truths[i], extra_infos[i])
             metrics: dict[str, float] = {}
             if isinstance(out, dict):
+                if isinstance(out.get("pred"), str):
+                    preds[i] = out["pred"]
                 if "score" not in out:
                     raise KeyError(f"returned a dict without 'score' (keys: {sorted(out)})")
                 value = _as_float(out["score"])
@@ -115,7 +120,7 @@ def score_responses(
         scores[i] = value
         for key, v in metrics.items():
             extra.setdefault(key, [math.nan] * b)[i] = v
-    return ScoreResult(torch.tensor(scores, dtype=torch.float32), extra, n_errors, first_error)
+    return ScoreResult(torch.tensor(scores, dtype=torch.float32), extra, n_errors, first_error, preds)
 
 
 def reward_components(res: ScoreResult, keys: Sequence[str]) -> torch.Tensor:

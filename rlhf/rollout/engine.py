@@ -88,10 +88,14 @@ class RolloutEngine:
         self._stop_ids = stop_token_ids(tokenizer)
         self._stop_seqs = stop_sequences(tokenizer, list(cfg.stop))
 
-    def sampling_params(self, *, n: int, temperature: float, seed: int) -> SamplingParams:
+    def sampling_params(self, *, n: int, temperature: float, seed: int, top_p: Optional[float] = None,
+                        top_k: Optional[int] = None) -> SamplingParams:
+        """``top_p`` / ``top_k``: overrides of the rollout config's (e.g. validation's own)."""
         greedy = temperature == 0
-        return SamplingParams(n=n, temperature=temperature, top_k=-1 if greedy else self.cfg.top_k,
-                              top_p=1.0 if greedy else self.cfg.top_p, min_p=0.0 if greedy else self.cfg.min_p,
+        top_k = self.cfg.top_k if top_k is None else top_k
+        top_p = self.cfg.top_p if top_p is None else top_p
+        return SamplingParams(n=n, temperature=temperature, top_k=-1 if greedy else top_k,
+                              top_p=1.0 if greedy else top_p, min_p=0.0 if greedy else self.cfg.min_p,
                               max_new_tokens=self.R, stop_token_ids=self._stop_ids,
                               stop_sequences=self._stop_seqs, seed=seed)
 
@@ -127,7 +131,8 @@ class RolloutEngine:
 
     def generate(self, model: torch.nn.Module, hf_config, prompts: PromptBatch, *, step: int, n: int,
                  temperature: float, local_rows: Optional[list[int]] = None,
-                 pp_group: Optional[dist.ProcessGroup] = None) -> tuple[RolloutBatch, dict[str, float]]:
+                 pp_group: Optional[dist.ProcessGroup] = None, top_p: Optional[float] = None,
+                 top_k: Optional[int] = None) -> tuple[RolloutBatch, dict[str, float]]:
         """Reshard `model` (training layout) -> rollout weights -> sample -> RolloutBatch.
 
         Args:
@@ -139,6 +144,7 @@ class RolloutEngine:
                 returned batch holds their ``n`` samples each, in this order.
             pp_group: the pipeline group when ``model`` is one pipeline stage (default: the
                 ``pp_group`` attribute that ``parallelize_model`` sets on stage modules).
+            top_p, top_k: override ``rollout.top_p`` / ``rollout.top_k`` for this call.
         """
         lay = self.layout
         pp_group = pp_group if pp_group is not None else getattr(model, "pp_group", None)
@@ -146,7 +152,7 @@ class RolloutEngine:
         weights, rs = self._rollout_weights(model, pp_group)
         t1 = time.perf_counter()
         sampler = self._sampler(hf_config, weights)
-        params = self.sampling_params(n=n, temperature=temperature, seed=self.cfg.seed)
+        params = self.sampling_params(n=n, temperature=temperature, seed=self.cfg.seed, top_p=top_p, top_k=top_k)
         if local_rows is None and dist.is_initialized() and dist.get_world_size() > 1:
             prompts, local_rows = self._global_prompts(prompts)
         if local_rows is None:
