@@ -22,6 +22,11 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     ap.add_argument("--config", help="yaml config file")
     ap.add_argument("--dry-run", action="store_true", help="validate config, data and layout, then exit")
     ap.add_argument("--list-keys", action="store_true", help="print every config key with its default and doc")
+    ap.add_argument("--device-memory", help="with --dry-run: say whether the planned peak fits, e.g. 80GiB")
+    ap.add_argument("--world-size", type=int, default=0,
+                    help="with --dry-run: plan memory for this many ranks (default: the launched world size)")
+    ap.add_argument("--plan-device", choices=("cuda", "cpu"), default=None,
+                    help="with --dry-run: device to plan for (default: the run's trainer.device)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 parallel.tp=2")
     return ap.parse_args(argv)
 
@@ -49,12 +54,43 @@ def load(args: argparse.Namespace, **kw):
     return load_config(args.config, args.overrides, **kw)
 
 
+def print_memory_plan(cfg, args) -> bool:
+    """--dry-run: print the memory plan (rank 0); False when the run cannot be checked further here:
+    model.path holds only a config.json (a planning config) or --world-size is not this world."""
+    from pathlib import Path
+
+    import torch
+
+    from rlhf.planner import format_plan, parse_bytes, plan_from_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan_world = args.world_size or world
+    device = args.plan_device or ("cuda" if cfg.trainer.device == "cuda" or
+                                  (cfg.trainer.device == "auto" and torch.cuda.is_available()) else "cpu")
+    plan = plan_from_config(cfg, world_size=plan_world, device=device)
+    mem = parse_bytes(args.device_memory) if args.device_memory else None
+    tok_dir = Path(cfg.model.tokenizer_path or cfg.model.path)
+    config_only = not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(format_plan(plan, mem), flush=True)
+        if config_only:
+            print(f"[plan] {tok_dir} has no tokenizer (a config.json-only directory): tokenizer, data and "
+                  "process-group checks skipped", flush=True)
+        elif plan_world != world:
+            print(f"[plan] planned for --world-size {plan_world}, launched with {world}: layout checks "
+                  "against this world skipped", flush=True)
+    return not config_only and plan_world == world
+
+
 def train_main(doc: str, trainer_factory: Callable) -> None:
     """Body of the RL entry scripts: parse, build the trainer (all ranks), dry-run or fit."""
 
     def main() -> None:
         args = parse_args(doc)
-        trainer = trainer_factory(load(args), dry_run=args.dry_run)
+        cfg = load(args)
+        if args.dry_run and not print_memory_plan(cfg, args):
+            return
+        trainer = trainer_factory(cfg, dry_run=args.dry_run)
         if args.dry_run:
             if trainer.env.is_main:
                 print("dry run OK: config, data and parallel layout are valid")

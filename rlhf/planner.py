@@ -1,0 +1,393 @@
+"""Memory planner: bytes per rank of a run, from the model's config.json and the run config alone.
+
+No weights are read and no process group is needed, so a user can plan Qwen2.5-7B on 8
+GPUs before owning them (``configs/models/<name>/config.json`` hold the published shapes):
+
+    python -m rlhf.planner --config configs/x.yaml --world-size 8 --device cuda --device-memory 80GiB
+    python train_grpo.py --config configs/x.yaml --dry-run --device-memory 80GiB   # same table first
+
+What is counted, per rank (the rank that holds the largest pipeline stage):
+
+* parameters: this rank's FSDP2 shard of its stage (``/tp /dp``) in ``model.dtype``. These
+  are the master weights: under mixed precision FSDP2 computes in bf16 on transient
+  all-gathered copies (``fsdp unsharded``), so no separate fp32 master copy exists;
+* gradients and AdamW state (``exp_avg`` + ``exp_avg_sq``) in the parameter dtype, for the
+  trainable parameters only (LoRA: adapters; the frozen base has neither);
+* ``fsdp unsharded``: the all-gathered root (embeddings, LM head) and two decoder blocks
+  (current + prefetched), in the compute dtype; in the update also their gradients;
+* ``load``: the stage's TP slice, whole, before FSDP2 shards it (apply_fsdp moves the
+  model to the device first; on CPU this is host memory);
+* reference (``actor.use_kl_loss`` without LoRA) and critic (``adv_estimator: gae``) copies;
+* rollout copy: the full model over ``rollout.tp``, bf16 on CUDA (else ``model.dtype``);
+  with LoRA the base copy is cached between steps (counted in every phase);
+* KV cache ``[layers, slots, 2, kv_heads / rollout.tp, prompt + response, head_dim]``;
+  slots = min(rollout.max_num_seqs, budget, sequences this rollout replica generates);
+* activations of one training micro-batch, with and without activation checkpointing
+  (which one enters the update total follows ``model.enable_gradient_checkpointing``);
+* logits: ``[rows, response, vocab / tp]`` in fp32 for log-probs, with the temporaries of
+  log-softmax / entropy (forward-only pass) and the gradient (update).
+
+The per-token activation counts are analytic (which tensors autograd saves in an HF
+Llama/Qwen2 block); `bench/memory_plan.py` checks the totals against measured peak RSS
+on CPU (docs/memory.md). Peaks within a phase are sums of what is alive together, so the
+estimate is an upper bound of what a perfect allocator needs; fragmentation, the CUDA
+context and communication buffers are what ``headroom`` (default 10%) is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rlhf.config import Config, ConfigError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1024 ** 3
+_LORA_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# --------------------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a Llama-family decoder read from an HF config.json dict."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2: q/k/v projections have a bias
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: per-head RMSNorm of q and k
+
+    @classmethod
+    def from_config_dict(cls, d: dict, source: str = "config.json") -> "ModelShape":
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else f"model_type {d.get('model_type')!r}"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"{source}: the memory planner does not know architecture {arch}; "
+                              f"known: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            return cls(architecture=arch, vocab_size=int(d["vocab_size"]), hidden_size=hidden,
+                       intermediate_size=int(d["intermediate_size"]), num_layers=int(d["num_hidden_layers"]),
+                       num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                       head_dim=int(d.get("head_dim") or hidden // heads),
+                       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                       qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
+                       o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias", False)),
+                       mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM")
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing key {e.args[0]!r} needed by the memory planner") from None
+
+    @classmethod
+    def from_model_dir(cls, path: str, key: str = "model.path") -> "ModelShape":
+        f = Path(path).expanduser() / "config.json"
+        if not f.is_file():
+            raise ConfigError(f"{key}: {path} has no config.json")
+        return cls.from_config_dict(json.loads(f.read_text()), source=str(f))
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear of one decoder block."""
+        H, I = self.hidden_size, self.intermediate_size
+        return {"q_proj": (H, self.q_dim), "k_proj": (H, self.kv_dim), "v_proj": (H, self.kv_dim),
+                "o_proj": (self.q_dim, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+    def layer_params(self) -> int:
+        n = sum(i * o for i, o in self.linears().values())
+        n += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + self.hidden_size * self.o_bias
+        n += (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
+        return n + 2 * self.hidden_size + 2 * self.head_dim * self.qk_norm
+
+    def embed_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def head_params(self) -> int:
+        """LM head + final norm (the head is the embedding when tied)."""
+        return self.hidden_size + (0 if self.tie_word_embeddings else self.embed_params())
+
+    def num_params(self) -> int:
+        return self.embed_params() + self.num_layers * self.layer_params() + self.head_params()
+
+    def lora_params_per_layer(self, rank: int, target_modules) -> int:
+        names = _LORA_ALL_LINEAR if target_modules == "all-linear" else [str(t) for t in target_modules]
+        return sum(rank * (i + o) for name, (i, o) in self.linears().items() if name in names)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB' / '80GB' / '141 GiB' / '2048MiB' / plain bytes -> int bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--device-memory: cannot read {text!r}; write e.g. 80GiB, 141GB or 24576MiB")
+    unit = m.group(2).upper().rstrip("B")
+    power = "KMGT".index(unit[0]) + 1 if unit else 0
+    base = 1024 if unit.endswith("I") or not unit else 1000
+    return int(float(m.group(1)) * base ** power)
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per rank by component, and the totals of each phase of a step."""
+
+    shape: ModelShape
+    layout: dict  # world, dp, tp, pp, rollout_tp, device
+    components: dict[str, float]  # name -> bytes per rank
+    phases: dict[str, dict[str, float]]  # phase -> {component: bytes} alive together
+    host: dict[str, float] = field(default_factory=dict)  # param_offload: bytes kept in host memory
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, phase: str) -> float:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> float:
+        return self.total(self.peak_phase)
+
+    def fits(self, device_memory: int, headroom: float = 0.10) -> bool:
+        return self.peak <= device_memory * (1.0 - headroom)
+
+
+def _stage_params(s: ModelShape, pp: int) -> int:
+    """Parameters of the largest pipeline stage (first: embeddings; last: head, tied copy too)."""
+    if pp == 1:
+        return s.num_params()
+    layers = s.num_layers // pp * s.layer_params()
+    return max(s.embed_params() + layers, layers + s.hidden_size + s.embed_params())
+
+
+def activation_elems_per_token_layer(s: ModelShape, tp: int, compute_bytes: int) -> float:
+    """Elements autograd keeps per token per decoder block (HF block, sdpa attention).
+
+    RMSNorm keeps its fp32 input and the normalised output (x2); attention keeps q, k, v,
+    the output and o_proj's input; the SwiGLU MLP keeps gate, up, silu(gate) and the product.
+    Head / MLP tensors are split over tp; the residual stream is not.
+    """
+    fp32_ratio = 4 / compute_bytes
+    norms = 2 * (s.hidden_size * fp32_ratio + s.hidden_size)
+    attn = (3 * s.q_dim + 2 * s.kv_dim) / tp
+    mlp = 4 * s.intermediate_size / tp
+    return norms + attn + mlp + s.hidden_size  # + the block input (the residual)
+
+
+def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str = "cuda") -> MemoryPlan:
+    """The memory plan of `cfg` for `shape` on `world_size` ranks of `device` ("cuda" or "cpu")."""
+    from rlhf.models.parallelize import validate_layout
+    from rlhf.parallel import ParallelDims
+
+    s, m, d, r, a = shape, cfg.model, cfg.data, cfg.rollout, cfg.actor
+    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world_size)
+    validate_layout(cfg.parallel, _HFLike(s), world_size, rollout_tp=r.tp, train_batch_size=d.train_batch_size,
+                    mini_batch_size=a.ppo_mini_batch_size, n=r.n)
+    dp, tp, pp = dims.dp, dims.tp, dims.pp
+    cuda = device == "cuda"
+    mb = DTYPE_BYTES[m.dtype]  # master (parameter / grad / optimizer) bytes
+    cb = 2 if cuda and m.mixed_precision else mb  # compute bytes
+    rb = 2 if cuda else mb  # rollout bytes
+    notes: list[str] = []
+
+    stage = _stage_params(s, pp)
+    params_rank = stage / tp / dp
+    lora = m.lora_rank > 0
+    adapters = s.num_layers // pp * s.lora_params_per_layer(m.lora_rank, m.target_modules) if lora else 0
+    trainable_rank = (adapters if lora else stage) / tp / dp
+    comp: dict[str, float] = {}
+    comp["parameters"] = (params_rank + adapters / tp / dp) * mb
+    comp["gradients"] = trainable_rank * mb
+    comp["optimizer (AdamW m+v)"] = 2 * trainable_rank * mb
+    need_ref = (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora
+    comp["reference"] = params_rank * mb if need_ref else 0.0
+    critic = cfg.algorithm.adv_estimator == "gae"
+    critic_params = (stage - (0 if s.tie_word_embeddings or pp > 1 else s.embed_params())) / tp / dp if critic else 0
+    comp["critic (params+grads+adam)"] = 4 * critic_params * mb
+    # FSDP2 all-gathers the root (embeddings / head: kept for the whole forward+backward) and two blocks.
+    root = (s.embed_params() + s.head_params()) / tp if pp == 1 else (s.embed_params() + s.hidden_size) / tp
+    block = s.layer_params() / tp
+    unsharded_frozen = (root + 2 * block) * cb
+    comp["fsdp unsharded"] = unsharded_frozen
+    comp["load (whole stage before sharding)"] = stage / tp * mb
+    host: dict[str, float] = {}
+    if m.param_offload:
+        for k in ("parameters", "gradients", "optimizer (AdamW m+v)", "reference"):
+            host[k] = comp[k]
+            comp[k] = 0.0
+        comp["load (whole stage before sharding)"] = 0.0  # offload keeps the model on the host
+        notes.append("model.param_offload: parameters, gradients and optimizer state live in host memory")
+
+    # Rollout: full weights over rollout.tp; KV-cache slots for this replica's sequences.
+    rollout_copy = s.num_params() / r.tp * rb
+    comp["rollout weights"] = rollout_copy
+    seq_len = d.max_prompt_length + d.max_response_length
+    replicas = world_size // r.tp
+    gen_bs = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size > 0 else d.train_batch_size
+    seqs = math.ceil(gen_bs / replicas) * r.n
+    slots = min(r.max_num_seqs, seqs)
+    if r.kv_cache_tokens:
+        slots = min(slots, r.kv_cache_tokens // seq_len)
+    comp["kv cache"] = s.num_layers * slots * 2 * s.kv_dim / r.tp * seq_len * rb
+    if cuda and not r.kv_cache_tokens:
+        notes.append(f"rollout.kv_cache_tokens is 0: the sampler caps the KV cache at rollout.gpu_memory_utilization="
+                     f"{r.gpu_memory_utilization} of the memory free after the weights (fewer slots than planned "
+                     "here when it does not fit); set kv_cache_tokens to plan a fixed budget")
+    prefill_tokens = min(8192, seqs // r.n * d.max_prompt_length)
+    comp["rollout activations"] = (prefill_tokens * (s.hidden_size * 3 + (s.q_dim + 2 * s.kv_dim
+                                   + 2 * s.intermediate_size) / r.tp) * rb
+                                   + 4 * (slots + seqs // r.n) * s.vocab_size * 4)  # fp32 logits, softmax, cdf
+
+    # Training micro-batch: padded rows of prompt + response tokens.
+    R = d.max_response_length
+    if a.use_dynamic_bsz:
+        train_tokens, lp_tokens = a.ppo_max_token_len_per_gpu, a.log_prob_max_token_len_per_gpu
+    else:
+        train_tokens, lp_tokens = a.ppo_micro_batch_size_per_gpu * seq_len, a.log_prob_micro_batch_size_per_gpu * seq_len
+    layers_rank = s.num_layers // pp
+    per_tok = activation_elems_per_token_layer(s, tp, cb)
+    full_acts = train_tokens * per_tok * layers_rank * cb
+    # With checkpointing: the block inputs, plus one block recomputed during its backward.
+    ckpt_acts = train_tokens * (s.hidden_size * layers_rank + per_tok) * cb
+    comp["activations (no checkpointing)"] = full_acts
+    comp["activations (checkpointing)"] = ckpt_acts
+    # A block's backward holds gradients of its activations next to the saved ones.
+    act_work = train_tokens * per_tok * cb
+    rows_train = train_tokens / seq_len
+    rows_lp = lp_tokens / seq_len
+    V = s.vocab_size / tp
+    temp_copy = 1 if (r.temperature or 1.0) != 1.0 else 0
+    # update: compute-dtype logits, fp32 copy (if bf16), /T copy, logsumexp's exp, gradient (+ entropy)
+    n_train = (cb / 4) + (cb != 4) + temp_copy + 1 + 1 + 2 * (a.entropy_coeff != 0)
+    comp["logits (update)"] = rows_train * (R + 1) * V * 4 * n_train
+    # forward-only log-probs with entropy: logits, /T copy, logsumexp's exp, softmax, softmax * z
+    comp["logits (log-prob pass)"] = rows_lp * (R + 1) * V * 4 * ((cb / 4) + (cb != 4) + temp_copy + 3)
+    comp["forward activations (log-prob pass)"] = lp_tokens * per_tok * cb
+
+    acts = ckpt_acts if m.enable_gradient_checkpointing else full_acts
+    persistent = {k: comp[k] for k in ("parameters", "optimizer (AdamW m+v)", "reference", "critic (params+grads+adam)")}
+    if lora:
+        persistent["lora base rollout cache"] = rollout_copy
+    phases = {
+        "load": {"load (whole stage before sharding)": comp["load (whole stage before sharding)"],
+                 "parameters": comp["parameters"]},
+        "rollout": {**persistent, "rollout weights": 0.0 if lora else rollout_copy,
+                    "lora merged weights": _lora_merged(s, m, r.tp, rb) if lora else 0.0,
+                    "kv cache": comp["kv cache"], "rollout activations": comp["rollout activations"]},
+        "log-probs": {**persistent, "fsdp unsharded": unsharded_frozen,
+                      "forward activations (log-prob pass)": comp["forward activations (log-prob pass)"],
+                      "logits (log-prob pass)": comp["logits (log-prob pass)"]},
+        "update": {**persistent, "gradients": comp["gradients"],
+                   "fsdp unsharded (+grads)": unsharded_frozen + (0 if lora else (root + block) * cb),
+                   "activations": acts + act_work, "logits (update)": comp["logits (update)"]},
+    }
+    if m.param_offload:
+        del phases["load"]
+    layout = {"world": world_size, "dp": dp, "tp": tp, "pp": pp, "rollout_tp": r.tp, "device": device,
+              "slots": slots, "seq_len": seq_len}
+    return MemoryPlan(shape=s, layout=layout, components=comp, phases=phases, host=host, notes=notes)
+
+
+def _lora_merged(s: ModelShape, m, rollout_tp: int, rb: int) -> float:
+    """Merged W + (alpha/r) B A tensors of the adapted linears (new tensors each step)."""
+    names = _LORA_ALL_LINEAR if m.target_modules == "all-linear" else [str(t) for t in m.target_modules]
+    per_layer = sum(i * o for n, (i, o) in s.linears().items() if n in names)
+    return s.num_layers * per_layer / rollout_tp * rb
+
+
+class _HFLike:
+    """The attributes validate_layout reads from an HF config."""
+
+    def __init__(self, s: ModelShape):
+        self.num_attention_heads, self.num_key_value_heads = s.num_heads, s.num_kv_heads
+        self.intermediate_size, self.vocab_size, self.num_hidden_layers = s.intermediate_size, s.vocab_size, s.num_layers
+
+
+def format_plan(plan: MemoryPlan, device_memory: Optional[int] = None, headroom: float = 0.10) -> str:
+    s, lay = plan.shape, plan.layout
+    lines = [f"[plan] {s.architecture}: {s.num_params() / 1e9:.3f}B parameters ({s.num_layers} layers, hidden "
+             f"{s.hidden_size}, vocab {s.vocab_size}, heads {s.num_heads}/{s.num_kv_heads} kv)",
+             f"[plan] layout: world {lay['world']} = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}, "
+             f"rollout.tp {lay['rollout_tp']}, device {lay['device']}; kv-cache slots {lay['slots']} x "
+             f"{lay['seq_len']} tokens", "[plan] per rank, by component:"]
+    for k, v in plan.components.items():
+        lines.append(f"[plan]   {k:40s}{fmt_bytes(v)}")
+    for k, v in plan.host.items():
+        lines.append(f"[plan]   host: {k:34s}{fmt_bytes(v)}")
+    lines.append("[plan] per rank, by phase (what is alive together):")
+    for ph in plan.phases:
+        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in plan.phases[ph].items() if v)
+        mark = "  <- peak" if ph == plan.peak_phase else ""
+        lines.append(f"[plan]   {ph:10s}{fmt_bytes(plan.total(ph))}{mark}   ({parts})")
+    lines += [f"[plan] note: {n}" for n in plan.notes]
+    if device_memory is not None:
+        verdict = "fits" if plan.fits(device_memory, headroom) else "does NOT fit"
+        lines.append(f"[plan] {verdict}: peak {plan.peak / GIB:.2f} GiB ({plan.peak_phase}) vs device memory "
+                     f"{device_memory / GIB:.2f} GiB less {headroom:.0%} headroom = "
+                     f"{device_memory * (1 - headroom) / GIB:.2f} GiB")
+    return "\n".join(lines)
+
+
+def plan_from_config(cfg: Config, *, world_size: int, device: str) -> MemoryPlan:
+    return plan_memory(ModelShape.from_model_dir(cfg.model.path), cfg, world_size=world_size, device=device)
+
+
+def main(argv=None) -> None:
+    from rlhf.config import load_config
+
+    ap = argparse.ArgumentParser(description="Plan per-rank memory of a run from config.json (no weights).")
+    ap.add_argument("--config", help="yaml config file")
+    ap.add_argument("--world-size", type=int, default=1, help="ranks to plan for (default 1)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--device-memory", help="e.g. 80GiB: say whether the peak fits")
+    ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan = plan_from_config(cfg, world_size=args.world_size, device=args.device)
+        mem = parse_bytes(args.device_memory) if args.device_memory else None
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.json:
+        print(json.dumps({"peak_phase": plan.peak_phase, "peak_bytes": plan.peak, "layout": plan.layout,
+                          "components": plan.components, "phases": {p: plan.total(p) for p in plan.phases},
+                          "fits": plan.fits(mem) if mem else None}))
+    else:
+        print(format_plan(plan, mem))
+    if mem is not None and not plan.fits(mem):
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()
