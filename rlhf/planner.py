@@ -97,9 +97,9 @@ class ModelShape:
 
     @classmethod
     def from_model_dir(cls, path: str, key: str = "model.path") -> "ModelShape":
-        f = Path(path).expanduser() / "config.json"
-        if not f.is_file():
-            raise ConfigError(f"{key}: {path} has no config.json")
+        from rlhf.models.loading import check_model_dir  # the entry scripts' message for a bad model.path
+
+        f = check_model_dir(path, key) / "config.json"
         return cls.from_config_dict(json.loads(f.read_text()), source=str(f))
 
     @property
