@@ -42,7 +42,6 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 from rlhf.config import Config, ConfigError
