@@ -22,7 +22,8 @@ setup(
         "pyarrow",
     ],
     extras_require={
-        "test": ["pytest", "matplotlib", "math-verify"],
+        # The logger tests write with tensorboard and mlflow (sqlite store) and read the values back.
+        "test": ["pytest", "matplotlib", "math-verify", "tensorboard", "mlflow-skinny", "sqlalchemy", "alembic"],
         "gpu": ["flash-attn"],
         "log": ["tensorboard", "mlflow"],
         "math": ["math-verify"],

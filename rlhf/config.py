@@ -165,6 +165,10 @@ class RewardConfig:
     overlong_buffer_len: int = _f(0, "Length of the soft overlong penalty window (tokens).")
     overlong_penalty_factor: float = _f(1.0, "Penalty at the maximum response length.")
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig, metadata={"doc": "Reward model."})
+    num_workers: int = _f(4, "Reward worker processes per rank, so a hung or crashed reward call cannot stop the "
+                             "job; 0 = score in the trainer process (no timeout).")
+    timeout_s: float = _f(30.0, "Seconds one reward call may take in a worker; past it the sample scores 0, is "
+                                "counted in reward/timeouts and the worker is replaced.")
 
 
 @dataclass
@@ -231,6 +235,20 @@ class TrainerConfig:
     logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, tensorboard, mlflow.")
     max_nan_steps: int = _f(3, "Optimizer steps with a non-finite loss/grad norm are skipped and counted; "
                                  "abort after this many in a row.")
+    collective_timeout_s: float = _f(600.0, "Seconds a collective waits for the slowest rank (every process group); "
+                                            "a rank the others have waited on this long ends the job, named.")
+    heartbeat_timeout_s: float = _f(60.0, "A rank silent this long (stopped, its node lost) ends the job with a line "
+                                          "naming it; 0 disables the watchdog.")
+    alerts: dict = _f({"kl_to_ref": 1.0, "entropy_collapse": 0.01, "logprob_diff": 10.0, "grad_norm_spike": 10.0,
+                       "response_length_collapse": 0.25},
+                      "Training-health alerts, name -> threshold (rlhf/ops/alerts.py): a warning line and "
+                      "alerts/<name> = 1 when crossed; {} disables.")
+    log_val_generations: int = _f(0, "Validation samples (prompt, response, ground truth, score) logged each "
+                                     "validation to generations.jsonl and the trackers' tables (verl's name).")
+    profile_steps: list = _f([], "Steps to record with torch.profiler: a chrome trace per rank in "
+                                 "output_dir/profile/step_<k>/ (CPU activity, and CUDA kernels on GPU).")
+    max_oom_retries: int = _f(3, "Out of memory in a phase: record it, end the job, and on restart/rerun halve that "
+                                 "phase's micro-batch / token budget (rlhf/ops/oom.py); fail after this many.")
     stop_after_steps: int = _f(-1, "Exit after this many steps in this process (e.g. a time-limited slurm job); "
                                    "the schedule still spans total_training_steps and a later run resumes.")
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig, metadata={
@@ -441,6 +459,22 @@ def validate(cfg: Config) -> None:
              "must be >= 1" + (" or -1 (infer)" if name == "dp" else ""))
     need(cfg.checkpoint.save_freq == -1 or cfg.checkpoint.save_freq > 0, "checkpoint.save_freq", "must be -1 or > 0")
     need(cfg.trainer.total_epochs >= 1, "trainer.total_epochs", "must be >= 1")
+    need(cfg.trainer.collective_timeout_s > 0, "trainer.collective_timeout_s",
+         f"must be > 0 seconds, got {cfg.trainer.collective_timeout_s}")
+    need(cfg.trainer.heartbeat_timeout_s >= 0, "trainer.heartbeat_timeout_s",
+         f"must be >= 0 seconds (0 disables the watchdog), got {cfg.trainer.heartbeat_timeout_s}")
+    need(all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in cfg.trainer.profile_steps),
+         "trainer.profile_steps", f"must be a list of step numbers >= 1, got {cfg.trainer.profile_steps}")
+    need(cfg.trainer.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0")
+    from rlhf.ops.alerts import check_alerts_config
+
+    try:
+        check_alerts_config(cfg.trainer.alerts)
+    except ValueError as e:
+        raise ConfigError(f"config key 'trainer.alerts': {e}") from None
+    need(cfg.trainer.max_oom_retries >= 0, "trainer.max_oom_retries", f"must be >= 0, got {cfg.trainer.max_oom_retries}")
+    need(cfg.reward.num_workers >= 0, "reward.num_workers", f"must be >= 0 (0 = in-process), got {cfg.reward.num_workers}")
+    need(cfg.reward.timeout_s > 0, "reward.timeout_s", f"must be > 0 seconds, got {cfg.reward.timeout_s}")
     if cfg.model.lora_rank < 0:
         raise ConfigError("config key 'model.lora_rank': must be >= 0")
     vk = cfg.trainer.val_kwargs

@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the sampler")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="concurrent sequences per rank")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reward-workers", type=int, default=4, help="reward processes per rank (0: in-process)")
+    ap.add_argument("--reward-timeout", type=float, default=30.0, help="seconds per reward call; then it scores 0")
     args = ap.parse_args(argv)
     if args.n < 1:
         raise ConfigError(f"--n must be >= 1, got {args.n}")
@@ -58,14 +60,14 @@ def evaluate(args: argparse.Namespace) -> dict:
     from rlhf.evaluation import format_table, score_batch, summarize
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.parallel import all_gather_object, init_distributed
-    from rlhf.rewards.registry import get_reward_fn
+    from rlhf.rewards.pool import make_scorer
     from rlhf.rollout.engine import PromptBatch, RolloutEngine
     from rlhf.rollout.reshard import RolloutLayout
 
     env = init_distributed(args.device)
     dtype = args.dtype or ("bfloat16" if env.device.type == "cuda" else "float32")
     try:
-        reward_fn = get_reward_fn(args.reward)
+        scorer = make_scorer(args.reward, num_workers=args.reward_workers, timeout_s=args.reward_timeout)
     except (ValueError, KeyError) as e:
         raise ConfigError(f"--reward: {e}") from None
     tokenizer = load_tokenizer(args.model, key="--model")
@@ -89,7 +91,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     with torch.no_grad():
         batch, _ = engine.generate(model, model.config, prompts, step=0, n=args.n, temperature=args.temperature)
     seconds = time.perf_counter() - t0
-    records = score_batch(reward_fn, batch)
+    records = score_batch(scorer, batch)
+    scorer.close()
     text_by_key = {e.index: e.prompt_text for e in mine}
     rows = [{**r.to_dict(), "prompt": text_by_key[r.key], "response": batch.response_texts[i],
              "ground_truth": batch.ground_truths[i]} for i, r in enumerate(records)]

@@ -144,19 +144,32 @@ def records_from_scores(keys: Sequence[int], data_sources: Sequence[str], scores
     return out
 
 
-def score_batch(reward_fn, batch) -> list[SampleRecord]:
-    """Score a :class:`rlhf.batch.RolloutBatch` with ``reward_fn`` and return its records.
+def score_batch(scorer, batch) -> list[SampleRecord]:
+    """Score a :class:`rlhf.batch.RolloutBatch` with a scorer (:mod:`rlhf.rewards.pool`) and return its records.
 
     ``acc`` is the reward's ``"acc"`` when it returns one, else ``score >= 1`` (as in training).
     """
-    from rlhf.rewards.scoring import score_responses
-
-    res = score_responses(reward_fn, batch.response_texts, batch.ground_truths, batch.data_sources,
-                          batch.extra_infos)
+    res = scorer.score(batch.response_texts, batch.ground_truths, batch.data_sources, batch.extra_infos)
     scores = res.scores.tolist()
     accs = res.extra_metrics.get("acc") or [float(s >= 1.0) for s in scores]
     return records_from_scores(batch.index.tolist(), batch.data_sources, scores, accs, res.preds or [None] * len(scores),
                                batch.response_mask.sum(-1).long().tolist(), batch.truncated.tolist())
+
+
+def generation_rows(records: Sequence[SampleRecord], batch, prompt_text: dict[int, str], n: int,
+                    group=None) -> list[dict]:
+    """The first ``n`` samples over the ranks of ``group`` (first sample of each prompt in key order,
+    then the second, ...), as ``{"key", "sample", "prompt", "response", "ground_truth", "score"}``
+    rows; the same rows whatever the layout. Collective over ``group`` when ``n > 0``."""
+    from rlhf.parallel import all_gather_object
+
+    if n <= 0:
+        return []
+    local = sorted(({"key": r.key, "sample": r.sample, "prompt": prompt_text[r.key], "response": batch.response_texts[i],
+                     "ground_truth": str(batch.ground_truths[i]), "score": r.score} for i, r in enumerate(records)),
+                   key=lambda row: (row["sample"], row["key"]))[:n]  # a rank's first n are its only candidates
+    rows = [row for piece in all_gather_object(local, group) for row in piece]
+    return sorted(rows, key=lambda row: (row["sample"], row["key"]))[:n]
 
 
 def flat_metrics(summary: dict[str, dict[str, float]], prefix: str = "val") -> dict[str, float]:

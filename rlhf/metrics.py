@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -62,6 +63,11 @@ def _fmt_value(v: float) -> str:
     if v != 0 and (abs(v) >= 1e4 or abs(v) < 1e-3):
         return f"{v:.3g}"
     return f"{v:.4g}"
+
+
+def _md_cell(value: Any) -> str:
+    """A markdown table cell: pipes escaped, line breaks kept visible."""
+    return str(value).replace("|", "\\|").replace("\n", "<br>")
 
 
 def progress_line(step: int, total_steps: int, elapsed_s: float, steps_done: int, metrics: Mapping[str, float],
@@ -139,6 +145,12 @@ class MetricsLogger:
                 import mlflow
             except ImportError as e:
                 raise ImportError("logger backend 'mlflow' needs the mlflow package: pip install mlflow") from e
+            if not os.environ.get("MLFLOW_TRACKING_URI"):
+                # Keep the run beside its other outputs: a sqlite store (mlflow's recommended local
+                # backend; its file store is deprecated) and an artifact folder in output_dir.
+                mlflow.set_tracking_uri(f"sqlite:///{(self.output_dir / 'mlflow.db').resolve()}")
+                if mlflow.get_experiment_by_name(project) is None:
+                    mlflow.create_experiment(project, (self.output_dir / "mlartifacts").resolve().as_uri())
             mlflow.set_experiment(project)
             mlflow.start_run(run_name=experiment)
             self._mlflow = mlflow
@@ -174,6 +186,28 @@ class MetricsLogger:
             self._mlflow.log_metrics(values, step=step)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
+
+    def log_generations(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Sample generations of ``step`` (rows of prompt, response, ground truth, score): appended to
+        ``generations.jsonl`` with the step, and logged as a table to tensorboard (markdown text
+        ``val/generations``), mlflow (artifact ``generations/step_<step>.json``) and wandb."""
+        if not self.enabled or not rows:
+            return
+        rows = [{"step": step, **row} for row in rows]
+        if "jsonl" in self.backends:
+            with (self.output_dir / "generations.jsonl").open("a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+        columns = list(rows[0])
+        if self._tb is not None:
+            table = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+            table += "".join("| " + " | ".join(_md_cell(r.get(c, "")) for c in columns) + " |\n" for r in rows)
+            self._tb.add_text("val/generations", table, global_step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_dict({"columns": columns, "data": [[r.get(c) for c in columns] for r in rows]},
+                                  f"generations/step_{step}.json")
+        if self._wandb is not None:
+            table = self._wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+            self._wandb.log({"val/generations": table}, step=step)
 
     def mark_start(self, step: int) -> None:
         """Steps before `step` were done by an earlier process (resume): ETA counts from here,
@@ -226,21 +260,38 @@ class PhaseTimer:
     ``device``: when it is an accelerator, the device is synchronised at the start and
     end of each phase, so kernels launched in a phase are charged to it. On CPU nothing
     device-specific is called.
+
+    The phases are also the seam for operations components (``listeners``: the watchdog,
+    NVTX ranges, per-phase memory): each gets ``enter(phase, step)`` and ``exit(phase, step)``,
+    with ``step`` whatever the trainer last set on :attr:`step`. :attr:`failed_phase` is the
+    innermost phase an exception left (the out-of-memory handler reports it).
     """
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, listeners: Sequence[Any] = ()) -> None:
         self.device = torch.device(device) if device is not None else None
+        self.listeners = list(listeners)
+        self.step = 0
+        self.failed_phase: str | None = None
         self._totals: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         _synchronize(self.device)
         start = time.perf_counter()
+        entered = []
         try:
+            for listener in self.listeners:
+                listener.enter(phase, self.step)
+                entered.append(listener)
             yield
+        except BaseException:
+            self.failed_phase = self.failed_phase or phase  # the innermost phase unwinds first
+            raise
         finally:
             _synchronize(self.device)
             self._totals[phase] = self._totals.get(phase, 0.0) + time.perf_counter() - start
+            for listener in reversed(entered):
+                listener.exit(phase, self.step)
 
     def pop(self) -> dict[str, float]:
         """``{"timing/<phase>": seconds}`` since the last pop; resets the totals."""

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from rlhf.config import ConfigError
@@ -81,8 +82,11 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: str = "auto") -> DistEnv:
-    """Initialise the default process group from torchrun's env vars (or a 1-process group)."""
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistEnv:
+    """Initialise the default process group from torchrun's env vars (or a 1-process group).
+
+    ``timeout_s``: how long a collective of any group waits for the slowest rank before it fails.
+    """
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -97,9 +101,28 @@ def init_distributed(device: str = "auto") -> DistEnv:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=30))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # DeviceMesh and new_group subgroups take the backend's module-level default (30 min gloo,
+        # 10 min NCCL), not the default group's timeout; set it so every group uses this one.
+        c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
+                                store=_attempt_store(world_size, timeout))
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev, backend=backend)
+
+
+def _attempt_store(world_size: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """Under torchrun, its agent's store with a key prefix per restart attempt (None otherwise:
+    the env:// default, where rank 0 hosts a fresh store).
+
+    Why: workers restarted by ``torchrun --max-restarts`` reuse the agent's store, where the
+    failed attempt's process-group keys (each rank's listening address) are still there, so the
+    new ranks dial dead ports ("connectFullMesh ... Connection refused"; pytorch/pytorch#167288).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"rlhf/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,14 +31,17 @@ from rlhf.algos.rollout_correction import rollout_is_weights
 from rlhf.config import Config, ConfigError
 from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
-from rlhf.evaluation import flat_metrics, score_batch, summarize, val_sampling
+from rlhf.evaluation import flat_metrics, generation_rows, score_batch, summarize, val_sampling
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.models.loading import check_model_dir, load_tokenizer, model_config
 from rlhf.models.lora import reference_context
 from rlhf.models.parallelize import validate_layout
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
+from rlhf.ops.oom import apply_oom_records, record_oom
+from rlhf.ops.runtime import StepOps
+from rlhf.rewards.pool import make_scorer
 from rlhf.rewards.registry import get_reward_fn
-from rlhf.rewards.scoring import reward_components, score_responses
+from rlhf.rewards.scoring import reward_components
 from rlhf.rollout.engine import PromptBatch, RolloutEngine
 from rlhf.rollout.reshard import RolloutLayout
 
@@ -47,7 +51,9 @@ class RLTrainer:
 
     def __init__(self, cfg: Config, *, dry_run: bool = False):
         self.cfg = cfg
-        self.env = init_distributed(cfg.trainer.device)
+        self.env = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.collective_timeout_s)
+        # Budgets halved after an out-of-memory end of an earlier attempt of this run (before anything is sized).
+        self.oom_retries = apply_oom_records(cfg, cfg.trainer.max_oom_retries)
         torch.manual_seed(cfg.trainer.seed)
         self.dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, self.env.world_size)
         self.dims.check_batch(train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n,
@@ -72,7 +78,7 @@ class RLTrainer:
         self.loader = PromptLoader(len(self.train_data), gen_bs, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
         self.total_steps = steps if cfg.trainer.total_training_steps < 0 else cfg.trainer.total_training_steps
-        self.reward_fn = self._named("reward.reward_fn", get_reward_fn, cfg.reward.reward_fn)
+        self._named("reward.reward_fn", get_reward_fn, cfg.reward.reward_fn)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
@@ -81,6 +87,8 @@ class RLTrainer:
                         mini_batch_size=cfg.actor.ppo_mini_batch_size, n=cfg.rollout.n)
         if dry_run:
             return
+        # Watchdog, phase memory, profiler, MFU: started before the models load, which can hang too.
+        self.ops = StepOps(cfg, self.env, model_config(cfg.model.path, cfg.model.trust_remote_code), self.out_dir)
         self.actor = PolicyWorker(cfg.model, self.mesh, self.device, trainable=True, actor_cfg=cfg.actor,
                                   total_steps=self.total_steps, parallel_cfg=cfg.parallel)
         self.actor.nonfinite.max_consecutive = cfg.trainer.max_nan_steps
@@ -88,6 +96,9 @@ class RLTrainer:
         # With LoRA the reference is the actor with its adapters disabled: no second base copy.
         self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False, parallel_cfg=cfg.parallel,
                                 lora=False) if self.need_ref and cfg.model.lora_rank == 0 else None
+        # Worker processes with a per-call timeout: a hung reward function scores 0 instead of hanging the job.
+        self.scorer = make_scorer(cfg.reward.reward_fn, num_workers=cfg.reward.num_workers,
+                                  timeout_s=cfg.reward.timeout_s, mesh=self.mesh)
         self.reward_model = None
         if cfg.reward.reward_model.enable:
             from rlhf.rewards.reward_model import RewardModelScorer
@@ -98,7 +109,7 @@ class RLTrainer:
                                      dtype=torch.bfloat16 if self.device.type == "cuda" else None,
                                      layout=RolloutLayout.build(cfg.rollout.tp, self.device.type),
                                      lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None)
-        self.timer = PhaseTimer(self.device)
+        self.timer = PhaseTimer(self.device, listeners=self.ops.listeners)
         self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,
                                     project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
                                     rank=self.env.rank)
@@ -180,7 +191,8 @@ class RLTrainer:
         n_gen = n_filtered = 0
         while True:
             n_gen += 1
-            batch, metrics = self.generate(step)
+            with self.timer("rollout"):
+                batch, metrics = self.generate(step)
             with self.timer("score"):
                 metrics.update(self.score(batch))
                 if self.cfg.algorithm.adv_estimator == "remax":
@@ -222,20 +234,22 @@ class RLTrainer:
         """ReMax: reward of the greedy response to each prompt is the baseline of its samples."""
         greedy, _ = self.rollout.generate(self.actor.model, self.actor.hf_config, self._last_prompts, step=step,
                                           n=1, temperature=0.0)
-        res = score_responses(self.reward_fn, greedy.response_texts, greedy.ground_truths, greedy.data_sources,
-                              greedy.extra_infos)
+        res = self.scorer.score(greedy.response_texts, greedy.ground_truths, greedy.data_sources, greedy.extra_infos)
         by_prompt = dict(zip(greedy.index.tolist(), res.scores.tolist()))
         batch.reward_baselines = torch.tensor([by_prompt[i] for i in batch.index.tolist()], device=self.device)
         return self._global_means({"reward/remax_baseline_mean": batch.reward_baselines.sum()}, len(batch))
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         """Rule-based rewards on the last response token, plus DAPO overlong shaping."""
-        res = score_responses(self.reward_fn, batch.response_texts, batch.ground_truths, batch.data_sources,
-                              batch.extra_infos)
+        # A phase of its own: rank-local user code, so the watchdog sees the ranks that finished it waiting.
+        with self.timer("reward_fn"):
+            res = self.scorer.score(batch.response_texts, batch.ground_truths, batch.data_sources,
+                                    batch.extra_infos)
         scores = res.scores.to(self.device)
         acc = torch.tensor(res.extra_metrics["acc"], device=self.device) if "acc" in res.extra_metrics \
             else (scores >= 1.0).float()
-        sums = {"reward/score_mean": scores.sum(), "reward/errors": float(res.n_errors)}  # reduced below
+        sums = {"reward/score_mean": scores.sum(), "reward/errors": float(res.n_errors),
+                "reward/timeouts": float(res.n_timeouts)}  # reduced below
         r = self.cfg.reward
         if self.reward_model is not None:
             rm_scores = self.reward_model.score(batch).to(self.device).float()  # [N]
@@ -252,11 +266,12 @@ class RLTrainer:
         batch.acc = acc
         if self.cfg.algorithm.gdpo_reward_keys:
             batch.reward_components = reward_components(res, self.cfg.algorithm.gdpo_reward_keys).to(self.device)
-        metrics = self._global_means(sums, len(batch), totals=("reward/errors",))
-        if metrics["reward/errors"] and self.env.is_main:
+        metrics = self._global_means(sums, len(batch), totals=("reward/errors", "reward/timeouts"))
+        failed = metrics["reward/errors"] + metrics["reward/timeouts"]
+        if failed and self.env.is_main:
             where = f"; first on this rank: {res.first_error}" if res.first_error else ""
-            print(f"[rlhf] reward function failed on {int(metrics['reward/errors'])} samples (scored 0){where}",
-                  flush=True)
+            print(f"[rlhf] reward function failed on {int(metrics['reward/errors'])} samples and timed out on "
+                  f"{int(metrics['reward/timeouts'])} (scored 0){where}", flush=True)
         return metrics
 
     def _global_means(self, sums: dict, n_rows: int, totals: tuple[str, ...] = ()) -> dict[str, float]:
@@ -356,6 +371,8 @@ class RLTrainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        self.timer.step = step
+        self.ops.begin_step(step)
         batch, metrics = self.collect_rollouts(step)
         with self.timer("logprobs"):
             metrics.update(self.compute_log_probs(batch))
@@ -374,6 +391,8 @@ class RLTrainer:
         elapsed = time.perf_counter() - t0
         tokens = all_reduce_sum(torch.tensor(float(batch.attention_mask.sum()), device=self.device), self.dp_group)
         metrics["timing/step"] = elapsed
+        metrics["oom/retries"] = float(self.oom_retries)
+        metrics.update(self.ops.end_step(step, batch, metrics, self.dp_group))
         metrics["perf/tokens_per_s"] = float(tokens) / elapsed
         return metrics
 
@@ -404,7 +423,11 @@ class RLTrainer:
         prompts = self._prompts(idx, self.val_data.examples)
         batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
                                              **val_sampling(self.cfg))
-        records = [r for piece in all_gather_object(score_batch(self.reward_fn, batch), self.dp_group) for r in piece]
+        mine = score_batch(self.scorer, batch)
+        records = [r for piece in all_gather_object(mine, self.dp_group) for r in piece]
+        text = {i: self.val_data.examples[i].prompt_text for i in idx}
+        self.logger.log_generations(step, generation_rows(mine, batch, text, self.cfg.trainer.log_val_generations,
+                                                          self.dp_group))
         return {**flat_metrics(summarize(records), "val"), "timing/validate_generate": stats["timing/generate"]}
 
     # ------------------------------------------------------------------ checkpoints
@@ -457,10 +480,13 @@ class RLTrainer:
                 if self.env.is_main:
                     print(f"[rlhf] stopping after {cfg.stop_after_steps} steps in this run "
                           f"(trainer.stop_after_steps); resume continues from the last checkpoint", flush=True)
-                self.logger.close()
+                self.close()
                 return {}
             step = self.global_step + 1
-            metrics = self.train_step(step)
+            try:
+                metrics = self.train_step(step)
+            except torch.OutOfMemoryError:
+                self.end_after_oom(step)
             self.global_step = step
             is_last = step == self.total_steps
             if self.val_data is not None and ((cfg.test_freq > 0 and step % cfg.test_freq == 0) or is_last):
@@ -473,8 +499,19 @@ class RLTrainer:
         summary = self.summarize(first_val, last)
         if self.cfg.checkpoint.export_hf:
             export_hf(self.actor.model, self.tokenizer, str(self.out_dir / "hf_export"))
-        self.logger.close()
+        self.close()
         return summary
+
+    def end_after_oom(self, step: int) -> NoReturn:
+        """Record the phase, end every rank at once; the restarted job halves that phase's budget."""
+        self.ops.abort(record_oom(self.out_dir, rank=self.env.rank, phase=self.timer.failed_phase or "unknown",
+                                  step=step, attempt=self.oom_retries))
+
+    def close(self) -> None:
+        """End the run's side components (logger backends, reward workers, watchdog, profiler)."""
+        self.logger.close()
+        self.scorer.close()
+        self.ops.close()
 
     def summarize(self, first_val: dict, last: dict) -> dict[str, float]:
         summary = {"summary/steps": float(self.global_step)}

@@ -1,1 +1,2 @@
-"""Hardware facts and cost models used by benches and throughput metrics (no training logic)."""
+"""Operations around the training loop: watchdog, out-of-memory recovery, profiling, efficiency
+figures (MFU, per-phase memory), health alerts, and the hardware facts they use."""

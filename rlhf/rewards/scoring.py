@@ -4,24 +4,29 @@ A reward function is user code: one that raises, returns a non-number, or return
 NaN/inf must not end a long run. Such a sample scores 0.0 and is counted in
 ``ScoreResult.n_errors`` (with the first message kept), so the trainer can log it and
 decide to stop when every sample fails.
+
+torch is imported only where a batch result is built, so reward worker processes
+(:mod:`rlhf.rewards.worker`, which use :func:`score_one`) start without loading it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rlhf.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
 class ScoreResult:
     """Scores of one batch.
 
-    ``scores`` is ``[B]`` float32. ``extra_metrics[k]`` is a length-``B`` list aligned with
+    ``scores`` is ``[B]`` float32; failed and timed-out samples score 0 and are counted in
+    ``n_errors`` / ``n_timeouts``. ``extra_metrics[k]`` is a length-``B`` list aligned with
     the responses: the numeric value under key ``k`` of the dict a sample returned, NaN
     where that sample did not return ``k`` (or failed). ``preds[i]`` is the string a dict
     returned under ``"pred"`` (the extracted answer that majority voting counts), else None.
@@ -32,6 +37,7 @@ class ScoreResult:
     n_errors: int = 0
     first_error: str | None = None
     preds: list[str | None] = field(default_factory=list)
+    n_timeouts: int = 0
 
     def metric_means(self, prefix: str = "reward/") -> dict[str, float]:
         """``{prefix + key: mean over the samples that reported key}`` for the extra metrics."""
@@ -44,13 +50,84 @@ class ScoreResult:
 
 
 def _as_float(value: Any) -> float:
-    if isinstance(value, torch.Tensor):
+    if hasattr(value, "numel") and hasattr(value, "item"):  # a tensor (torch need not be imported here)
         if value.numel() != 1:
             raise TypeError(f"returned a tensor with {value.numel()} elements, expected a scalar")
         return float(value.item())
     if isinstance(value, (bool, int, float)) or hasattr(value, "__float__"):
         return float(value)
     raise TypeError(f"returned {type(value).__name__}, expected a number or a dict with 'score'")
+
+
+def score_one(fn: Callable[..., Any], data_source: str, response: str, ground_truth: str,
+              extra_info: dict[str, Any] | None) -> tuple[float, dict[str, float], str | None]:
+    """One sample: ``(score, numeric extras, pred)``. Raises on any failure of the function or its
+    output (an exception, a dict without 'score', a non-number, NaN/inf)."""
+    out = fn(data_source, response, ground_truth, extra_info)
+    metrics: dict[str, float] = {}
+    pred = None
+    if isinstance(out, dict):
+        if isinstance(out.get("pred"), str):
+            pred = out["pred"]
+        if "score" not in out:
+            raise KeyError(f"returned a dict without 'score' (keys: {sorted(out)})")
+        value = _as_float(out["score"])
+        for key, v in out.items():
+            if key == "score":
+                continue
+            try:
+                metrics[key] = _as_float(v)
+            except TypeError:
+                pass  # non-numeric extras (e.g. the extracted answer) are not metrics
+    else:
+        value = _as_float(out)
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite score {value}")
+    return value, metrics, pred
+
+
+class ScoreCollector:
+    """Per-sample outcomes of one batch, in any order -> :class:`ScoreResult` (the serial loop and
+    the worker pool both fill one)."""
+
+    def __init__(self, data_sources: Sequence[str]) -> None:
+        self.data_sources = list(data_sources)
+        self.scores = [0.0] * len(self.data_sources)
+        self.preds: list[str | None] = [None] * len(self.data_sources)
+        self.extra: dict[str, list[float]] = {}
+        self.n_errors = self.n_timeouts = 0
+        self.first_error: str | None = None
+
+    def ok(self, i: int, value: float, metrics: dict[str, float], pred: str | None) -> None:
+        self.scores[i], self.preds[i] = value, pred
+        for key, v in metrics.items():
+            self.extra.setdefault(key, [math.nan] * len(self.scores))[i] = v
+
+    def fail(self, i: int, msg: str, *, timeout: bool = False) -> None:
+        """Sample ``i`` scores 0 and is counted, as a timeout or as an error."""
+        if timeout:
+            self.n_timeouts += 1
+        else:
+            self.n_errors += 1
+        if self.first_error is None:
+            self.first_error = f"sample {i} (data_source={self.data_sources[i]}): {msg}"
+
+    def result(self) -> ScoreResult:
+        import torch
+
+        return ScoreResult(torch.tensor(self.scores, dtype=torch.float32), self.extra, self.n_errors,
+                           self.first_error, self.preds, self.n_timeouts)
+
+
+def aligned(responses: Sequence[str], ground_truths: Sequence[str], data_sources: Sequence[str],
+            extra_infos: Sequence[dict[str, Any] | None] | None) -> list[dict[str, Any] | None]:
+    """``extra_infos`` as a list of length B; a length mismatch of the inputs is an error."""
+    b = len(responses)
+    extra_infos = [None] * b if extra_infos is None else list(extra_infos)
+    if not (len(ground_truths) == len(data_sources) == len(extra_infos) == b):
+        raise ValueError(f"scoring needs aligned inputs; got {b} responses, {len(ground_truths)} ground truths, "
+                         f"{len(data_sources)} data sources, {len(extra_infos)} extra_infos")
+    return extra_infos
 
 
 def score_responses(
@@ -60,7 +137,8 @@ def score_responses(
     data_sources: Sequence[str],
     extra_infos: Sequence[dict[str, Any] | None] | None = None,
 ) -> ScoreResult:
-    """Score ``B`` responses with ``fn(data_source, solution_str, ground_truth, extra_info)``.
+    """Score ``B`` responses with ``fn(data_source, solution_str, ground_truth, extra_info)`` in this
+    process (no timeout; :mod:`rlhf.rewards.pool` runs the same per-sample code in workers).
 
     Args:
         fn: a reward function (see :mod:`rlhf.rewards.registry`).
@@ -71,56 +149,17 @@ def score_responses(
     Returns:
         :class:`ScoreResult` with ``scores`` ``[B]`` float32; failed samples score 0.0.
     """
-    b = len(responses)
-    if extra_infos is None:
-        extra_infos = [None] * b
-    if not (len(ground_truths) == len(data_sources) == len(extra_infos) == b):
-        raise ValueError(
-            f"score_responses needs aligned inputs; got {b} responses, {len(ground_truths)} ground truths, "
-            f"{len(data_sources)} data sources, {len(extra_infos)} extra_infos"
-        )
-    scores = [0.0] * b
-    preds: list[str | None] = [None] * b
-    extra: dict[str, list[float]] = {}
-    n_errors = 0
-    first_error: str | None = None
-
-    def fail(i: int, msg: str) -> None:
-        nonlocal n_errors, first_error
-        n_errors += 1
-        if first_error is None:
-            first_error = f"sample {i} (data_source={data_sources[i]}): {msg}"
-
+    extra_infos = aligned(responses, ground_truths, data_sources, extra_infos)
+    acc = ScoreCollector(data_sources)
     # A Python loop is the only option: reward functions are arbitrary per-string code.
-    for i in range(b):
+    for i in range(len(responses)):
         try:
-            out = fn(data_sources[i], responses[i], ground_truths[i], extra_infos[i])
-            metrics: dict[str, float] = {}
-            if isinstance(out, dict):
-                if isinstance(out.get("pred"), str):
-                    preds[i] = out["pred"]
-                if "score" not in out:
-                    raise KeyError(f"returned a dict without 'score' (keys: {sorted(out)})")
-                value = _as_float(out["score"])
-                for key, v in out.items():
-                    if key == "score":
-                        continue
-                    try:
-                        metrics[key] = _as_float(v)
-                    except TypeError:
-                        pass  # non-numeric extras (e.g. the extracted answer) are not metrics
-            else:
-                value = _as_float(out)
+            value, metrics, pred = score_one(fn, data_sources[i], responses[i], ground_truths[i], extra_infos[i])
         except Exception as e:  # user code: any failure is counted, never fatal
-            fail(i, f"{type(e).__name__}: {e}")
+            acc.fail(i, f"{type(e).__name__}: {e}")
             continue
-        if not math.isfinite(value):
-            fail(i, f"non-finite score {value}")
-            continue
-        scores[i] = value
-        for key, v in metrics.items():
-            extra.setdefault(key, [math.nan] * b)[i] = v
-    return ScoreResult(torch.tensor(scores, dtype=torch.float32), extra, n_errors, first_error, preds)
+        acc.ok(i, value, metrics, pred)
+    return acc.result()
 
 
 def reward_components(res: ScoreResult, keys: Sequence[str]) -> torch.Tensor:
@@ -131,5 +170,7 @@ def reward_components(res: ScoreResult, keys: Sequence[str]) -> torch.Tensor:
     if missing:
         raise ConfigError(f"algorithm.gdpo_reward_keys: the reward function returned no {missing} "
                          f"(its dict keys besides 'score': {sorted(res.extra_metrics) or 'none'})")
+    import torch
+
     cols = [torch.tensor(res.extra_metrics[k], dtype=torch.float32).nan_to_num(0.0) for k in keys]
     return torch.stack(cols, dim=-1)

@@ -60,13 +60,12 @@ def test_bad_backend_and_nonscalar(tmp_path):
     logger.close()
 
 
-def test_missing_optional_backend_is_a_clear_error(tmp_path):
-    for name in ("tensorboard", "mlflow"):
-        try:
-            __import__(name)
-        except ImportError:
-            with pytest.raises(ImportError, match=f"pip install {name}"):
-                MetricsLogger(tmp_path, backends=(name,), total_steps=1)
+@pytest.mark.parametrize("name, module", [("tensorboard", "torch.utils.tensorboard"), ("mlflow", "mlflow"),
+                                          ("wandb", "wandb")])
+def test_missing_optional_backend_is_a_clear_error(tmp_path, monkeypatch, name, module):
+    monkeypatch.setitem(sys.modules, module, None)  # makes the import fail as if not installed
+    with pytest.raises(ImportError, match=f"pip install {name}"):
+        MetricsLogger(tmp_path, backends=(name,), total_steps=1)
 
 
 def test_progress_line_eta():

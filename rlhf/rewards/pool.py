@@ -1,0 +1,354 @@
+"""Reward scoring that cannot hang the job: worker processes with a per-call timeout.
+
+The scorer interface (every scorer here has it)::
+
+    score(texts, ground_truths, data_sources, extra_infos) -> ScoreResult   # blocking
+    submit(texts, ground_truths, data_sources, extra_infos) -> ticket       # returns at once
+    result(ticket) -> ScoreResult                                           # waits for it
+    close()
+
+``submit`` / ``result`` let a caller overlap scoring with other work (e.g. decoding the
+next chunk). Implementations:
+
+* :class:`SerialScorer` (``reward.num_workers: 0``): the function runs in this process, in
+  ``result``; no timeout can be enforced.
+* :class:`RewardPool` (``reward.num_workers > 0``): ``num_workers`` processes, each a fresh
+  interpreter running :mod:`rlhf.rewards.worker`. A call that runs longer than
+  ``timeout_s`` gets its worker killed; a worker that dies (segfault, ``os._exit``) is
+  noticed by the closed connection. Either way that one sample scores 0, is counted
+  (``ScoreResult.n_timeouts`` / ``n_errors``), the rest of the worker's chunk goes back in
+  the queue and a new worker replaces it. A worker that cannot load the reward function
+  fails the run with the worker's message.
+* :class:`SharedScorer`: tensor / pipeline peers hold the same rows; only the first rank
+  of each model-parallel group scores and broadcasts the result, so peers never disagree
+  (a timeout is not deterministic) and the work is not repeated.
+
+Reward functions reach the workers by spec string (registered name, ``file.py:fn`` or
+``package.module:fn``), never by pickling a function, so any start method is safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional, Protocol, Sequence
+
+from rlhf.rewards.registry import get_reward_fn
+from rlhf.rewards.scoring import ScoreCollector, ScoreResult, aligned, score_responses
+
+# A worker that has not loaded its reward function after this long is broken, not slow.
+STARTUP_TIMEOUT_S = 300.0
+# Samples sent to a worker at once; on a timeout the unfinished rest of a chunk is requeued.
+MAX_CHUNK = 16
+
+
+class Scorer(Protocol):
+    def score(self, texts: Sequence[str], ground_truths: Sequence[str], data_sources: Sequence[str],
+              extra_infos: Optional[Sequence[Optional[dict]]] = None) -> ScoreResult: ...
+
+    def submit(self, texts: Sequence[str], ground_truths: Sequence[str], data_sources: Sequence[str],
+               extra_infos: Optional[Sequence[Optional[dict]]] = None) -> int: ...
+
+    def result(self, ticket: int) -> ScoreResult: ...
+
+    def close(self) -> None: ...
+
+
+def _aligned(texts, ground_truths, data_sources, extra_infos) -> list:
+    return [list(texts), list(ground_truths), list(data_sources), aligned(texts, ground_truths, data_sources, extra_infos)]
+
+
+class SerialScorer:
+    """The reward function in this process (no timeout); scored when ``result`` is asked for."""
+
+    def __init__(self, spec: str, reward_kwargs: Optional[dict] = None) -> None:
+        self.fn = get_reward_fn(spec, reward_kwargs)
+        self._pending: dict[int, list] = {}
+        self._ids = itertools.count()
+
+    def submit(self, texts, ground_truths, data_sources, extra_infos=None) -> int:
+        ticket = next(self._ids)
+        self._pending[ticket] = _aligned(texts, ground_truths, data_sources, extra_infos)
+        return ticket
+
+    def result(self, ticket: int) -> ScoreResult:
+        texts, gts, dss, extras = self._pending.pop(ticket)
+        return score_responses(self.fn, texts, gts, dss, extras)
+
+    def score(self, texts, ground_truths, data_sources, extra_infos=None) -> ScoreResult:
+        return self.result(self.submit(texts, ground_truths, data_sources, extra_infos))
+
+    def close(self) -> None:
+        self._pending.clear()
+
+
+@dataclass
+class _Job:
+    samples: list  # [(data_source, response, ground_truth, extra_info)]
+    collector: ScoreCollector
+    remaining: int
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Worker:
+    """One child process and the parent's end of its connection."""
+
+    def __init__(self, spec: str, reward_kwargs: Optional[dict]) -> None:
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlhf.rewards.worker", str(child_sock.fileno())],
+                                     pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL, env=env)
+        child_sock.close()
+        self.conn = Connection(parent_sock.detach())
+        self.conn.send(("init", spec, reward_kwargs))
+        self.ready = False
+        self.inflight: collections.deque = collections.deque()  # (job id, sample index), in order
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT_S
+
+    def stop(self) -> int:
+        """Kill and reap; returns the exit code (negative: the signal)."""
+        self.conn.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+
+class RewardPool:
+    """``num_workers`` reward processes with a per-call timeout (see the module docstring).
+
+    A daemon thread feeds the workers and collects results, so work submitted with
+    :meth:`submit` progresses while the caller does something else.
+    """
+
+    def __init__(self, spec: str, reward_kwargs: Optional[dict] = None, *, num_workers: int, timeout_s: float) -> None:
+        if num_workers < 1:
+            raise ValueError(f"reward.num_workers must be >= 1 for a pool, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        get_reward_fn(spec, reward_kwargs)  # a bad spec fails here, with the registry's message
+        self.spec, self.reward_kwargs, self.timeout_s = spec, reward_kwargs, timeout_s
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._jobs: dict[int, _Job] = {}
+        self._queue: collections.deque = collections.deque()  # (job id, sample index)
+        self._ids = itertools.count()
+        self._fatal: Optional[str] = None
+        self._closed = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._workers = [_Worker(spec, reward_kwargs) for _ in range(num_workers)]
+        self._thread = threading.Thread(target=self._loop, name="reward-pool", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the scorer interface
+
+    def submit(self, texts, ground_truths, data_sources, extra_infos=None) -> int:
+        texts, gts, dss, extras = _aligned(texts, ground_truths, data_sources, extra_infos)
+        job = _Job(list(zip(dss, texts, gts, extras)), ScoreCollector(dss), len(texts))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the reward pool is closed")
+            if self._fatal is not None:
+                raise RuntimeError(self._fatal)
+            ticket = next(self._ids)
+            self._jobs[ticket] = job
+            self._queue.extend((ticket, i) for i in range(len(texts)))
+            if job.remaining == 0:
+                job.done.set()
+        self._wake()
+        return ticket
+
+    def result(self, ticket: int) -> ScoreResult:
+        job = self._jobs[ticket]
+        job.done.wait()
+        with self._lock:
+            del self._jobs[ticket]
+        if self._fatal is not None:
+            raise RuntimeError(self._fatal)
+        return job.collector.result()
+
+    def score(self, texts, ground_truths, data_sources, extra_infos=None) -> ScoreResult:
+        return self.result(self.submit(texts, ground_truths, data_sources, extra_infos))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake()
+        self._thread.join()
+        for w in self._workers:
+            w.stop()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the feeding thread
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug here must fail the waiting caller, not hang it
+            self._fail_all(f"reward pool thread crashed: {type(e).__name__}: {e}")
+            raise
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or self._fatal is not None:
+                    return
+                self._dispatch()
+            now = time.monotonic()
+            busy = [w.deadline for w in self._workers if w.inflight or not w.ready]
+            timeout = max(0.0, min(busy) - now) if busy else None
+            ready = wait([self._wake_r] + [w.conn for w in self._workers], timeout)
+            for obj in ready:
+                if obj is self._wake_r:
+                    self._wake_r.recv(4096)
+                    continue
+                worker = next(w for w in self._workers if w.conn is obj)
+                self._receive(worker)
+            now = time.monotonic()
+            for w in list(self._workers):
+                if (w.inflight or not w.ready) and now >= w.deadline:
+                    if not w.ready:
+                        self._fail_all(f"reward worker did not load '{self.spec}' within {STARTUP_TIMEOUT_S:.0f} s")
+                        return
+                    self._replace(w, f"timed out after {self.timeout_s:g} s (reward.timeout_s)", timeout=True)
+
+    def _dispatch(self) -> None:
+        """Give queued samples to idle ready workers (called with the lock held)."""
+        idle = [w for w in self._workers if w.ready and not w.inflight]
+        for w in idle:
+            if not self._queue:
+                return
+            size = max(1, min(MAX_CHUNK, len(self._queue) // (4 * len(self._workers))))
+            chunk = [self._queue.popleft() for _ in range(min(size, len(self._queue)))]
+            w.inflight.extend(chunk)
+            w.deadline = time.monotonic() + self.timeout_s
+            w.conn.send(("work", [(job, i, *self._jobs[job].samples[i]) for job, i in chunk]))
+
+    def _receive(self, w: _Worker) -> None:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            if not w.ready:
+                self._fail_all(f"reward worker for '{self.spec}' exited at start-up (exit code {w.stop()}); "
+                               f"see its traceback above")
+                return
+            self._replace(w, "reward worker died (exit code {code}) while scoring", timeout=False)
+            return
+        kind = msg[0]
+        if kind == "ready":
+            w.ready = True
+        elif kind == "init_error":
+            self._fail_all(f"reward worker could not load reward.reward_fn '{self.spec}': {msg[1]} (a function "
+                           f"registered in the training script is not visible to worker processes: give "
+                           f"path/to/file.py:function or set reward.num_workers: 0)")
+        else:
+            job_id, i = w.inflight.popleft()
+            assert (job_id, i) == (msg[1], msg[2]), "reward worker answered out of order"
+            w.deadline = time.monotonic() + self.timeout_s  # the next sample starts now
+            with self._lock:
+                job = self._jobs[job_id]
+                if kind == "ok":
+                    job.collector.ok(i, msg[3], msg[4], msg[5])
+                else:
+                    job.collector.fail(i, msg[3])
+                self._finish_one(job)
+
+    def _finish_one(self, job: _Job) -> None:
+        job.remaining -= 1
+        if job.remaining == 0:
+            job.done.set()
+
+    def _replace(self, w: _Worker, reason: str, *, timeout: bool) -> None:
+        """The worker's current sample scores 0 and is counted; the rest of its chunk is requeued."""
+        code = w.stop()
+        self.restarts += 1
+        with self._lock:
+            if w.inflight:
+                job_id, i = w.inflight.popleft()
+                job = self._jobs[job_id]
+                job.collector.fail(i, reason.format(code=code), timeout=timeout)
+                self._finish_one(job)
+            self._queue.extendleft(reversed(w.inflight))
+            self._workers[self._workers.index(w)] = _Worker(self.spec, self.reward_kwargs)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            self._fatal = message
+            for job in self._jobs.values():
+                job.done.set()
+
+
+class SharedScorer:
+    """Score on the first rank of each model-parallel (tp x pp) group, broadcast to its peers."""
+
+    def __init__(self, inner: Scorer, group, src: int, is_src: bool) -> None:
+        self.inner, self.group, self.src, self.is_src = inner, group, src, is_src
+
+    def submit(self, texts, ground_truths, data_sources, extra_infos=None) -> int:
+        return self.inner.submit(texts, ground_truths, data_sources, extra_infos) if self.is_src else -1
+
+    def result(self, ticket: int) -> ScoreResult:
+        import torch.distributed as dist
+
+        box = [self.inner.result(ticket) if self.is_src else None]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def score(self, texts, ground_truths, data_sources, extra_infos=None) -> ScoreResult:
+        return self.result(self.submit(texts, ground_truths, data_sources, extra_infos))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def model_parallel_group(mesh) -> Optional[tuple[Any, int]]:
+    """``(group, src rank)`` of the ranks sharing this rank's dp coordinate; None without tp / pp.
+
+    Collective: every rank of ``mesh`` must call it (it creates one group per dp coordinate).
+    """
+    import torch.distributed as dist
+
+    ranks = mesh.mesh  # [pp, dp, tp] global ranks
+    if ranks.shape[0] * ranks.shape[2] == 1:
+        return None
+    groups = [ranks[:, d, :].flatten().tolist() for d in range(ranks.shape[1])]
+    group, _ = dist.new_subgroups_by_enumeration(groups)
+    mine = next(g for g in groups if dist.get_rank() in g)
+    return group, mine[0]
+
+
+def make_scorer(spec: str, *, num_workers: int, timeout_s: float, reward_kwargs: Optional[dict] = None,
+                mesh=None) -> Scorer:
+    """The scorer for ``reward.*``: serial (``num_workers: 0``) or a pool; shared over tp / pp peers of ``mesh``."""
+    import torch.distributed as dist
+
+    shared = model_parallel_group(mesh) if mesh is not None else None
+    is_src = shared is None or shared[1] == dist.get_rank()
+    if num_workers == 0 or not is_src:
+        # Peers that only receive need no processes; the serial scorer still checks the spec.
+        inner: Scorer = SerialScorer(spec, reward_kwargs)
+    else:
+        inner = RewardPool(spec, reward_kwargs, num_workers=num_workers, timeout_s=timeout_s)
+    return inner if shared is None else SharedScorer(inner, shared[0], shared[1], is_src)

@@ -1,0 +1,183 @@
+"""Operations: a hanging reward function costs its timeout, not the job; a stopped or stuck
+rank ends the job with a line naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf.metrics import read_metrics
+from tests.e2e.conftest import ROOT, grpo_args, run_script
+
+# Hangs forever on every sample of prompts whose index is a multiple of 8; the reference
+# reward scores those samples 0 instead, which is what a timed-out sample scores.
+HANGING_REWARD = '''
+import time
+
+def reward(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] % 8 == 0:
+        if HANG:
+            time.sleep(3600)
+        return 0.0
+    return float(len(solution_str) % 2)
+'''
+
+
+def _steps(path):
+    return {m["step"]: m for m in read_metrics(path) if "actor/loss" in m}
+
+
+def test_hanging_reward_times_out_is_counted_and_the_run_matches_a_zero_score(tiny_assets, tmp_path):
+    runs = {}
+    for hang in (True, False):
+        f = tmp_path / f"reward_{hang}.py"
+        f.write_text(f"HANG = {hang}\n" + HANGING_REWARD)
+        out = tmp_path / f"run_{hang}"
+        r = run_script("train_grpo.py", grpo_args(tiny_assets, out, **{
+            "reward.reward_fn": f"{f}:reward", "reward.timeout_s": 2, "reward.num_workers": 2,
+            "data.val_files": "", "trainer.total_training_steps": 3}), nproc=2, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[hang] = _steps(out / "metrics.jsonl")
+    hung, ref = runs[True], runs[False]
+    assert sorted(hung) == sorted(ref) == [1, 2, 3]
+    assert sum(m["reward/timeouts"] for m in hung.values()) > 0
+    assert all(m["reward/timeouts"] == 0 and m["reward/errors"] == 0 for m in ref.values())
+    for step in hung:
+        for key in ("reward/score_mean", "actor/loss", "actor/entropy", "response_length/mean"):
+            assert abs(hung[step][key] - ref[step][key]) <= 1e-6, (step, key, hung[step][key], ref[step][key])
+
+
+def _worker_pid(agent_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker with RANK=rank (a child of the agent process)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == agent_pid and f"RANK={rank}".encode() in env:
+            return int(d.name)
+    return None
+
+
+def _start(args, out):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train_grpo.py")] + args
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(out: Path, step: int, proc, limit: float = 240) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if (out / "metrics.jsonl").exists() and any(m.get("step", 0) >= step and "actor/loss" in m
+                                                     for m in read_metrics(out / "metrics.jsonl")):
+            return
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} after {limit} s")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds worker pids through /proc")
+def test_sigstopped_rank_ends_the_job_with_a_line_naming_it(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    proc = _start(grpo_args(tiny_assets, out, **{"data.val_files": "", "trainer.total_training_steps": 500,
+                                                 "trainer.heartbeat_timeout_s": 4,
+                                                 "trainer.collective_timeout_s": 120}), out)
+    try:
+        _wait_for_step(out, 1, proc)
+        pid = _worker_pid(proc.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        text, _ = proc.communicate(timeout=150)
+        gone = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "[rlhf] watchdog: rank 1 stopped responding in phase" in text, text[-3000:]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    print(f"SIGSTOP of rank 1 -> every process gone after {gone:.1f} s (heartbeat_timeout_s=4)")
+
+
+def test_rank_stuck_outside_a_collective_is_named(tiny_assets, tmp_path):
+    f = tmp_path / "stuck_reward.py"
+    f.write_text("import os, time\n\ndef reward(ds, s, gt, extra=None):\n"
+                 "    if os.environ.get('RANK') == '1':\n        time.sleep(3600)\n    return 1.0\n")
+    t0 = time.monotonic()
+    r = run_script("train_grpo.py", grpo_args(tiny_assets, tmp_path / "run", **{
+        "reward.reward_fn": f"{f}:reward", "reward.num_workers": 0, "data.val_files": "",
+        "trainer.heartbeat_timeout_s": 2, "trainer.collective_timeout_s": 20}), nproc=2, timeout=240)
+    assert r.returncode != 0
+    assert "[rlhf] watchdog: rank 1 is stuck in phase 'reward_fn' of step 1" in r.stderr, r.stderr[-3000:]
+    print(f"rank stuck in its reward function -> job ended after {time.monotonic() - t0:.1f} s")
+
+
+def _local_sh(tiny_assets, out, restarts: int, extra_env=None, **over):
+    args = grpo_args(tiny_assets, out, **{"data.val_files": "", "trainer.total_training_steps": 6,
+                                          "checkpoint.save_freq": 2, **over})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NPROC="2", MAX_RESTARTS=str(restarts),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {}))
+    return subprocess.Popen(["bash", str(ROOT / "launch" / "local.sh"), "configs/quickstart.yaml", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds worker pids through /proc")
+def test_killed_rank_restarts_and_the_run_equals_an_uninterrupted_one(tiny_assets, tmp_path):
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    ref = _local_sh(tiny_assets, ref_out, restarts=0)
+    text, _ = ref.communicate(timeout=400)
+    assert ref.returncode == 0, text[-3000:]
+
+    proc = _local_sh(tiny_assets, out, restarts=1)
+    try:
+        t0 = time.monotonic()
+        while not (out / "checkpoints" / "global_step_2" / "COMPLETE").exists():
+            assert proc.poll() is None and time.monotonic() - t0 < 300, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
+        # torchrun's agent is local.sh's exec'd process, so the workers are its children.
+        pid = _worker_pid(proc.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        text, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, text[-3000:]
+    assert "resumed from" in text, text[-3000:]
+    a, b = _steps(ref_out / "metrics.jsonl"), _steps(out / "metrics.jsonl")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:
+        for key in ("data/batch_fingerprint", "actor/loss", "actor/grad_norm", "reward/score_mean", "actor/entropy"):
+            assert abs(a[step][key] - b[step][key]) <= 1e-5 * max(1.0, abs(a[step][key])), (step, key)
+
+
+def test_out_of_memory_halves_the_phase_budget_restarts_and_matches_the_smaller_budget(tiny_assets, tmp_path):
+    small, oom = tmp_path / "small", tmp_path / "oom"
+    common = {"trainer.total_training_steps": 4, "checkpoint.save_freq": 1}
+    ref = _local_sh(tiny_assets, small, 0, **common, **{"actor.ppo_micro_batch_size_per_gpu": 2})
+    text, _ = ref.communicate(timeout=400)
+    assert ref.returncode == 0, text[-3000:]
+    # A real torch.OutOfMemoryError entering the update of step 3 on rank 0, first attempt only.
+    proc = _local_sh(tiny_assets, oom, 1, extra_env={"RLHF_TEST_OOM": "update:3"}, **common,
+                     **{"actor.ppo_micro_batch_size_per_gpu": 4})
+    text, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, text[-3000:]
+    assert "rank 0 ran out of memory in phase 'update' of step 3" in text, text[-3000:]
+    assert "resumed from" in text and "at step 2" in text
+    a, b = _steps(small / "metrics.jsonl"), _steps(oom / "metrics.jsonl")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert [b[s]["oom/retries"] for s in (1, 2, 3, 4)] == [0.0, 0.0, 1.0, 1.0]
+    for step in a:  # micro-batch size changes summation order only
+        for key in ("data/batch_fingerprint", "actor/loss", "actor/grad_norm", "reward/score_mean", "actor/entropy"):
+            assert abs(a[step][key] - b[step][key]) <= 1e-4 * max(1.0, abs(a[step][key])), (step, key)

@@ -1,0 +1,102 @@
+"""Reward worker pool: same scores as in-process scoring; hangs, crashes and exceptions score 0,
+are counted, and do not stop the batch."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import time
+
+import pytest
+import torch
+
+from rlhf.rewards.pool import RewardPool, SerialScorer, make_scorer
+from rlhf.rewards.registry import get_reward_fn, register_reward_fn
+from rlhf.rewards.scoring import score_responses
+
+REWARD = textwrap.dedent("""
+    import os, time
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "hang":
+            time.sleep(3600)
+        if solution_str == "crash":
+            os._exit(3)
+        if solution_str == "raise":
+            raise ValueError("bad answer")
+        return {"score": float(len(solution_str)), "acc": float(solution_str == ground_truth), "pred": solution_str[:2]}
+""")
+
+
+@pytest.fixture
+def spec(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text(REWARD)
+    return str(path)
+
+
+def batch(texts):
+    return texts, ["abc"] * len(texts), ["src"] * len(texts), [{"i": i} for i in range(len(texts))]
+
+
+def test_pool_equals_in_process_scoring(spec):
+    texts = [("x" * (i % 7)) + "abc" for i in range(40)] + ["abc", "raise"]
+    want = score_responses(get_reward_fn(spec), *batch(texts))
+    with RewardPool(spec, num_workers=3, timeout_s=30) as pool:
+        got = pool.score(*batch(texts))
+    assert torch.equal(got.scores, want.scores)
+    assert got.extra_metrics == want.extra_metrics
+    assert got.preds == want.preds
+    assert (got.n_errors, got.n_timeouts) == (1, 0) == (want.n_errors, want.n_timeouts)
+    assert "ValueError: bad answer" in got.first_error
+
+
+def test_hang_and_crash_score_zero_are_counted_and_the_rest_is_scored(spec):
+    texts = ["ab", "hang", "abcd", "crash", "a", "hang", "abc"]
+    t0 = time.monotonic()
+    with RewardPool(spec, num_workers=2, timeout_s=1.0) as pool:
+        res = pool.score(*batch(texts))
+        restarts = pool.restarts
+        # Replaced workers serve the next batch.
+        again = pool.score(*batch(["abc", "abcde"]))
+    elapsed = time.monotonic() - t0
+    assert res.scores.tolist() == [2.0, 0.0, 4.0, 0.0, 1.0, 0.0, 3.0]
+    assert (res.n_timeouts, res.n_errors) == (2, 1)
+    assert restarts == 3
+    assert again.scores.tolist() == [3.0, 5.0] and again.n_errors == again.n_timeouts == 0
+    # Two 1 s timeouts, possibly back to back on one worker, plus worker start-ups.
+    assert elapsed < 20, elapsed
+
+
+def test_submit_then_result_overlaps_and_keeps_tickets_apart(spec):
+    with RewardPool(spec, num_workers=2, timeout_s=30) as pool:
+        t1 = pool.submit(*batch(["a", "ab"]))
+        t2 = pool.submit(*batch(["abc"]))
+        assert pool.result(t2).scores.tolist() == [3.0]
+        assert pool.result(t1).scores.tolist() == [1.0, 2.0]
+
+
+def test_function_registered_only_in_this_process_fails_with_the_fix(tmp_path):
+    register_reward_fn("only_here_for_the_pool_test")(lambda ds, s, gt, extra=None: 1.0)
+    with RewardPool("only_here_for_the_pool_test", num_workers=1, timeout_s=5) as pool:
+        with pytest.raises(RuntimeError, match="reward.num_workers: 0"):
+            pool.score(*batch(["a"]))
+
+
+def test_bad_spec_fails_at_construction_and_serial_scorer_is_the_zero_worker_choice(spec):
+    with pytest.raises(ValueError, match="unknown reward function"):
+        RewardPool("no_such_reward", num_workers=1, timeout_s=5)
+    scorer = make_scorer(spec, num_workers=0, timeout_s=5)
+    assert isinstance(scorer, SerialScorer)
+    assert scorer.score(*batch(["abc"])).scores.tolist() == [3.0]
+
+
+def test_close_ends_the_workers(spec):
+    pool = RewardPool(spec, num_workers=2, timeout_s=5)
+    pool.score(*batch(["a"]))
+    procs = [w.proc for w in pool._workers]
+    pool.close()
+    assert all(p.poll() is not None for p in procs)
+    for p in procs:
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)
