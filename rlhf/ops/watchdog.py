@@ -163,8 +163,8 @@ class Watchdog:
                 continue
             where = f"in phase '{phase}' of step {step}"
             if now - beat_at > self.heartbeat_timeout_s:
-                return (f"[rlhf] watchdog: rank {r} stopped responding {where} (no heartbeat for {now - beat_at:.0f} s "
-                        f"> trainer.heartbeat_timeout_s={self.heartbeat_timeout_s:g}); ending the job")
+                return (f"[rlhf] watchdog: rank {r} stopped responding (last seen {where}; no heartbeat for "
+                        f"{now - beat_at:.0f} s > trainer.heartbeat_timeout_s={self.heartbeat_timeout_s:g}); ending the job")
             if behind and now - behind_at > self.stall_timeout_s:
                 return (f"[rlhf] watchdog: rank {r} is stuck {where}: the other ranks have waited {now - behind_at:.0f} s "
                         f"for it (trainer.collective_timeout_s); ending the job")

@@ -45,7 +45,7 @@ def test_silent_rank_is_named_after_the_heartbeat_timeout():
         line = w.check_peers(now=float(t))
         assert line is None, (t, line)
     line = w.check_peers(now=12.0)
-    assert "rank 1 stopped responding in phase 'update' of step 2" in line
+    assert "rank 1 stopped responding (last seen in phase 'update' of step 2; no heartbeat for 11 s" in line
 
 
 def test_rank_left_behind_is_stuck_only_counting_from_when_others_moved_on():
