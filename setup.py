@@ -22,8 +22,8 @@ setup(
         "pyarrow",
     ],
     extras_require={
-        # The logger tests write with tensorboard and mlflow (sqlite store) and read the values back.
-        "test": ["pytest", "matplotlib", "math-verify", "tensorboard", "mlflow-skinny", "sqlalchemy", "alembic"],
+        # The logger tests write with tensorboard, mlflow (sqlite store) and wandb (offline) and read the values back.
+        "test": ["pytest", "matplotlib", "math-verify", "tensorboard", "mlflow-skinny", "sqlalchemy", "alembic", "wandb"],
         "gpu": ["flash-attn"],
         "log": ["tensorboard", "mlflow"],
         "math": ["math-verify"],
