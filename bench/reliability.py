@@ -75,6 +75,7 @@ def hang_run(workdir: Path, hang: bool, steps: int, timeout_s: float) -> dict:
 
 
 def worker_pid(agent_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker with RANK=rank (a child of the agent process), found through /proc."""
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.advantages import timed  # noqa: E402  (median seconds of repeated calls)
 from rlhf.rewards.pool import RewardPool  # noqa: E402
 from rlhf.rewards.registry import get_reward_fn  # noqa: E402
 from rlhf.rewards.scoring import score_responses  # noqa: E402
@@ -41,15 +41,6 @@ def make_batch(n: int) -> tuple[list[str], list[str], list[str]]:
                      f"So the final answer is $\\boxed{{{ans}}}$.")
         gts.append(gt)
     return texts, gts, ["math"] * n
-
-
-def timed(fn, repeats: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.reliability import worker_pid
 from rlhf.metrics import read_metrics
 from tests.e2e.conftest import ROOT, grpo_args, run_script
 
@@ -53,21 +54,6 @@ def test_hanging_reward_times_out_is_counted_and_the_run_matches_a_zero_score(ti
             assert abs(hung[step][key] - ref[step][key]) <= 1e-6, (step, key, hung[step][key], ref[step][key])
 
 
-def _worker_pid(agent_pid: int, rank: int) -> int | None:
-    """The pid of torchrun's worker with RANK=rank (a child of the agent process)."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (d / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == agent_pid and f"RANK={rank}".encode() in env:
-            return int(d.name)
-    return None
-
-
 def _start(args, out):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -94,7 +80,7 @@ def test_sigstopped_rank_ends_the_job_with_a_line_naming_it(tiny_assets, tmp_pat
                                                  "trainer.collective_timeout_s": 120}), out)
     try:
         _wait_for_step(out, 1, proc)
-        pid = _worker_pid(proc.pid, 1)
+        pid = worker_pid(proc.pid, 1)
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -146,7 +132,7 @@ def test_killed_rank_restarts_and_the_run_equals_an_uninterrupted_one(tiny_asset
             assert proc.poll() is None and time.monotonic() - t0 < 300, proc.stdout.read()[-3000:]
             time.sleep(0.05)
         # torchrun's agent is local.sh's exec'd process, so the workers are its children.
-        pid = _worker_pid(proc.pid, 1)
+        pid = worker_pid(proc.pid, 1)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         text, _ = proc.communicate(timeout=400)
