@@ -294,9 +294,10 @@ class PhaseTimer:
                 listener.exit(phase, self.step)
 
     def pop(self) -> dict[str, float]:
-        """``{"timing/<phase>": seconds}`` since the last pop; resets the totals."""
+        """``{"timing/<phase>": seconds}`` since the last pop; resets the totals (and ``failed_phase``)."""
         out = {f"timing/{k}": v for k, v in self._totals.items()}
         self._totals = {}
+        self.failed_phase = None
         return out
 
 

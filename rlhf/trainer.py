@@ -421,14 +421,20 @@ class RLTrainer:
             return {}
         idx = list(range(self.dp_rank, len(self.val_data), self.dims.dp))
         prompts = self._prompts(idx, self.val_data.examples)
-        batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
-                                             **val_sampling(self.cfg))
+        try:
+            with self.timer("validate"):
+                batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
+                                                     **val_sampling(self.cfg))
+        except torch.OutOfMemoryError:
+            self.end_after_oom(step)
+        seconds = self.timer.pop()  # between steps: its own figure, not added to the next step's timings
         mine = score_batch(self.scorer, batch)
         records = [r for piece in all_gather_object(mine, self.dp_group) for r in piece]
         text = {i: self.val_data.examples[i].prompt_text for i in idx}
         self.logger.log_generations(step, generation_rows(mine, batch, text, self.cfg.trainer.log_val_generations,
                                                           self.dp_group))
-        return {**flat_metrics(summarize(records), "val"), "timing/validate_generate": stats["timing/generate"]}
+        return {**flat_metrics(summarize(records), "val"), "timing/validate_generate": stats["timing/generate"],
+                **seconds}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -167,3 +167,15 @@ def test_out_of_memory_halves_the_phase_budget_restarts_and_matches_the_smaller_
     for step in a:  # micro-batch size changes summation order only
         for key in ("data/batch_fingerprint", "actor/loss", "actor/grad_norm", "reward/score_mean", "actor/entropy"):
             assert abs(a[step][key] - b[step][key]) <= 1e-4 * max(1.0, abs(a[step][key])), (step, key)
+
+
+def test_out_of_memory_in_validation_halves_the_sampler_budget_and_restarts(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    proc = _local_sh(tiny_assets, out, 1, extra_env={"RLHF_TEST_OOM": "validate:1"},
+                     **{"trainer.total_training_steps": 2, "checkpoint.save_freq": 1, "trainer.test_freq": 1,
+                        "data.val_files": tiny_assets / "data" / "val.parquet", "rollout.max_num_seqs": 64})
+    text, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, text[-3000:]
+    assert "rank 0 ran out of memory in phase 'validate' of step 1" in text and "rollout.max_num_seqs" in text
+    rows = {m["step"]: m for m in read_metrics(out / "metrics.jsonl") if "val/acc" in m}
+    assert sorted(rows) == [0, 1, 2] and rows[2]["oom/retries"] == 1.0 and rows[2]["timing/validate"] > 0

@@ -50,6 +50,8 @@ def test_injected_oom_fires_once_in_its_phase_and_step(monkeypatch):
         with timer("update"):
             pass
     assert timer.failed_phase == "update"
+    timer.pop()
+    assert timer.failed_phase is None
     with timer("update"):
         pass
     assert InjectedOom.from_env(rank=1).armed is False
