@@ -131,6 +131,12 @@ def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -
     return t
 
 
+def all_reduce_max(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
 def all_gather_object(obj, group: Optional[dist.ProcessGroup] = None) -> list:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]

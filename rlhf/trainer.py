@@ -389,11 +389,9 @@ class RLTrainer:
         metrics.update(self.batch_metrics(batch))
         metrics.update(getattr(self, "_data_metrics", {}))
         elapsed = time.perf_counter() - t0
-        tokens = all_reduce_sum(torch.tensor(float(batch.attention_mask.sum()), device=self.device), self.dp_group)
         metrics["timing/step"] = elapsed
         metrics["oom/retries"] = float(self.oom_retries)
-        metrics.update(self.ops.end_step(step, batch, metrics, self.dp_group))
-        metrics["perf/tokens_per_s"] = float(tokens) / elapsed
+        metrics.update(self.ops.end_step(step, batch, metrics, self.dp_group))  # perf/*: MFU, tokens/s, memory
         return metrics
 
     def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:

@@ -23,13 +23,7 @@ import torch.distributed as dist
 
 from rlhf.ops.flops import model_flops_per_token
 from rlhf.ops.hardware import peak_flops
-from rlhf.parallel import all_reduce_sum
-
-
-def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+from rlhf.parallel import all_reduce_max, all_reduce_sum
 
 
 class EfficiencyMeter:
@@ -43,7 +37,7 @@ class EfficiencyMeter:
         self.ppo_epochs = ppo_epochs
         peak = peak_flops(device, compute_dtype)
         # One figure for all ranks (a measured CPU roof varies a little from process to process).
-        t = _all_reduce_max(torch.tensor([float(peak or 0.0)], dtype=torch.float64, device=device))
+        t = all_reduce_max(torch.tensor([float(peak or 0.0)], dtype=torch.float64, device=device))
         self.peak = float(t.item()) or None
 
     def step_metrics(self, *, prompt_tokens: torch.Tensor, response_tokens: torch.Tensor, n_seqs: int,
@@ -57,10 +51,11 @@ class EfficiencyMeter:
         names = sorted(peaks)
         slow = torch.tensor([times.get("step", 0.0), times.get("generate", 0.0), times.get("update", 0.0)]
                             + [peaks[k] for k in names], dtype=torch.float64, device=self.device)
-        t_step, t_gen, t_upd, *mem = _all_reduce_max(slow).tolist()
+        t_step, t_gen, t_upd, *mem = all_reduce_max(slow).tolist()
         out = {f"perf/max_memory_gb/{k}": v / 2 ** 30 for k, v in zip(names, mem)}
         tokens = p_tok + r_tok
         if t_step > 0:
+            out["perf/tokens_per_s"] = tokens / t_step
             out["perf/tokens_per_s_per_device"] = tokens / t_step / self.world_size
         mean_len = max(1, round(tokens / max(seqs, 1.0)))
         gen_flops = r_tok * model_flops_per_token(self.hf_config, mean_len, training=False)

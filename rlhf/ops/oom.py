@@ -28,9 +28,10 @@ import torch
 from rlhf.config import Config, ConfigError
 
 # Phase -> the (section, key) budgets halved when it runs out of memory.
+_SAMPLER = (("rollout", "max_num_seqs"), ("rollout", "kv_cache_tokens"))
 KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
-    "rollout": (("rollout", "max_num_seqs"), ("rollout", "kv_cache_tokens")),
-    "validate": (("rollout", "max_num_seqs"), ("rollout", "kv_cache_tokens")),
+    "rollout": _SAMPLER,
+    "validate": _SAMPLER,  # validation sampling
     "logprobs": (("actor", "log_prob_micro_batch_size_per_gpu"), ("actor", "log_prob_max_token_len_per_gpu"),
                  ("critic", "ppo_micro_batch_size_per_gpu"), ("critic", "ppo_max_token_len_per_gpu")),
     "update": (("actor", "ppo_micro_batch_size_per_gpu"), ("actor", "ppo_max_token_len_per_gpu"),

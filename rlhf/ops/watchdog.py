@@ -59,7 +59,7 @@ class Watchdog:
         self.phase, self.step, self.seq, self.done = "setup", 0, 0, False
         self.message: Optional[str] = None  # the abort line, once there is one
         self._beat = 0
-        # rank -> (last value, when its beat last changed, when its seq last changed, when it fell behind)
+        # rank -> (last value, when its beat last changed, when it fell behind at its current seq)
         self._seen: dict[int, tuple] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
@@ -150,15 +150,14 @@ class Watchdog:
             beat, phase, step, seq, done = value
             old = self._seen.get(r)
             beat_at = now if old is None or old[0][0] != beat else old[1]
-            seq_at = now if old is None or old[0][3] != seq else old[2]
             behind = seq < max_seq
             if not behind:
                 behind_at = None
-            elif old is not None and old[3] is not None and old[0][3] == seq:
-                behind_at = old[3]  # still behind at the same boundary
+            elif old is not None and old[2] is not None and old[0][3] == seq:
+                behind_at = old[2]  # still behind at the same boundary
             else:
                 behind_at = now
-            self._seen[r] = (value, beat_at, seq_at, behind_at)
+            self._seen[r] = (value, beat_at, behind_at)
             if done or r == self.rank:
                 continue
             where = f"in phase '{phase}' of step {step}"

@@ -36,6 +36,13 @@ def parity_reward(tmp_path) -> str:
     return f"{f}:parity"
 
 
+def train_steps(path: Path) -> dict[int, dict]:
+    """``{step: metrics row}`` of the training steps logged in a metrics.jsonl."""
+    from rlhf.metrics import read_metrics
+
+    return {row["step"]: row for row in read_metrics(path) if "actor/loss" in row}
+
+
 def run_script(script: str, args: list[str], *, nproc: int = 1, timeout: int = 300, cwd=None):
     """Run an entry script (plain python for 1 process, torchrun otherwise); returns CompletedProcess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rlhf.metrics import read_metrics
-from tests.e2e.conftest import grpo_args, run_script
+from tests.e2e.conftest import grpo_args, run_script, train_steps
 
 
 def test_profile_mfu_memory_alerts_and_generations(tiny_assets, tmp_path):
@@ -14,11 +13,11 @@ def test_profile_mfu_memory_alerts_and_generations(tiny_assets, tmp_path):
         "trainer.profile_steps": "[2]", "trainer.log_val_generations": 3, "trainer.test_freq": 1,
         "trainer.alerts": "{entropy_collapse: 100.0, logprob_diff: 1000.0}"}), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    steps = {m["step"]: m for m in read_metrics(out / "metrics.jsonl") if "actor/loss" in m}
+    steps = train_steps(out / "metrics.jsonl")
     for m in steps.values():
         assert 0 < m["perf/mfu/update"] < 1 and 0 < m["perf/mfu/generate"] < 1
         assert m["perf/max_memory_gb/update"] > 0.1 and m["perf/max_memory_gb/rollout"] > 0.1
-        assert m["perf/tokens_per_s_per_device"] > 0
+        assert m["perf/tokens_per_s"] == 2 * m["perf/tokens_per_s_per_device"] > 0
         # Entropy (a few nats) is below the threshold of 100; log-prob mismatch is far below 1000.
         assert m["alerts/entropy_collapse"] == 1.0 and m["alerts/logprob_diff"] == 0.0
     assert "[rlhf] alert at step 1: actor/entropy" in r.stdout

@@ -14,7 +14,7 @@ import pytest
 
 from bench.reliability import worker_pid
 from rlhf.metrics import read_metrics
-from tests.e2e.conftest import ROOT, grpo_args, run_script
+from tests.e2e.conftest import ROOT, grpo_args, run_script, train_steps
 
 # Hangs forever on every sample of prompts whose index is a multiple of 8; the reference
 # reward scores those samples 0 instead, which is what a timed-out sample scores.
@@ -30,10 +30,6 @@ def reward(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def _steps(path):
-    return {m["step"]: m for m in read_metrics(path) if "actor/loss" in m}
-
-
 def test_hanging_reward_times_out_is_counted_and_the_run_matches_a_zero_score(tiny_assets, tmp_path):
     runs = {}
     for hang in (True, False):
@@ -44,7 +40,7 @@ def test_hanging_reward_times_out_is_counted_and_the_run_matches_a_zero_score(ti
             "reward.reward_fn": f"{f}:reward", "reward.timeout_s": 2, "reward.num_workers": 2,
             "data.val_files": "", "trainer.total_training_steps": 3}), nproc=2, timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
-        runs[hang] = _steps(out / "metrics.jsonl")
+        runs[hang] = train_steps(out / "metrics.jsonl")
     hung, ref = runs[True], runs[False]
     assert sorted(hung) == sorted(ref) == [1, 2, 3]
     assert sum(m["reward/timeouts"] for m in hung.values()) > 0
@@ -141,7 +137,7 @@ def test_killed_rank_restarts_and_the_run_equals_an_uninterrupted_one(tiny_asset
             proc.kill()
     assert proc.returncode == 0, text[-3000:]
     assert "resumed from" in text, text[-3000:]
-    a, b = _steps(ref_out / "metrics.jsonl"), _steps(out / "metrics.jsonl")
+    a, b = train_steps(ref_out / "metrics.jsonl"), train_steps(out / "metrics.jsonl")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in a:
         for key in ("data/batch_fingerprint", "actor/loss", "actor/grad_norm", "reward/score_mean", "actor/entropy"):
@@ -161,7 +157,7 @@ def test_out_of_memory_halves_the_phase_budget_restarts_and_matches_the_smaller_
     assert proc.returncode == 0, text[-3000:]
     assert "rank 0 ran out of memory in phase 'update' of step 3" in text, text[-3000:]
     assert "resumed from" in text and "at step 2" in text
-    a, b = _steps(small / "metrics.jsonl"), _steps(oom / "metrics.jsonl")
+    a, b = train_steps(small / "metrics.jsonl"), train_steps(oom / "metrics.jsonl")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert [b[s]["oom/retries"] for s in (1, 2, 3, 4)] == [0.0, 0.0, 1.0, 1.0]
     for step in a:  # micro-batch size changes summation order only

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 from rlhf.metrics import read_metrics
-from tests.e2e.conftest import grpo_args, run_script
+from tests.e2e.conftest import grpo_args, run_script, train_steps
 
 KEYS = ["data/batch_fingerprint", "data/epoch", "actor/loss", "actor/entropy", "response_length/mean", "reward/mean"]
-
-
-def _by_step(path):
-    out = {}
-    for row in read_metrics(path):
-        if "actor/loss" in row:
-            out[row["step"]] = row
-    return out
 
 
 def test_resume_continues_same_step_and_data(tiny_assets, tmp_path):
@@ -34,7 +26,7 @@ def test_resume_continues_same_step_and_data(tiny_assets, tmp_path):
                                                                    "checkpoint.save_freq": 2}), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "at step 2" in r.stdout
-    a, b = _by_step(full / "metrics.jsonl"), _by_step(part / "metrics.jsonl")
+    a, b = train_steps(full / "metrics.jsonl"), train_steps(part / "metrics.jsonl")
     # Each step is logged once: the lost step 3 of the stopped run is dropped on resume.
     steps = [m["step"] for m in read_metrics(part / "metrics.jsonl") if "actor/loss" in m]
     assert steps == [1, 2, 3, 4]
