@@ -42,7 +42,8 @@ from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
 from rlhf.models.vocab_parallel import log_probs_from_logits
 from rlhf.optim import NonFiniteGuard, build_optimizer, build_scheduler
-from rlhf.parallel import all_reduce_sum
+from rlhf.models.ulysses import check_sp
+from rlhf.parallel import all_reduce_sum, fsdp_mesh, sp_group
 
 
 @dataclass
@@ -124,18 +125,25 @@ def adopt_layout(worker, parallel: ParallelModel, mesh: DeviceMesh) -> None:
     worker.model = parallel.module
     worker.pipeline = parallel.pipeline
     worker.pp_group = parallel.pp_group
-    worker.stage_ranks = mesh["dp"].size() * mesh["tp"].size()  # ranks holding one pp stage
-    worker.grad_scale = grad_scale(mesh["dp"])
+    worker.stage_ranks = fsdp_mesh(mesh).size() * mesh["tp"].size()  # ranks holding one pp stage
+    # FSDP2 averages over dp x sp; sp ranks hold disjoint parts of the same loss' gradient.
+    worker.grad_scale = grad_scale(fsdp_mesh(mesh))
+    worker.sp_group = sp_group(mesh)
 
 
 def check_features(model_cfg: ModelConfig, mesh: DeviceMesh, lora: bool) -> None:
     """Feature combinations this version does not support, named before any work is done."""
     tp, pp = mesh["tp"].size(), mesh["pp"].size()
-    if model_cfg.use_remove_padding and (tp > 1 or pp > 1):
-        raise ConfigError(f"model.use_remove_padding: padding-free passes need parallel.tp = parallel.pp = 1 "
-                          f"(got tp={tp}, pp={pp}); set model.use_remove_padding=false for TP/PP layouts")
+    sp = mesh["sp"].size() if "sp" in (mesh.mesh_dim_names or ()) else 1
+    check_sp(sp, None, tp=tp, pp=pp, use_remove_padding=model_cfg.use_remove_padding)
+    if model_cfg.use_remove_padding and pp > 1:
+        raise ConfigError(f"model.use_remove_padding: padding-free passes need parallel.pp = 1 (got pp={pp}): the "
+                          f"pipeline schedule splits a batch into micro-batches by rows and a packed batch is one row "
+                          f"whose sequence boundaries it cannot carry; set model.use_remove_padding=false with pp")
     if lora and (tp > 1 or pp > 1):
-        raise ConfigError(f"model.lora_rank: LoRA needs parallel.tp = parallel.pp = 1 (got tp={tp}, pp={pp})")
+        raise ConfigError(f"model.lora_rank: LoRA needs parallel.tp = parallel.pp = 1 (got tp={tp}, pp={pp}): the TP "
+                          f"plans and pipeline cuts address nn.Linear / decoder modules that peft has wrapped; split "
+                          f"LoRA runs with parallel.sp and dp instead")
 
 
 class PolicyWorker:
@@ -202,7 +210,8 @@ class PolicyWorker:
         R = response_length
         if self.cfg.use_remove_padding:
             return packed_forward_log_probs(self.model, input_ids, attention_mask, response_length=R,
-                                            temperature=temperature, compute_entropy=compute_entropy)
+                                            temperature=temperature, compute_entropy=compute_entropy,
+                                            sp_group=self.sp_group)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids_from_mask(attention_mask), use_cache=False, logits_to_keep=R + 1)
         logits = out.logits[:, :-1]  # [B, R, V] (or its vocab shard)
@@ -290,6 +299,8 @@ class PolicyWorker:
         if self.actor_cfg is None or not self.actor_cfg.use_dynamic_bsz or token_budget is None:
             return list(split_rows(len(batch), size))
         seq_lens = batch.attention_mask.sum(-1).tolist()
+        # verl's convention: the per-GPU budget times sp is the budget of one sp group's micro-batch.
+        token_budget *= sp_size(self.sp_group)
         groups = micro_batches_for_rank(seq_lens, token_budget, group=self.dp_group, device=self.device)
         return [torch.tensor(sorted(g), dtype=torch.long) for g in groups]
 
@@ -434,6 +445,10 @@ def loss_params(cfg: ActorConfig) -> PolicyLossParams:
                             dro_beta=cfg.dro_beta if cfg.dro_beta > 0 else None, tau_pos=cfg.tau_pos,
                             tau_neg=cfg.tau_neg, rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold,
                             loss_type=cfg.rollout_correction_loss_type)
+
+
+def sp_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -210,6 +210,8 @@ class ParallelConfig:
     pp: int = _f(1, "Pipeline-parallel size of training.")
     pp_schedule: str = _f("1F1B", "Pipeline schedule: 1F1B or GPipe.")
     pp_microbatches: int = _f(2, "Pipeline micro-batches per forward/backward.")
+    sp: int = _f(1, "Ulysses sequence-parallel size (verl ulysses_sequence_parallel_size): ranks that split the "
+                    "tokens of the same rows; needs model.use_remove_padding. dp = world / (tp x pp x sp).")
 
 
 @dataclass
@@ -393,6 +395,24 @@ def _fix_yaml_floats(tree: Any) -> Any:
     return tree
 
 
+# verl spellings accepted for our keys: (section, verl key) -> (section, key).
+ALIASES = {("actor", "ulysses_sequence_parallel_size"): ("parallel", "sp"),
+           ("parallel", "ulysses_sequence_parallel_size"): ("parallel", "sp")}
+
+
+def _apply_aliases(tree: dict) -> None:
+    for (sec, key), (dsec, dkey) in ALIASES.items():
+        node = tree.get(sec)
+        if not isinstance(node, dict) or key not in node:
+            continue
+        value = node.pop(key)
+        dest = tree.setdefault(dsec, {})
+        if dkey in dest and dest[dkey] != value:
+            raise ConfigError(f"config keys '{sec}.{key}' ({value!r}) and its alias '{dsec}.{dkey}' "
+                              f"({dest[dkey]!r}) disagree; set one of them")
+        dest[dkey] = value
+
+
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (), *,
                 cls: type = Config, check=None) -> Any:
     """Read a yaml file (optional), apply dotted overrides, type-check and validate.
@@ -412,6 +432,7 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
     for ov in overrides:
         keys, value = parse_override(ov)
         _set_dotted(tree, keys, value)
+    _apply_aliases(tree)
     cfg = _build(cls, tree, "")
     (check or validate)(cfg)
     return cfg
@@ -453,7 +474,7 @@ def validate(cfg: Config) -> None:
     need(cfg.actor.clip_ratio > 0, "actor.clip_ratio", "must be > 0")
     need(cfg.actor.grad_clip > 0, "actor.grad_clip", "must be > 0")
     need(len(cfg.actor.betas) == 2, "actor.betas", "must be a list of two floats")
-    for name in ("dp", "tp", "pp"):
+    for name in ("dp", "tp", "pp", "sp"):
         v = getattr(cfg.parallel, name)
         need(v >= 1 or (name == "dp" and v == -1), f"parallel.{name}",
              "must be >= 1" + (" or -1 (infer)" if name == "dp" else ""))

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from rlhf.actor import MetricSums, adopt_layout, check_features, run_ppo_epochs
+from rlhf.actor import MetricSums, adopt_layout, check_features, run_ppo_epochs, sp_size
 from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.value_loss import compute_value_loss
 from rlhf.batch import RolloutBatch, split_rows
@@ -147,7 +147,8 @@ class CriticWorker:
         """[B, P+R] -> values [B, R] (fp32) from the positions that predict each response token (no pipeline)."""
         R = response_length
         if self.model_cfg.use_remove_padding:
-            return packed_forward_values(self.model, input_ids, attention_mask, response_length=R)
+            return packed_forward_values(self.model, input_ids, attention_mask, response_length=R,
+                                         sp_group=self.sp_group)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         logits = out.logits  # [B, L, 1]; the replicated head gives a full tensor under TP
@@ -172,6 +173,7 @@ class CriticWorker:
         if not self.use_dynamic_bsz:
             return list(split_rows(len(batch), size))
         seq_lens = batch.attention_mask.sum(-1).tolist()
+        token_budget *= sp_size(self.sp_group)  # per-GPU budget x sp = one sp group's micro-batch
         groups = micro_batches_for_rank(seq_lens, token_budget, group=self.dp_group, device=self.device)
         return [torch.tensor(sorted(g), dtype=torch.long) for g in groups]
 

@@ -22,34 +22,44 @@ from rlhf.config import ConfigError
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the (pp, dp, tp) mesh, validated against the world size.
+    """Sizes of the (pp, dp, sp, tp) mesh, validated against the world size.
 
-    The mesh is laid out pp-major, tp-minor so TP groups are adjacent ranks (same node).
+    The mesh is laid out pp-major, tp-minor so TP groups are adjacent ranks (same node),
+    then the Ulysses sequence-parallel groups (``sp``; ranks that share the same rows and
+    split their tokens). Data (prompts, rollouts) is divided over ``dp`` only; FSDP2 shards
+    and reduces gradients over the flattened ``dp x sp`` sub-mesh ("dp_sp").
     """
 
     dp: int
     tp: int
     pp: int
     world_size: int
+    sp: int = 1
 
     @classmethod
-    def resolve(cls, dp: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
-        if tp < 1 or pp < 1:
-            raise ConfigError(f"parallel.tp ({tp}) and parallel.pp ({pp}) must be >= 1")
+    def resolve(cls, dp: int, tp: int, pp: int, world_size: int, sp: int = 1) -> "ParallelDims":
+        if tp < 1 or pp < 1 or sp < 1:
+            raise ConfigError(f"parallel.tp ({tp}), parallel.pp ({pp}) and parallel.sp ({sp}) must be >= 1")
+        model_ranks = tp * pp * sp
+        sizes = f"parallel.tp x pp x sp = {tp} x {pp} x {sp}" if sp > 1 else f"parallel.tp x parallel.pp = {tp} x {pp}"
         if dp == -1:
-            if world_size % (tp * pp) != 0:
+            if world_size % model_ranks != 0:
                 raise ConfigError(
-                    f"impossible parallel layout: world size {world_size} is not divisible by "
-                    f"parallel.tp x parallel.pp = {tp} x {pp} = {tp * pp}")
-            dp = world_size // (tp * pp)
-        if dp * tp * pp != world_size:
+                    f"impossible parallel layout: world size {world_size} is not divisible by {sizes} = {model_ranks}")
+            dp = world_size // model_ranks
+        if dp * model_ranks != world_size:
             raise ConfigError(
-                f"impossible parallel layout: parallel.dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} "
+                f"impossible parallel layout: parallel.dp x tp x pp{' x sp' if sp > 1 else ''} = {dp} x {tp} x {pp}"
+                f"{f' x {sp}' if sp > 1 else ''} = {dp * model_ranks} "
                 f"but the world size is {world_size} (set parallel.dp: -1 to infer it)")
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size)
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, sp=sp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.sp, self.tp),
+                                mesh_dim_names=("pp", "dp", "sp", "tp"))
+        if self.sp > 1:
+            mesh["dp", "sp"]._flatten(mesh_dim_name="dp_sp")
+        return mesh
 
     def check_batch(self, *, train_batch_size: int, n: int, mini_batch_size: int) -> None:
         """Global prompt counts must split evenly over dp ranks."""
@@ -123,6 +133,22 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta) -> Optional[dis
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=timeout)
     return dist.PrefixStore(f"rlhf/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The sub-mesh FSDP2 shards over: "dp_sp" when Ulysses sp > 1, else "dp"."""
+    names = mesh.mesh_dim_names or ()
+    if "sp" in names and mesh["sp"].size() > 1:
+        return mesh["dp_sp"]
+    return mesh["dp"]
+
+
+def sp_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
+    """The Ulysses sequence-parallel group, or None when sp == 1 (or the mesh has no sp)."""
+    names = mesh.mesh_dim_names or ()
+    if "sp" in names and mesh["sp"].size() > 1:
+        return mesh["sp"].get_group()
+    return None
 
 
 def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:

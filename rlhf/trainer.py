@@ -55,7 +55,8 @@ class RLTrainer:
         # Budgets halved after an out-of-memory end of an earlier attempt of this run (before anything is sized).
         self.oom_retries = apply_oom_records(cfg, cfg.trainer.max_oom_retries)
         torch.manual_seed(cfg.trainer.seed)
-        self.dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, self.env.world_size)
+        self.dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, self.env.world_size,
+                                         sp=cfg.parallel.sp)
         self.dims.check_batch(train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n,
                               mini_batch_size=cfg.actor.ppo_mini_batch_size)
         self.mesh = self.dims.build_mesh(self.env.device.type)
@@ -84,7 +85,8 @@ class RLTrainer:
         self._print_setup()
         validate_layout(cfg.parallel, model_config(cfg.model.path, cfg.model.trust_remote_code), self.env.world_size,
                         rollout_tp=cfg.rollout.tp, train_batch_size=cfg.data.train_batch_size,
-                        mini_batch_size=cfg.actor.ppo_mini_batch_size, n=cfg.rollout.n)
+                        mini_batch_size=cfg.actor.ppo_mini_batch_size, n=cfg.rollout.n,
+                        use_remove_padding=cfg.model.use_remove_padding)
         if dry_run:
             return
         # Watchdog, phase memory, profiler, MFU: started before the models load, which can hang too.
@@ -157,7 +159,7 @@ class RLTrainer:
         text = self.cfg.to_yaml()
         (self.out_dir / "config.yaml").write_text(text)
         print("[rlhf] resolved config:\n" + text, flush=True)
-        print(f"[rlhf] world={self.env.world_size} layout dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} "
+        print(f"[rlhf] world={self.env.world_size} layout dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} sp={self.dims.sp} "
               f"device={self.device} backend={self.env.backend} steps={self.total_steps}", flush=True)
 
     def _prompts(self, indices: list[int], examples) -> PromptBatch:

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from rlhf.algos.kl import entropy_from_logits
 from rlhf.data.packing import PackedBatch, unpad
+from rlhf.models.ulysses import SpShard, gather_token_values, shard_packed
+from rlhf.models.vocab_parallel import log_probs_from_logits
 from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention, flash_attn_available
 
 __all__ = [
@@ -80,28 +83,31 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
     return False
 
 
-def _packed_call(model: nn.Module, packed: PackedBatch, **extra) -> object:
-    """Run ``model`` on a packed row through its own top-level ``forward`` (so FSDP2 root
-    hooks and peft wrappers run as usual).
+def _packed_call(model: nn.Module, packed: PackedBatch, shard: Optional[SpShard] = None, **extra) -> object:
+    """Run ``model`` on a packed row (or, under ``parallel.sp``, on this rank's ``shard`` of it)
+    through its own top-level ``forward`` (so FSDP2 root hooks and peft wrappers run as usual).
 
     The model is switched to varlen attention for good (it behaves as sdpa for padded
     calls): an activation-checkpointed backward recomputes blocks after this returns.
     """
+    if shard is None:
+        ids, pos, kwargs = packed.input_ids, packed.position_ids, dict(packed.attention_kwargs())
+    else:
+        ids, pos, kwargs = shard.input_ids, shard.position_ids, dict(shard.attention_kwargs)
     # The SDPA fallback needs a plan; build it once per forward, not once per layer (each
     # build reads cu_seqlens on the host: a device sync per layer on a GPU without flash-attn).
-    flash = packed.input_ids.is_cuda and flash_attn_available()
-    plan = None if flash else build_varlen_plan(packed.cu_seqlens)
-    kwargs = dict(packed.attention_kwargs())
-    if plan is not None:
-        kwargs["varlen_plan"] = plan
+    if not (ids.is_cuda and flash_attn_available()):
+        kwargs["varlen_plan"] = build_varlen_plan(kwargs["cu_seq_lens_q"])
     enable_varlen_attention(model)
-    return model(
-        input_ids=packed.input_ids,
-        position_ids=packed.position_ids,
-        use_cache=False,
-        **kwargs,
-        **extra,
-    )
+    return model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs, **extra)
+
+
+def _local_positions(pos: ResponsePositions, shard: Optional[SpShard]) -> ResponsePositions:
+    """The response positions computed on this sp rank, in its slice's coordinates."""
+    if shard is None:
+        return pos
+    keep = shard.local_rows(pos.rows)
+    return ResponsePositions(rows=pos.rows[keep] - shard.start, flat=pos.flat[keep], labels=pos.labels[keep])
 
 
 def packed_forward_log_probs(
@@ -112,6 +118,7 @@ def packed_forward_log_probs(
     response_length: int,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    sp_group: Optional[dist.ProcessGroup] = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the response, padding-free.
 
@@ -122,6 +129,8 @@ def packed_forward_log_probs(
         response_length: ``R``; the response occupies the last ``R`` columns.
         temperature: logits are divided by it before the softmax (the sampler's value).
         compute_entropy: also return the entropy of ``softmax(logits / temperature)``.
+        sp_group: Ulysses sequence-parallel group (:mod:`rlhf.models.ulysses`): this rank
+            runs its slice of the packed row and the per-token results are summed over sp.
 
     Returns:
         ``log_probs [B, R]`` float32 and ``entropy [B, R]`` float32 (or None); 0 at pad
@@ -130,21 +139,21 @@ def packed_forward_log_probs(
     B, L = input_ids.shape
     R = int(response_length)
     packed = unpad(input_ids, attention_mask)
-    pos = response_positions(input_ids, attention_mask, packed, R)
+    shard = shard_packed(packed, sp_group) if sp_group is not None else None
+    pos = _local_positions(response_positions(input_ids, attention_mask, packed, R), shard)
     if _accepts_logits_to_keep(model):
-        out = _packed_call(model, packed, logits_to_keep=pos.rows)
-        logits = out.logits[0]  # [N, V]
+        out = _packed_call(model, packed, shard, logits_to_keep=pos.rows)
+        logits = out.logits  # [1, N, V], or under TP its vocab shard (a DTensor, never gathered)
     else:
-        out = _packed_call(model, packed)
-        logits = out.logits[0].index_select(0, pos.rows)  # [N, V]
-    # fp32 for the softmax: bf16 log-probs are too coarse for PPO ratios.
-    logits = logits.float() / temperature
-    lp = logits.gather(-1, pos.labels[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [N]
-    log_probs = lp.new_zeros(B * R).index_put((pos.flat,), lp).view(B, R)
+        out = _packed_call(model, packed, shard)
+        logits = out.logits[:, pos.rows]  # [1, N, V]
+    # fp32 inside: bf16 log-probs are too coarse for PPO ratios.
+    lp, ent = log_probs_from_logits(logits, pos.labels[None], temperature=temperature,
+                                    compute_entropy=compute_entropy)  # [1, N] each
+    log_probs = gather_token_values(lp.new_zeros(B * R).index_put((pos.flat,), lp[0]), sp_group).view(B, R)
     entropy = None
     if compute_entropy:
-        ent = entropy_from_logits(logits)
-        entropy = ent.new_zeros(B * R).index_put((pos.flat,), ent).view(B, R)
+        entropy = gather_token_values(ent.new_zeros(B * R).index_put((pos.flat,), ent[0]), sp_group).view(B, R)
     return log_probs, entropy
 
 
@@ -186,7 +195,7 @@ def packed_forward_hidden(
 
 
 def packed_forward_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                          response_length: int) -> torch.Tensor:
+                          response_length: int, sp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Padding-free values ``[B, R]`` (fp32) of a token-classification critic; 0 at pad response tokens.
 
     The real tokens are packed into one row (:func:`rlhf.data.packing.unpad`, varlen
@@ -194,11 +203,13 @@ def packed_forward_values(model: torch.nn.Module, input_ids: torch.Tensor, atten
     usual); the ``[1, total, 1]`` head output is read at the packed positions ``P + t - 1``
     that precede each real response token ``t`` (:func:`rlhf.models.packed.response_positions`),
     the positions of the padded path's ``logits[:, -R-1:-1]``. The head is ``H -> 1``, so
-    applying it to every packed token costs nothing worth avoiding.
+    applying it to every packed token costs nothing worth avoiding. With ``sp_group`` each
+    sp rank reads the values of its token slice and the ``[B, R]`` scalars are summed.
     """
     B, R = input_ids.shape[0], int(response_length)
     packed = unpad(input_ids, attention_mask)
-    pos = response_positions(input_ids, attention_mask, packed, R)
-    out = _packed_call(model, packed)
+    shard = shard_packed(packed, sp_group) if sp_group is not None else None
+    pos = _local_positions(response_positions(input_ids, attention_mask, packed, R), shard)
+    out = _packed_call(model, packed, shard)
     v = out.logits[0, :, 0].index_select(0, pos.rows).float()  # [N]
-    return v.new_zeros(B * R).index_put((pos.flat,), v).view(B, R)
+    return gather_token_values(v.new_zeros(B * R).index_put((pos.flat,), v), sp_group).view(B, R)

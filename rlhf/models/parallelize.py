@@ -35,6 +35,8 @@ from rlhf.models.fsdp import apply_fsdp
 from rlhf.models.loading import decoder_layers
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
 from rlhf.models.tensor_parallel import apply_tp
+from rlhf.models.ulysses import check_sp
+from rlhf.parallel import ParallelDims, fsdp_mesh
 
 
 @dataclass
@@ -142,7 +144,7 @@ def parallelize_model(
             apply_tp(part, mesh["tp"], loss_parallel=loss_parallel)
         if activation_checkpointing:
             apply_ac(part, blocks=decoder_layers(part))
-        apply_fsdp(part, mesh["dp"], device=device, mixed_precision=mixed_precision, param_offload=param_offload)
+        apply_fsdp(part, fsdp_mesh(mesh), device=device, mixed_precision=mixed_precision, param_offload=param_offload)
     if pipeline is None:
         module: nn.Module = model
     else:
@@ -220,7 +222,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, stage_ranks:
 
 def validate_layout(parallel: Any, hf_config: Any, world_size: int, *, rollout_tp: int = 1,
                     train_batch_size: Optional[int] = None, mini_batch_size: Optional[int] = None,
-                    n: int = 1, micro_batch_size: Optional[int] = None) -> None:
+                    n: int = 1, micro_batch_size: Optional[int] = None, use_remove_padding: bool = True) -> None:
     """Raise ``ConfigError`` naming the first size of the layout that does not divide.
 
     Checks, in order: world size by ``tp x pp``; ``num_attention_heads`` /
@@ -228,16 +230,10 @@ def validate_layout(parallel: Any, hf_config: Any, world_size: int, *, rollout_t
     ``num_hidden_layers`` by ``parallel.pp``; the prompt batches by dp; pipeline
     micro-batches; ``rollout.tp`` dividing the world and the heads.
     """
-    tp, pp = parallel.tp, parallel.pp
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel.tp ({tp}) and parallel.pp ({pp}) must be >= 1")
-    if world_size % (tp * pp):
-        raise ConfigError(f"impossible parallel layout: world size {world_size} is not divisible by "
-                          f"parallel.tp x parallel.pp = {tp} x {pp} = {tp * pp}")
-    dp = parallel.dp if parallel.dp > 0 else world_size // (tp * pp)
-    if dp * tp * pp != world_size:
-        raise ConfigError(f"impossible parallel layout: parallel.dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} "
-                          f"but the world size is {world_size} (set parallel.dp: -1 to infer it)")
+    tp, pp, sp = parallel.tp, parallel.pp, getattr(parallel, "sp", 1)
+    # World size, dp and sp sizes; sp x (tp, pp, padding-free, heads) combinations.
+    dp = ParallelDims.resolve(parallel.dp, tp, pp, world_size, sp=sp).dp
+    check_sp(sp, hf_config, tp=tp, pp=pp, use_remove_padding=use_remove_padding)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     sizes = {"num_attention_heads": heads, "num_key_value_heads": kv_heads,

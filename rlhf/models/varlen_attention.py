@@ -269,6 +269,7 @@ def varlen_attention_forward(
     max_length_k: int | None = None,
     varlen_plan: VarlenPlan | None = None,
     varlen_bucket_ratio: float = DEFAULT_BUCKET_RATIO,
+    ulysses_group: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function for packed sequences.
@@ -286,12 +287,22 @@ def varlen_attention_forward(
         max_length_q, max_length_k: longest sequence (flash-attn needs it).
         varlen_plan: a precomputed :class:`VarlenPlan` for the SDPA path.
         varlen_bucket_ratio: bucketing ratio for the SDPA path.
+        ulysses_group: the sp process group when the packed row is split over sequence-
+            parallel ranks (:mod:`rlhf.models.ulysses`); q/k/v then hold this rank's tokens.
 
     Returns:
         ``(attn_output [1, total, H, D], None)``.
     """
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("varlen attention does not support attention softcap or sinks")
+    if ulysses_group is not None and cu_seq_lens_q is not None:
+        from rlhf.models.ulysses import ulysses_attention
+
+        return ulysses_attention(varlen_attention_forward, module, query, key, value, attention_mask, ulysses_group,
+                                 scaling=scaling, dropout=dropout, sliding_window=sliding_window,
+                                 cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
+                                 max_length_k=max_length_k, varlen_plan=varlen_plan,
+                                 varlen_bucket_ratio=varlen_bucket_ratio, **kwargs)
     if cu_seq_lens_q is None:
         return _unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, kwargs)
     if query.shape[0] != 1:

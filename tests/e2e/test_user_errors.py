@@ -22,6 +22,8 @@ def _error_line(r) -> str:
     ({"reward.reward_fn": "gsm8kk"}, "reward.reward_fn: unknown reward function 'gsm8kk'"),
     ({"algorithm.adv_estimator": "grp0"}, "algorithm.adv_estimator"),
     ({"parallel.tp": 3}, "impossible parallel layout: world size 1 is not divisible by parallel.tp x parallel.pp"),
+    ({"parallel.sp": 3}, "world size 1 is not divisible by parallel.tp x pp x sp = 1 x 1 x 3"),
+    ({"parallel.sp": 1, "actor.ulysses_sequence_parallel_size": 2}, "disagree"),
     ({"actor.lrr": 1e-6}, "unknown config key 'actor.lrr'; did you mean actor.lr"),
     ({"rollout.n": "four"}, "config key 'rollout.n' must be int"),
     ({"data.train_files": "/no/such.parquet"}, "/no/such.parquet"),
