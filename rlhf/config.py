@@ -72,13 +72,17 @@ class RolloutConfig:
     min_p: float = _f(0.0, "Min-p sampling threshold; 0 disables.")
     stop: list = _f([], "Extra stop strings (EOS always stops).")
     tp: int = _f(1, "Tensor-parallel size of the rollout layout (divides parallel.tp x pp x dp).")
-    max_num_seqs: int = _f(256, "Concurrent sequences (KV-cache slots) per rank.")
-    kv_cache_tokens: int = _f(0, "KV-cache budget in tokens per rank; 0 = max_num_seqs x max sequence length.")
+    max_num_seqs: int = _f(256, "Most sequences decoded at once per rank.")
+    kv_cache_tokens: int = _f(0, "Paged KV-cache budget in tokens per rank; sequences beyond it are preempted and "
+                                 "resumed (same tokens). 0 = kv_cache_memory, else max_num_seqs x max sequence length.")
+    kv_cache_memory: float = _f(0.0, "Paged KV-cache budget in GiB per rank (used when kv_cache_tokens is 0; "
+                                     "0 = gpu_memory_utilization on CUDA, else room for max_num_seqs full sequences).")
+    prefill_tokens: int = _f(8192, "Tokens per prefill forward; longer prompts are prefilled in chunks of this size.")
     val_temperature: float = _f(0.0, "Validation sampling temperature (0 = greedy, like verl val_kwargs.do_sample=False).")
     seed: int = _f(0, "Sampling seed; samples are keyed by (seed, step, prompt index, sample index).")
     compile: bool = _f(False, "On CUDA: capture decode steps as CUDA graphs (static shapes); ignored on CPU. "
                               "The sampler, its KV cache and graphs then stay allocated for the whole run.")
-    gpu_memory_utilization: float = _f(0.5, "On CUDA with kv_cache_tokens 0: the KV cache takes at most this "
+    gpu_memory_utilization: float = _f(0.5, "On CUDA with kv_cache_tokens and kv_cache_memory 0: the KV cache takes at most this "
                                             "fraction of the device memory free after the rollout weights (verl name).")
 
 

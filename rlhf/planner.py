@@ -254,14 +254,16 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     gen_bs = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size > 0 else d.train_batch_size
     seqs = math.ceil(gen_bs / replicas) * r.n
     slots = min(r.max_num_seqs, seqs)
-    if r.kv_cache_tokens:
-        slots = min(slots, r.kv_cache_tokens // seq_len)
-    comp["kv cache"] = s.num_layers * slots * 2 * s.kv_dim / r.tp * seq_len * rb
-    if cuda and not r.kv_cache_tokens:
+    kv_per_token = s.num_layers * 2 * s.kv_dim / r.tp * rb
+    kv_tokens = r.kv_cache_tokens or (int(r.kv_cache_memory * 2**30 // kv_per_token) if r.kv_cache_memory else 0)
+    if kv_tokens:  # paged: the cache is the budget; sequences beyond it are preempted, not allocated
+        slots = min(slots, max(1, kv_tokens // seq_len))
+    comp["kv cache"] = kv_per_token * (min(kv_tokens, r.max_num_seqs * seq_len) if kv_tokens else slots * seq_len)
+    if cuda and not kv_tokens:
         notes.append(f"rollout.kv_cache_tokens is 0: the sampler caps the KV cache at rollout.gpu_memory_utilization="
                      f"{r.gpu_memory_utilization} of the memory free after the weights (fewer slots than planned "
                      "here when it does not fit); set kv_cache_tokens to plan a fixed budget")
-    prefill_tokens = min(8192, seqs // r.n * d.max_prompt_length)
+    prefill_tokens = min(r.prefill_tokens, seqs // r.n * d.max_prompt_length)
     comp["rollout activations"] = (prefill_tokens * (s.hidden_size * 3 + (s.q_dim + 2 * s.kv_dim
                                    + 2 * s.intermediate_size) / r.tp) * rb
                                    + 4 * (slots + seqs // r.n) * s.vocab_size * 4)  # fp32 logits, softmax, cdf

@@ -28,7 +28,8 @@ import torch
 from rlhf.config import Config, ConfigError
 
 # Phase -> the (section, key) budgets halved when it runs out of memory.
-_SAMPLER = (("rollout", "max_num_seqs"), ("rollout", "kv_cache_tokens"))
+_SAMPLER = (("rollout", "max_num_seqs"), ("rollout", "kv_cache_tokens"), ("rollout", "kv_cache_memory"),
+            ("rollout", "prefill_tokens"))
 KNOBS: dict[str, tuple[tuple[str, str], ...]] = {
     "rollout": _SAMPLER,
     "validate": _SAMPLER,  # validation sampling
@@ -67,8 +68,8 @@ def apply_oom_records(cfg: Config, max_retries: int) -> int:
         for section, key in KNOBS.get(phase, ()):
             sec = getattr(cfg, section)
             value = getattr(sec, key)
-            if value > 0:  # 0 means "derived" (kv_cache_tokens); leave it to its formula
-                setattr(sec, key, max(1, value >> n))
+            if value > 0:  # 0 means "derived" (kv_cache_tokens / memory); leave it to its formula
+                setattr(sec, key, max(1, value >> n) if isinstance(value, int) else value / 2**n)
     return total
 
 

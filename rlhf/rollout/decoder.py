@@ -344,13 +344,14 @@ def prefill(
     p, total = last_index.shape[0], input_ids.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     c, s = head_rope(cos[positions], sin[positions], spec)  # [Ttot, Hall, D]
+    index = cache.prefill_index(slots, 0, width)  # [M * 2Hkv * width] cache rows, shared by the layers
     x = F.embedding(input_ids, w.embed)  # [Ttot, hidden]
     for layer, lw in enumerate(w.layers):
         qkv = _qkv(spec, lw, x, (total,), c, s)  # [Ttot, Hall, D]
         if grid_index is not None:
             qkv = qkv.new_zeros((p * width, h + 2 * hkv, d)).index_copy_(0, grid_index, qkv)
         grid = qkv.view(p, width, -1, d).transpose(1, 2)  # [P, Hall, width, D]
-        cache.write_prefill(layer, slots, grid[:, h:].index_select(0, rows))
+        cache.write(layer, index, grid[:, h:].index_select(0, rows))
         a = F.scaled_dot_product_attention(
             grid[:, :h], grid[:, h : h + hkv], grid[:, h + hkv :],
             is_causal=True, scale=d**-0.5, enable_gqa=h != hkv,
@@ -361,6 +362,48 @@ def prefill(
         x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group)
         x = _mlp(spec, lw, x, tp_group)
     return _logits(spec, w, x.index_select(0, last_index))
+
+
+def prefill_chunk(
+    spec: DecoderSpec,
+    w: DecoderWeights,
+    cache: Any,
+    input_ids: Tensor,
+    start: int,
+    slots: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    tp_group: Any = None,
+) -> Tensor:
+    """Chunked prefill: forward of tokens ``[start, start + c)`` of ONE prompt whose earlier
+    positions are already in the cache of ``slots[0]``.
+
+    The chunk's K/V go to every slot in ``slots`` ``[M]`` (the prompt's samples); its queries
+    attend to cache positions ``[0, start + c)`` with the causal offset, so the attention
+    matrix is ``c x (start + c)`` instead of ``T x T`` for a long prompt.
+
+    Args:
+        input_ids: ``[c]`` the chunk's tokens.
+    Returns:
+        ``[1, V]`` float32 logits of the token after the chunk.
+    """
+    n = input_ids.shape[0]
+    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    positions = torch.arange(start, start + n, device=input_ids.device)
+    c, s = head_rope(cos[positions], sin[positions], spec)  # [c, Hall, D]
+    index = cache.prefill_index(slots, start, n)
+    window = start + n
+    mask = torch.arange(window, device=input_ids.device)[None, :] <= positions[:, None]  # [c, W]
+    x = F.embedding(input_ids, w.embed)  # [c, hidden]
+    for layer, lw in enumerate(w.layers):
+        qkv = _qkv(spec, lw, x, (n,), c, s).transpose(0, 1)  # [Hall, c, D]
+        cache.write(layer, index, qkv[h:].unsqueeze(0).expand(slots.shape[0], -1, -1, -1))
+        k, v = cache.view(layer, slots[:1], window)  # [1, Hkv, W, D]
+        a = F.scaled_dot_product_attention(qkv[None, :h], k, v, attn_mask=mask, scale=d**-0.5,
+                                           enable_gqa=h != hkv)  # [1, H, c, D]
+        x = _residual_linear(x, a[0].transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group)
+        x = _mlp(spec, lw, x, tp_group)
+    return _logits(spec, w, x[-1:])
 
 
 def decode(
@@ -394,7 +437,7 @@ def decode(
     x = F.embedding(tokens, w.embed)  # [B, hidden]
     for layer, lw in enumerate(w.layers):
         qkv = _qkv(spec, lw, x, (b,), c, s)  # [B, Hall, D]
-        cache.write_decode(layer, index, qkv[:, h:])
+        cache.write(layer, index, qkv[:, h:])
         k, v = cache.view(layer, b, window)  # [B, Hkv, W, D]
         a = F.scaled_dot_product_attention(qkv[:, :h].view(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=d**-0.5)
         x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group)

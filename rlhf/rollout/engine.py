@@ -123,7 +123,9 @@ class RolloutEngine:
         graphs = self.cfg.compile and self.device.type == "cuda"
         sampler = Sampler(hf_config, weights, pad_token_id=self.pad_id, device=self.device, dtype=self.dtype,
                           max_num_seqs=self.cfg.max_num_seqs, max_seq_len=self.P + self.R,
-                          kv_cache_tokens=self.cfg.kv_cache_tokens or None, tp_group=self.layout.tp_group,
+                          kv_cache_tokens=self.cfg.kv_cache_tokens or None,
+                          kv_cache_bytes=int(self.cfg.kv_cache_memory * 2**30) or None,
+                          prefill_tokens=self.cfg.prefill_tokens, tp_group=self.layout.tp_group,
                           use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization)
         if graphs:
             self._kept = sampler

@@ -24,10 +24,11 @@ def test_records_halve_the_phase_knobs_once_per_attempt(tmp_path):
     assert "actor.ppo_micro_batch_size_per_gpu" in line
     cfg = cfg_at(tmp_path)
     cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_max_token_len_per_gpu = 8, 16384
-    cfg.rollout.max_num_seqs, cfg.rollout.kv_cache_tokens = 256, 0
+    cfg.rollout.max_num_seqs, cfg.rollout.kv_cache_tokens, cfg.rollout.kv_cache_memory = 256, 0, 3.0
     assert apply_oom_records(cfg, max_retries=3) == 2
     assert (cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_max_token_len_per_gpu) == (4, 8192)
     assert (cfg.rollout.max_num_seqs, cfg.rollout.kv_cache_tokens) == (128, 0)  # 0 = derived, left alone
+    assert (cfg.rollout.kv_cache_memory, cfg.rollout.prefill_tokens) == (1.5, 4096)
     assert cfg.actor.log_prob_micro_batch_size_per_gpu == Config().actor.log_prob_micro_batch_size_per_gpu
 
 

@@ -149,11 +149,53 @@ def test_continuous_batching_matches_large_batch():
     for f in ("response_ids", "response_mask", "response_lengths", "truncated"):
         assert torch.equal(getattr(small, f), getattr(big, f)), f
     torch.testing.assert_close(small.log_probs, big.log_probs, atol=1e-5, rtol=0)
-    # with refill_fraction and a token budget that holds only 2 sequences
+    # with refill_fraction and a paged cache of 128 tokens (8 blocks) for 20 sequences of up to 23
     tight = _sampler(max_num_seqs=64, kv_cache_tokens=2 * 64, max_seq_len=64, refill_fraction=0.5)
     out = tight.generate(PROMPTS, params)
-    assert out.stats["num_slots"] == 2
+    assert out.stats["kv_cache_tokens"] == 128 and out.stats["kv_peak_tokens"] <= 128
+    assert out.stats["preemptions"] > 0  # sequences outgrew the blocks they were admitted with
     assert torch.equal(out.response_ids, big.response_ids)
+    torch.testing.assert_close(out.log_probs, big.log_probs, atol=1e-5, rtol=0)
+
+
+def test_kv_budget_below_request_preempts_and_matches_unconstrained():
+    """Long responses, a KV budget of 2 full-length sequences for 12 requested: sequences are
+    paused, requeued and recomputed, and every token and log-prob equals the unconstrained run."""
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=48, seed=7, stop_token_ids=[3])
+    free = _sampler(max_num_seqs=16).generate(PROMPTS[:4], params)
+    assert free.stats["preemptions"] == 0
+    for tokens in (2 * 64, 64):
+        tight = _sampler(max_num_seqs=16, kv_cache_tokens=tokens).generate(PROMPTS[:4], params)
+        assert tight.stats["preemptions"] > 0 and tight.stats["recomputed_tokens"] > 0
+        assert tight.stats["kv_peak_tokens"] <= tokens < free.stats["kv_peak_tokens"]
+        for f in ("response_ids", "response_lengths", "truncated"):
+            assert torch.equal(getattr(tight, f), getattr(free, f)), (tokens, f)
+        torch.testing.assert_close(tight.log_probs, free.log_probs, atol=1e-5, rtol=0)
+    # a budget given in bytes: 2 layers x 2 KV heads x 16 dims x K,V x 4 bytes = 512 bytes per token
+    by_bytes = _sampler(max_num_seqs=16, kv_cache_bytes=64 * 512).generate(PROMPTS[:4], params)
+    assert by_bytes.stats["kv_cache_tokens"] == 64
+    assert torch.equal(by_bytes.response_ids, free.response_ids)
+
+
+def test_kv_budget_smaller_than_one_sequence_is_a_clear_error():
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=48, seed=7)
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_seq_len=64"):
+        _sampler(kv_cache_tokens=32).generate(PROMPTS[:1], params)
+
+
+def test_chunked_prefill_of_long_prompts_matches_one_pass():
+    """Prompts longer than prefill_tokens are prefilled in chunks attending to the cached ones."""
+    long_prompts = [[(7 * i + 3) % 60 + 2 for i in range(70)], [(5 * i + 1) % 60 + 2 for i in range(41)], [9, 8]]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=3)
+    whole = _sampler(prefill_tokens=8192).generate(long_prompts, params)
+    chunked = _sampler(prefill_tokens=16).generate(long_prompts, params)
+    assert chunked.stats["prefill_calls"] >= 5 + 3 + 1 and whole.stats["prefill_calls"] == 1
+    assert torch.equal(chunked.response_ids, whole.response_ids)
+    torch.testing.assert_close(chunked.log_probs, whole.log_probs, atol=1e-5, rtol=0)
+    model = _model()
+    for row, r in enumerate(_responses(chunked)):  # and both equal HF's teacher-forced log-probs
+        ref = _teacher_forced(model, long_prompts[row // 2], r, 1.0)
+        torch.testing.assert_close(chunked.log_probs[row, : len(r)], ref, atol=1e-4, rtol=0)
 
 
 def test_static_shape_decode_path_matches_dynamic():
@@ -293,7 +335,7 @@ def test_errors_name_the_problem():
 def test_cache_grows_when_not_fixed():
     s = _sampler(max_num_seqs=4)
     s.generate([[1, 2]], SamplingParams(temperature=0.0, max_new_tokens=4))
-    assert s.max_seq_len == 64 and s.cache.kv.shape[1] == 4
+    assert s.max_seq_len == 64 and s.cache.num_slots == 4 and s.cache.capacity_tokens == 4 * 64
     out = s.generate([list(range(1, 60))], SamplingParams(temperature=0.0, max_new_tokens=10))
     assert s.max_seq_len == 128 and out.response_lengths.item() == 10
 

@@ -1,0 +1,349 @@
+"""One ``Sampler.generate`` call: admission, chunked prefill, decode, preemption, retirement.
+
+* The ``N = len(prompts) * n`` sequences wait in a queue (row ``i*n + j`` = sample ``j`` of
+  prompt ``i``). Sequences are admitted while there are free slots and free cache blocks
+  for their prefix; the distinct prompts of fresh sequences are prefilled once and their
+  K/V written into the blocks of all their samples. A prefix longer than the sampler's
+  ``prefill_tokens`` is prefilled alone in chunks of that size (chunked prefill).
+* Live sequences occupy the slot prefix ``[0, B)``: when sequences finish, their blocks
+  return to the free list and the last live slots take over the holes (a block-table row
+  move), so decode runs on ``B`` rows and never computes finished ones.
+* Before each decode step every live sequence gets a block for its next position. When the
+  free blocks do not suffice, the most recently admitted sequences are preempted: their
+  blocks are freed and they go back to the front of the queue with the tokens generated so
+  far. Re-admitted, ``prompt + generated`` is prefilled again (recompute) and decoding
+  continues. Draws are keyed by (seed, step, prompt key, sample, position), so a preempted
+  sequence produces the same tokens it would have without the pause.
+* Per step: one decode forward, sampling, stop detection and output writes as batched
+  tensor ops, and one host sync to learn which sequences finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf.rollout import decoder
+from rlhf.rollout.kv_cache import PagedKVCache
+from rlhf.rollout.sampling import SamplingParams, position_keys, sample_next, sequence_keys, uniforms
+
+
+class Slots:
+    """Per-slot decode state, device tensors with S rows (live slots are the prefix [0, B)).
+
+    ``token`` / ``pos``: next decode input; ``gen``: tokens generated so far; ``seq``: output
+    row; ``u``: ``[S, R]`` the slot's pre-drawn uniforms, one per response position
+    (sampling only); ``window``: the last generated tokens (stop sequences only).
+    """
+
+    def __init__(self, token: Tensor, pos: Tensor, num_new: int, sampling: bool, stop_window: int) -> None:
+        num_slots, device = token.shape[0], token.device
+        self.token, self.pos = token.zero_(), pos.zero_()
+        self.gen = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.seq = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.u = torch.zeros((num_slots, num_new), dtype=torch.float32, device=device) if sampling else None
+        self.window = torch.full((num_slots, stop_window), -1, dtype=torch.int64, device=device) if stop_window else None
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.token, self.pos, self.gen, self.seq, self.u, self.window) if t is not None]
+
+
+class GenerateRun:
+    """State of one ``generate`` call (kept out of ``Sampler`` so calls cannot leak state)."""
+
+    def __init__(self, s: Any, prompts: list[list[int]], params: SamplingParams, step: int, keys: list[int]):
+        self.s, self.params, self.prompts = s, params, prompts
+        dev = s.device
+        n, self.n = params.n, params.n
+        self.N = N = len(prompts) * n
+        self.R = R = params.max_new_tokens
+        self.cache: PagedKVCache = s.cache
+        self.S = self.cache.num_slots
+        self.prompt_lens = [len(p) for p in prompts]
+        seq = torch.arange(N, device=dev)
+        keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
+        self.seq_key = sequence_keys(params.seed, step, keys_t[seq // n], seq % n)  # [N]
+        self.pos_key = position_keys(R, dev)  # [R]
+        self.out_ids = torch.full((N, R), s.pad_token_id, dtype=torch.int64, device=dev)
+        self.out_logp = torch.zeros((N, R), dtype=torch.float32, device=dev)
+        self.out_len = torch.zeros(N, dtype=torch.int64, device=dev)
+        self.out_stopped = torch.zeros(N, dtype=torch.bool, device=dev)
+        self.stop_ids = torch.tensor(sorted({int(t) for t in params.stop_token_ids}), dtype=torch.int64, device=dev)
+        stops = [list(map(int, q)) for q in params.stop_sequences]
+        self.stop_len = max((len(q) for q in stops), default=0)
+        if stops:  # right-aligned in a [Q, L] table; -2 (never a token) where a stop is shorter
+            table = torch.full((len(stops), self.stop_len), -2, dtype=torch.int64)
+            for i, q in enumerate(stops):
+                table[i, self.stop_len - len(q):] = torch.tensor(q)
+            self.stop_table = table.to(dev)
+            self.stop_care = self.stop_table >= 0
+        self.slots = Slots(s.token_buf, s.pos_buf, R, not params.greedy, self.stop_len)
+        # host mirrors, per slot: pos = pos_base + decode_steps; output row; admission number
+        self.pos_base = [0] * self.S
+        self.slot_seq = [0] * self.S
+        self.slot_order = [0] * self.S
+        self.live = 0  # live slots are [0, live)
+        self.queue: deque[int] = deque(range(N))  # waiting sequences, front first
+        self.resume_gen = [0] * N  # tokens a preempted sequence had generated
+        self.admitted = 0
+        self._grow_at = 0  # first decode step at which a live slot needs another block (0: recompute)
+        self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefill_calls": 0,
+                      "prefill_tokens": 0, "prefill_padded_tokens": 0, "slot_steps": 0, "compaction_moves": 0,
+                      "preemptions": 0, "recomputed_tokens": 0, "peak_blocks": 0}
+
+    # ------------------------------------------------------------------ main loop
+
+    def execute(self) -> dict:
+        t_start = time.perf_counter()
+        threshold = max(1, int(self.s.refill_fraction * self.S))
+        while True:
+            free, waiting = self.S - self.live, len(self.queue)
+            if waiting and free and (self.live == 0 or free >= min(waiting, threshold)):
+                admit = self._fitting(free)
+                if admit:
+                    self._admit(admit)
+                    continue  # admitted sequences may finish at once (stop on the first token)
+            if self.live == 0:
+                break  # nothing live and nothing waiting (a lone sequence always fits: checked at allocation)
+            self._reserve_next_positions()
+            self._decode_step()
+        return self._finish(time.perf_counter() - t_start)
+
+    def _prefix_len(self, q: int) -> int:
+        return self.prompt_lens[q // self.n] + self.resume_gen[q]
+
+    def _fitting(self, free_slots: int) -> list[int]:
+        """Sequences from the queue front whose prefix (+ the first decoded position) fits."""
+        out, blocks = [], len(self.cache.free)
+        for q in list(self.queue)[:free_slots]:
+            need = self.cache.blocks_for(self._prefix_len(q) + 1)
+            if need > blocks:
+                break
+            blocks -= need
+            out.append(q)
+        return out
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, seqs: list[int]) -> None:
+        """Prefill the prefixes of ``seqs`` (the queue front) into slots [live, live + m)."""
+        t0 = time.perf_counter()
+        s, dev, n, cache = self.s, self.s.device, self.n, self.cache
+        m, a = len(seqs), self.live
+        for _ in seqs:
+            self.queue.popleft()
+        prefix_len = [self._prefix_len(q) for q in seqs]
+        cache.grow(list(range(a, a + m)), [p + 1 for p in prefix_len])
+        # prefill units: a fresh prompt once for all its admitted samples; a resumed sequence alone
+        unit_of: dict[tuple[int, int], int] = {}
+        units: list[list[int]] = []
+        slot_unit = []
+        for q in seqs:
+            g = self.resume_gen[q]
+            key = (q // n, -1) if g == 0 else (q // n, q)
+            if key not in unit_of:
+                unit_of[key] = len(units)
+                tokens = self.prompts[q // n] + (self.out_ids[q, :g].tolist() if g else [])
+                units.append(tokens)
+            slot_unit.append(unit_of[key])
+        logits = torch.empty((len(units), s.spec.vocab_size), dtype=torch.float32, device=dev)
+        slot_unit_t = torch.tensor(slot_unit, dtype=torch.int64, device=dev)
+        for chunk in self._prefill_chunks(units):
+            members = [j for j, u in enumerate(slot_unit) if u in chunk]
+            rows = [chunk.index(slot_unit[j]) for j in members]
+            slot_ids = torch.tensor([a + j for j in members], dtype=torch.int64, device=dev)
+            out = self._prefill(chunk, units, slot_ids, torch.tensor(rows, dtype=torch.int64, device=dev))
+            logits.index_copy_(0, torch.tensor(chunk, dtype=torch.int64, device=dev), out)
+        sl, b = self.slots, a + m
+        seqs_t = torch.tensor(seqs, dtype=torch.int64, device=dev)
+        gen0 = [self.resume_gen[q] for q in seqs]
+        sl.seq[a:b] = seqs_t
+        sl.gen[a:b] = torch.tensor(gen0, dtype=torch.int64, device=dev)
+        # the next sampled token is fed at position len(prefix); the shared update below adds 1
+        sl.pos[a:b] = torch.tensor(prefix_len, dtype=torch.int64, device=dev) - 1
+        if sl.u is not None:  # all the uniforms these sequences will use, drawn at once
+            sl.u[a:b] = uniforms(self.seq_key[seqs_t, None], self.pos_key[None, :])
+        if sl.window is not None:  # a resumed sequence's stop window holds its last tokens
+            win = torch.full((m, self.stop_len), -1, dtype=torch.int64, device=dev)
+            for j, (q, g) in enumerate(zip(seqs, gen0)):
+                k = min(g, self.stop_len)
+                if k:
+                    win[j, self.stop_len - k:] = self.out_ids[q, g - k:g]
+            sl.window[a:b] = win
+        steps = self.stats["decode_steps"]
+        self.pos_base[a:b] = [p - steps for p in prefix_len]
+        self.slot_seq[a:b] = seqs
+        self.slot_order[a:b] = range(self.admitted, self.admitted + m)
+        self.admitted += m
+        self.live = b
+        self._grow_at = 0
+        self.stats["recomputed_tokens"] += sum(gen0)
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        self._sample_and_retire(a, b, logits[slot_unit_t])
+
+    def _prefill_chunks(self, units: list[list[int]]) -> list[list[int]]:
+        """Unit indices grouped into prefill forwards of at most ``prefill_tokens`` tokens
+        (sorted by length: similar widths share an attention grid); a longer unit is alone."""
+        order = sorted(range(len(units)), key=lambda i: len(units[i]))
+        chunks: list[list[int]] = [[]]
+        used = 0
+        for i in order:
+            if chunks[-1] and used + len(units[i]) > self.s.prefill_tokens:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(i)
+            used += len(units[i])
+        return chunks
+
+    def _prefill(self, chunk: list[int], units: list[list[int]], slot_ids: Tensor, rows: Tensor) -> Tensor:
+        """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids``."""
+        s, dev = self.s, self.s.device
+        lens = [len(units[i]) for i in chunk]
+        width, total = max(lens), sum(lens)
+        self.stats["prefill_tokens"] += total
+        if len(chunk) == 1 and total > s.prefill_tokens:  # one long prefix: chunked prefill
+            ids = torch.tensor(units[chunk[0]], dtype=torch.int64, device=dev)
+            c = s.prefill_tokens
+            for start in range(0, total, c):
+                out = decoder.prefill_chunk(s.spec, s.weights, self.cache, ids[start:start + c], start, slot_ids,
+                                            s.cos, s.sin, s.tp_group)
+                self.stats["prefill_calls"] += 1
+            self.stats["prefill_padded_tokens"] += total
+            return out
+        lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
+        ids = torch.tensor([t for i in chunk for t in units[i]], dtype=torch.int64, device=dev)
+        ends = lengths.cumsum(0)
+        row_of = torch.repeat_interleave(torch.arange(len(chunk), device=dev), lengths)  # [Ttot]
+        positions = torch.arange(total, device=dev) - (ends - lengths)[row_of]
+        grid_index = None if width * len(chunk) == total else row_of * width + positions
+        self.stats["prefill_calls"] += 1
+        self.stats["prefill_padded_tokens"] += width * len(chunk)
+        return decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
+                               slot_ids, rows, s.cos, s.sin, s.tp_group)
+
+    # ------------------------------------------------------------------ decode
+
+    def _reserve_next_positions(self) -> None:
+        """Give every live slot a block for the position it writes next; preempt if none is left."""
+        steps, cache = self.stats["decode_steps"], self.cache
+        if steps < self._grow_at:  # no live slot reaches the end of its last block this step
+            return
+        while True:
+            need = [(i, self.pos_base[i] + steps + 1) for i in range(self.live)]
+            short = [(i, n) for i, n in need if cache.extra_blocks(i, n)]
+            if sum(cache.extra_blocks(i, n) for i, n in short) <= len(cache.free):
+                cache.grow([i for i, _ in short], [n for _, n in short])
+                break
+            victim = max(range(self.live), key=lambda i: self.slot_order[i])  # the latest admitted
+            self._preempt(victim)
+        used = cache.num_blocks - len(cache.free)
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
+        bs = cache.block_size
+        self._grow_at = min(len(cache.owned[i]) * bs - self.pos_base[i] for i in range(self.live))
+
+    def _preempt(self, slot: int) -> None:
+        q = self.slot_seq[slot]
+        # tokens generated so far: the one at the current position is sampled but not yet cached
+        self.resume_gen[q] = self.pos_base[slot] + self.stats["decode_steps"] - self.prompt_lens[q // self.n] + 1
+        self.queue.appendleft(q)
+        self.stats["preemptions"] += 1
+        self._compact([slot])
+
+    def _decode_step(self) -> None:
+        t0 = time.perf_counter()
+        s, b = self.s, self.live
+        need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
+        window = min(self.cache.max_seq_len, -(-need // 32) * 32)
+        logits = s.decode_logits(b, window)
+        self.stats["decode_steps"] += 1  # advances every live slot's host position by one
+        self.stats["slot_steps"] += b
+        self._sample_and_retire(0, b, logits)
+        self.stats["decode_s"] += time.perf_counter() - t0
+
+    def _sample_and_retire(self, a: int, b: int, logits: Tensor) -> None:
+        """Sample the next token of live slots [a, b), record it, retire finished sequences."""
+        sl, p = self.slots, self.params
+        gen, seq = sl.gen[a:b], sl.seq[a:b]
+        u = None if sl.u is None else sl.u[a:b].gather(1, gen[:, None]).squeeze(1)
+        tok, logp = sample_next(logits, p, u)
+        self.out_ids.index_put_((seq, gen), tok)
+        self.out_logp.index_put_((seq, gen), logp)
+        stopped: Tensor | None = None
+        if self.stop_ids.numel():
+            stopped = torch.isin(tok, self.stop_ids)
+        if sl.window is not None:
+            win = torch.cat((sl.window[a:b, 1:], tok[:, None]), dim=1)
+            sl.window[a:b] = win
+            match = ((win[:, None, :] == self.stop_table[None]) | ~self.stop_care[None]).all(-1).any(-1)
+            stopped = match if stopped is None else stopped | match
+        gen += 1  # in place on the slot state
+        sl.token[a:b] = tok
+        sl.pos[a:b] += 1
+        done = gen >= self.R if stopped is None else stopped | (gen >= self.R)
+        finished = done.nonzero().squeeze(1)
+        fin = finished.tolist()  # the one host sync of a step
+        if not fin:
+            return
+        fs = seq[finished]
+        self.out_len[fs] = gen[finished]
+        if stopped is not None:
+            self.out_stopped[fs] = stopped[finished]
+        self._compact([a + i for i in fin])
+
+    def _compact(self, dead: list[int]) -> None:
+        """Free the blocks of ``dead`` slots and move the last live slots into the holes."""
+        self.cache.release(dead)
+        new_live = self.live - len(dead)
+        dead_set = set(dead)
+        holes = [i for i in dead if i < new_live]
+        movers = [i for i in range(new_live, self.live) if i not in dead_set]
+        if holes:
+            dev = self.s.device
+            src = torch.tensor(movers, dtype=torch.int64, device=dev)
+            dst = torch.tensor(holes, dtype=torch.int64, device=dev)
+            self.cache.move(movers, holes)
+            for t in self.slots.tensors():
+                t.index_copy_(0, dst, t.index_select(0, src))
+            for h, m in zip(holes, movers):
+                self.pos_base[h], self.slot_seq[h], self.slot_order[h] = \
+                    self.pos_base[m], self.slot_seq[m], self.slot_order[m]
+            self.stats["compaction_moves"] += len(holes)
+        self.live = new_live
+        self._grow_at = 0
+
+    # ------------------------------------------------------------------ output
+
+    def _finish(self, total_s: float) -> dict:
+        N, R = self.N, self.R
+        lengths = self.out_len
+        tokens = int(lengths.sum())
+        st = self.stats
+        used = min(self.S, N)
+        stats = {
+            "tokens_generated": float(tokens),
+            "num_sequences": float(N),
+            "seconds": total_s,
+            "tokens_per_s": tokens / total_s if total_s > 0 else 0.0,
+            "prefill_s": st["prefill_s"],
+            "decode_s": st["decode_s"],
+            "decode_steps": float(st["decode_steps"]),
+            "prefill_calls": float(st["prefill_calls"]),
+            "prefill_tokens": float(st["prefill_tokens"]),
+            "prefill_padded_tokens": float(st["prefill_padded_tokens"]),
+            "num_slots": float(self.S),
+            "slot_utilisation": st["slot_steps"] / (st["decode_steps"] * used) if st["decode_steps"] else 1.0,
+            "compaction_moves": float(st["compaction_moves"]),
+            "kv_cache_bytes": float(self.cache.nbytes),
+            "kv_cache_tokens": float(self.cache.capacity_tokens),
+            "kv_peak_tokens": float(st["peak_blocks"] * self.cache.block_size),
+            "preemptions": float(st["preemptions"]),
+            "recomputed_tokens": float(st["recomputed_tokens"]),
+        }
+        return {"response_ids": self.out_ids, "response_mask": torch.arange(R, device=lengths.device)[None, :]
+                < lengths[:, None], "log_probs": self.out_logp, "response_lengths": lengths,
+                "truncated": ~self.out_stopped, "prompt_index": torch.arange(N, device=lengths.device) // self.n,
+                "stats": stats}
