@@ -39,20 +39,6 @@ def kv_tokens_for_memory(free_bytes: int, fraction: float, bytes_per_token: int)
     return int(free_bytes * fraction) // bytes_per_token
 
 
-def num_slots_for(max_num_seqs: int, max_seq_len: int, kv_cache_tokens: int | None) -> int:
-    """Sequences that fit the token budget if each reserved ``max_seq_len`` positions
-    (the worst case: the planner's bound on concurrently *finishing* sequences)."""
-    if kv_cache_tokens is None:
-        return max_num_seqs
-    slots = min(max_num_seqs, kv_cache_tokens // max_seq_len)
-    if slots < 1:
-        raise ValueError(
-            f"kv_cache_tokens={kv_cache_tokens} cannot hold one sequence of max_seq_len={max_seq_len}; "
-            "raise kv_cache_tokens (rollout.kv_cache_tokens / kv_cache_memory) or lower max_seq_len / max_new_tokens"
-        )
-    return slots
-
-
 class PagedKVCache:
     """Block-paged K/V buffer with a per-slot block table and a free list (host side).
 
