@@ -131,11 +131,12 @@ def adopt_layout(worker, parallel: ParallelModel, mesh: DeviceMesh) -> None:
     worker.sp_group = sp_group(mesh)
 
 
-def check_features(model_cfg: ModelConfig, mesh: DeviceMesh, lora: bool) -> None:
-    """Feature combinations this version does not support, named before any work is done."""
+def check_features(model_cfg: ModelConfig, mesh: DeviceMesh, lora: bool, hf_config=None) -> None:
+    """Feature combinations this version does not support, named before any work is done
+    (``hf_config``, when known, adds the head-count check of ``parallel.sp``)."""
     tp, pp = mesh["tp"].size(), mesh["pp"].size()
     sp = mesh["sp"].size() if "sp" in (mesh.mesh_dim_names or ()) else 1
-    check_sp(sp, None, tp=tp, pp=pp, use_remove_padding=model_cfg.use_remove_padding)
+    check_sp(sp, hf_config, tp=tp, pp=pp, use_remove_padding=model_cfg.use_remove_padding)
     if model_cfg.use_remove_padding and pp > 1:
         raise ConfigError(f"model.use_remove_padding: padding-free passes need parallel.pp = 1 (got pp={pp}): the "
                           f"pipeline schedule splits a batch into micro-batches by rows and a packed batch is one row "
@@ -173,7 +174,7 @@ class PolicyWorker:
             model.requires_grad_(False)
         self.hf_config = model.config
         self.lora = trainable and model_cfg.lora_rank > 0 if lora is None else lora
-        check_features(model_cfg, mesh, self.lora)
+        check_features(model_cfg, mesh, self.lora, self.hf_config)
         if self.lora:
             # Only the adapters are trainable (and so sharded with gradients / optimizer state).
             model = apply_lora(model, lora_rank=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,

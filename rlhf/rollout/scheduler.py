@@ -234,8 +234,9 @@ class GenerateRun:
             return
         while True:
             need = [(i, self.pos_base[i] + steps + 1) for i in range(self.live)]
-            short = [(i, n) for i, n in need if cache.extra_blocks(i, n)]
-            if sum(cache.extra_blocks(i, n) for i, n in short) <= len(cache.free):
+            extra = [cache.extra_blocks(i, n) for i, n in need]
+            if sum(extra) <= len(cache.free):
+                short = [(i, n) for (i, n), e in zip(need, extra) if e]
                 cache.grow([i for i, _ in short], [n for _, n in short])
                 break
             victim = max(range(self.live), key=lambda i: self.slot_order[i])  # the latest admitted
