@@ -15,10 +15,10 @@ and the layout with `parallel.*`. PPO with a critic lives in train_ppo.py.
 from rlhf.cli import train_main
 
 
-def build_trainer(cfg, dry_run: bool = False):
+def build_trainer(cfg, dry_run: bool = False, **kw):
     from rlhf.trainer import RLTrainer
 
-    return RLTrainer(cfg, dry_run=dry_run)
+    return RLTrainer(cfg, dry_run=dry_run, **kw)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ critic LoRA and padding-free critic passes (the critic always runs the padded pa
 from rlhf.cli import train_main
 
 
-def build_trainer(cfg, dry_run: bool = False):
+def build_trainer(cfg, dry_run: bool = False, **kw):
     from rlhf.ppo_trainer import PPOTrainer
 
-    return PPOTrainer(cfg, dry_run=dry_run)
+    return PPOTrainer(cfg, dry_run=dry_run, **kw)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_
 from rlhf.models.vocab_parallel import log_probs_from_logits
 from rlhf.optim import NonFiniteGuard, build_optimizer, build_scheduler
 from rlhf.models.ulysses import check_sp
-from rlhf.parallel import all_reduce_sum, fsdp_mesh, sp_group
+from rlhf.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 
 
 @dataclass
@@ -102,7 +102,7 @@ def run_ppo_epochs(worker, batch: RolloutBatch, *, mini_batch_rows: int, epochs:
             step_loss = mini_step(mini, norm, metrics)
             all_reduce_sum(step_loss, worker.dp_group)
             grad_norm = clip_grad_norm_(params, grad_clip, stage_ranks=worker.stage_ranks, norm_params=norm_params,
-                                        device=worker.device)
+                                        device=worker.device, group=worker.mesh_group)
             if worker.nonfinite.ok(step_loss.item(), float(grad_norm), worker.optimizer):
                 worker.optimizer.step()
                 metrics.add(f"{prefix}/{loss_name}", step_loss.item())
@@ -126,6 +126,7 @@ def adopt_layout(worker, parallel: ParallelModel, mesh: DeviceMesh) -> None:
     worker.pipeline = parallel.pipeline
     worker.pp_group = parallel.pp_group
     worker.stage_ranks = fsdp_mesh(mesh).size() * mesh["tp"].size()  # ranks holding one pp stage
+    worker.mesh_group = mesh_group(mesh)  # the grad norm sums over every rank of the mesh
     # FSDP2 averages over dp x sp; sp ranks hold disjoint parts of the same loss' gradient.
     worker.grad_scale = grad_scale(fsdp_mesh(mesh))
     worker.sp_group = sp_group(mesh)

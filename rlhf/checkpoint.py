@@ -102,7 +102,12 @@ def find_resume_path(resume: str, output_dir: str) -> Optional[Path]:
 
 
 def save_checkpoint(output_dir: str, step: int, stateful: dict[str, ModelOptimState], trainer_state: dict,
-                    *, max_to_keep: int = 0) -> Path:
+                    *, max_to_keep: int = 0, group: Optional[dist.ProcessGroup] = None,
+                    rank_state: Any = None) -> Path:
+    """A collective of ``group`` (None: the world; its first rank must be global rank 0).
+
+    ``rank_state``: anything picklable this rank keeps beside the model (e.g. the in-flight
+    rollout batch of trainer.mode one_step_off); :func:`load_rank_state` reads it back."""
     root = Path(output_dir) / "checkpoints"
     final = root / f"global_step_{step}"
     tmp = root / f"global_step_{step}.tmp"
@@ -110,10 +115,12 @@ def save_checkpoint(output_dir: str, step: int, stateful: dict[str, ModelOptimSt
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save({k: v for k, v in stateful.items()}, checkpoint_id=str(tmp / "model_optim"))
+    dist.barrier(group=group)
+    dcp.save({k: v for k, v in stateful.items()}, checkpoint_id=str(tmp / "model_optim"), process_group=group)
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    dist.barrier()
+    if rank_state is not None:
+        torch.save(rank_state, tmp / f"rank_state{rank}.pt")
+    dist.barrier(group=group)
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -122,20 +129,27 @@ def save_checkpoint(output_dir: str, step: int, stateful: dict[str, ModelOptimSt
         if max_to_keep > 0:
             for _, old in list_checkpoints(root)[:-max_to_keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=group)
     return final
 
 
-def load_checkpoint(path: Path, stateful: dict[str, ModelOptimState]) -> dict:
+def load_rank_state(path: Path) -> Any:
+    """This rank's ``rank_state`` of :func:`save_checkpoint` (None if it saved none)."""
+    f = Path(path) / f"rank_state{dist.get_rank()}.pt"
+    return torch.load(f, weights_only=False) if f.is_file() else None
+
+
+def load_checkpoint(path: Path, stateful: dict[str, ModelOptimState],
+                    group: Optional[dist.ProcessGroup] = None) -> dict:
     """Restore models/optimizers in place, this rank's RNG; returns the trainer state."""
-    dcp.load({k: v for k, v in stateful.items()}, checkpoint_id=str(path / "model_optim"))
+    dcp.load({k: v for k, v in stateful.items()}, checkpoint_id=str(path / "model_optim"), process_group=group)
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def export_hf(model: torch.nn.Module, tokenizer, out_dir: str) -> None:
+def export_hf(model: torch.nn.Module, tokenizer, out_dir: str, group: Optional[dist.ProcessGroup] = None) -> None:
     """Write the training model as an HF checkpoint (safetensors) in ``out_dir``; a collective.
 
     * FSDP2 / TP model: the full state dict is gathered to rank 0 and written with the
@@ -164,7 +178,7 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: str) -> None:
             model.save_pretrained(out_dir, state_dict=_clean_names(sd), safe_serialization=True)
     if dist.get_rank() == 0 and tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")

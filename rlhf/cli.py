@@ -90,6 +90,13 @@ def train_main(doc: str, trainer_factory: Callable) -> None:
         cfg = load(args)
         if args.dry_run and not print_memory_plan(cfg, args):
             return
+        if cfg.trainer.mode == "one_step_off":
+            from rlhf.async_rl import run_one_step_off
+
+            trainer = run_one_step_off(cfg, trainer_factory, dry_run=args.dry_run)
+            if args.dry_run and trainer is not None and trainer.env.is_main:
+                print("dry run OK: config, data and both roles' layouts are valid")
+            return
         trainer = trainer_factory(cfg, dry_run=args.dry_run)
         if args.dry_run:
             if trainer.env.is_main:

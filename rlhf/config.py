@@ -213,6 +213,8 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel size of training.")
     pp: int = _f(1, "Pipeline-parallel size of training.")
     pp_schedule: str = _f("1F1B", "Pipeline schedule: 1F1B or GPipe.")
+    rollout_ranks: int = _f(0, "trainer.mode one_step_off: ranks in the rollout group (the upper half of the "
+                               "world; the lower half trains); 0 = half the world, the only split supported.")
     pp_microbatches: int = _f(2, "Pipeline micro-batches per forward/backward.")
     sp: int = _f(1, "Ulysses sequence-parallel size (verl ulysses_sequence_parallel_size): ranks that split the "
                     "tokens of the same rows; needs model.use_remove_padding. dp = world / (tp x pp x sp).")
@@ -255,6 +257,10 @@ class TrainerConfig:
                                  "output_dir/profile/step_<k>/ (CPU activity, and CUDA kernels on GPU).")
     max_oom_retries: int = _f(3, "Out of memory in a phase: record it, end the job, and on restart/rerun halve that "
                                  "phase's micro-batch / token budget (rlhf/ops/oom.py); fail after this many.")
+    mode: Literal["colocated", "one_step_off"] = _f(
+        "colocated", "colocated: every rank generates, then every rank trains. one_step_off: half the ranks "
+                     "generate batch k+1 with the weights of step k-1 while the other half trains on batch k "
+                     "(rlhf/async_rl).")
     stop_after_steps: int = _f(-1, "Exit after this many steps in this process (e.g. a time-limited slurm job); "
                                    "the schedule still spans total_training_steps and a later run resumes.")
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig, metadata={

@@ -54,9 +54,15 @@ class ParallelDims:
                 f"but the world size is {world_size} (set parallel.dp: -1 to infer it)")
         return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, sp=sp)
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.sp, self.tp),
-                                mesh_dim_names=("pp", "dp", "sp", "tp"))
+    def build_mesh(self, device_type: str, roles: int = 1) -> DeviceMesh:
+        """The (pp, dp, sp, tp) mesh. ``roles=2`` (trainer.mode one_step_off): the world mesh
+        ``(role, pp, dp, sp, tp)`` of two equal halves; the caller slices its role's sub-mesh.
+        A collective: every rank builds every group here, before the roles part ways."""
+        dims = (self.pp, self.dp, self.sp, self.tp)
+        names = ("pp", "dp", "sp", "tp")
+        if roles > 1:
+            dims, names = (roles, *dims), ("role", *names)
+        mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
         if self.sp > 1:
             mesh["dp", "sp"]._flatten(mesh_dim_name="dp_sp")
         return mesh
@@ -75,6 +81,9 @@ class DistEnv:
     local_rank: int
     device: torch.device
     backend: str
+    # The ranks this program part runs on: None = the world; a role's group under trainer.mode
+    # one_step_off (ranks [0, world_size) train, so ``rank`` stays the global rank).
+    group: Optional[dist.ProcessGroup] = None
 
     @property
     def is_main(self) -> bool:
@@ -141,6 +150,20 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if "sp" in names and mesh["sp"].size() > 1:
         return mesh["dp_sp"]
     return mesh["dp"]
+
+
+_MESH_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def mesh_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
+    """All ranks of ``mesh`` as one group: None when that is the world, else a group created (once)
+    by its members only (a role's sub-mesh under trainer.mode one_step_off)."""
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    if len(ranks) == dist.get_world_size():
+        return None
+    if ranks not in _MESH_GROUPS:
+        _MESH_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _MESH_GROUPS[ranks]
 
 
 def sp_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:

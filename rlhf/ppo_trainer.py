@@ -73,9 +73,9 @@ def check_ppo_config(cfg: Config) -> None:
 class PPOTrainer(RLTrainer):
     """RLTrainer + CriticWorker. Build once per process, then `fit()`."""
 
-    def __init__(self, cfg: Config, *, dry_run: bool = False):
+    def __init__(self, cfg: Config, *, dry_run: bool = False, roles=None):
         check_ppo_config(cfg)
-        super().__init__(cfg, dry_run=dry_run)
+        super().__init__(cfg, dry_run=dry_run, roles=roles)
         if cfg.critic.ppo_mini_batch_size % self.dims.dp != 0:
             raise ConfigError(f"impossible parallel layout: critic.ppo_mini_batch_size "
                               f"({cfg.critic.ppo_mini_batch_size}) is not divisible by dp ({self.dims.dp})")
@@ -141,5 +141,6 @@ class PPOTrainer(RLTrainer):
         summary = super().fit()
         if self.cfg.checkpoint.export_hf and self.global_step >= self.total_steps:
             # A token-classification checkpoint: reloadable as critic.model_path of a later run.
-            export_hf(self.critic.model, self.tokenizer, str(Path(self.cfg.trainer.output_dir) / "critic_hf_export"))
+            export_hf(self.critic.model, self.tokenizer, str(Path(self.cfg.trainer.output_dir) / "critic_hf_export"),
+                      group=self.group)
         return summary

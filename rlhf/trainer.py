@@ -23,7 +23,8 @@ from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
 from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
 from rlhf.batch import RolloutBatch, minibatch_major_shard
-from rlhf.checkpoint import ModelOptimState, export_hf, find_resume_path, load_checkpoint, save_checkpoint
+from rlhf.checkpoint import (ModelOptimState, export_hf, find_resume_path, load_checkpoint, load_rank_state,
+                             save_checkpoint)
 from rlhf.algos.aggregation import agg_loss
 from rlhf.algos.dynamic_sampling import select_informative_groups
 from rlhf.algos.policy_loss import get_policy_loss
@@ -46,12 +47,48 @@ from rlhf.rollout.engine import PromptBatch, RolloutEngine
 from rlhf.rollout.reshard import RolloutLayout
 
 
+def load_data(cfg: Config, files, tokenizer):
+    d = cfg.data
+    return load_prompt_dataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                               truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
+                               apply_chat_template=d.apply_chat_template)
+
+
+def make_loader(cfg: Config, dataset_len: int) -> tuple[PromptLoader, int]:
+    """The training prompt loader and the run's total steps."""
+    gen_bs = cfg.data.gen_batch_size if cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size > 0 \
+        else cfg.data.train_batch_size
+    if gen_bs % cfg.actor.ppo_mini_batch_size:
+        raise ConfigError(f"data.gen_batch_size ({gen_bs}) must be a multiple of actor.ppo_mini_batch_size "
+                          f"({cfg.actor.ppo_mini_batch_size})")
+    loader = PromptLoader(dataset_len, gen_bs, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    steps = cfg.trainer.total_epochs * loader.steps_per_epoch
+    return loader, steps if cfg.trainer.total_training_steps < 0 else cfg.trainer.total_training_steps
+
+
+def prompt_batch(indices: list[int], examples) -> PromptBatch:
+    ex = [examples[i] for i in indices]
+    return PromptBatch(prompt_ids=[e.prompt_ids for e in ex], keys=[e.index for e in ex],
+                       ground_truths=[e.ground_truth for e in ex], data_sources=[e.data_source for e in ex],
+                       extra_infos=[e.extra_info for e in ex])
+
+
+def data_metrics(loader: PromptLoader, global_idx: list[int]) -> dict[str, float]:
+    """Epoch and a fingerprint of the global data order, so a resumed run can be checked against the original."""
+    return {"data/epoch": float(loader.epoch),
+            "data/batch_fingerprint": float(sum((i + 1) * (k + 1) for k, i in enumerate(global_idx)) % 1000003)}
+
+
 class RLTrainer:
     """GRPO / PPO-family trainer. Build once per process, then `fit()`."""
 
-    def __init__(self, cfg: Config, *, dry_run: bool = False):
+    def __init__(self, cfg: Config, *, dry_run: bool = False, roles=None):
+        """``roles``: this process's :class:`rlhf.async_rl.roles.Roles` under trainer.mode one_step_off
+        (the trainer then runs on the training role's ranks and takes its batches from the rollout role)."""
         self.cfg = cfg
-        self.env = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.collective_timeout_s)
+        self.roles = roles
+        self.env = roles.env if roles is not None else \
+            init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.collective_timeout_s)
         # Budgets halved after an out-of-memory end of an earlier attempt of this run (before anything is sized).
         self.oom_retries = apply_oom_records(cfg, cfg.trainer.max_oom_retries)
         torch.manual_seed(cfg.trainer.seed)
@@ -59,7 +96,8 @@ class RLTrainer:
                                          sp=cfg.parallel.sp)
         self.dims.check_batch(train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n,
                               mini_batch_size=cfg.actor.ppo_mini_batch_size)
-        self.mesh = self.dims.build_mesh(self.env.device.type)
+        self.mesh = roles.mesh if roles is not None else self.dims.build_mesh(self.env.device.type)
+        self.group = self.env.group  # the ranks this trainer runs on (None: all)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.dp_group = self.mesh["dp"].get_group()
         self.device = self.env.device
@@ -71,14 +109,7 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
-        gen_bs = cfg.data.gen_batch_size if cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size > 0 \
-            else cfg.data.train_batch_size
-        if gen_bs % cfg.actor.ppo_mini_batch_size:
-            raise ConfigError(f"data.gen_batch_size ({gen_bs}) must be a multiple of actor.ppo_mini_batch_size "
-                              f"({cfg.actor.ppo_mini_batch_size})")
-        self.loader = PromptLoader(len(self.train_data), gen_bs, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-        steps = cfg.trainer.total_epochs * self.loader.steps_per_epoch
-        self.total_steps = steps if cfg.trainer.total_training_steps < 0 else cfg.trainer.total_training_steps
+        self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
         self._named("reward.reward_fn", get_reward_fn, cfg.reward.reward_fn)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
@@ -109,13 +140,22 @@ class RLTrainer:
         self.rollout = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                      max_response_length=cfg.data.max_response_length, device=self.device,
                                      dtype=torch.bfloat16 if self.device.type == "cuda" else None,
-                                     layout=RolloutLayout.build(cfg.rollout.tp, self.device.type),
+                                     layout=roles.layout if roles is not None else
+                                     RolloutLayout.build(cfg.rollout.tp, self.device.type),
                                      lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None)
         self.timer = PhaseTimer(self.device, listeners=self.ops.listeners)
         self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,
                                     project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
                                     rank=self.env.rank)
         self.global_step = 0
+        self.offpolicy = None  # trainer.mode one_step_off: the training side of the pipeline
+        if roles is not None:
+            from rlhf.async_rl.pipeline import OneStepOff
+
+            self.offpolicy = OneStepOff(roles, device=self.device, dtype=self.rollout.dtype, rollout_tp=cfg.rollout.tp,
+                                        lora=cfg.model.lora_rank > 0, total_steps=self.total_steps,
+                                        stop_after_steps=cfg.trainer.stop_after_steps,
+                                        tis_cap=cfg.actor.tis_imp_ratio_cap, dp_group=self.dp_group)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -144,10 +184,7 @@ class RLTrainer:
                               f"{len(alg.gdpo_reward_keys)} algorithm.gdpo_reward_keys")
 
     def _load_data(self, files, key: str):
-        d = self.cfg.data
-        ds = load_prompt_dataset(files, self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                                 truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                                 apply_chat_template=d.apply_chat_template)
+        ds = load_data(self.cfg, files, self.tokenizer)
         if self.env.is_main:
             print(f"[rlhf] {key}: {ds.stats.summary()}", flush=True)
         return ds
@@ -163,10 +200,7 @@ class RLTrainer:
               f"device={self.device} backend={self.env.backend} steps={self.total_steps}", flush=True)
 
     def _prompts(self, indices: list[int], examples) -> PromptBatch:
-        ex = [examples[i] for i in indices]
-        return PromptBatch(prompt_ids=[e.prompt_ids for e in ex], keys=[e.index for e in ex],
-                           ground_truths=[e.ground_truth for e in ex], data_sources=[e.data_source for e in ex],
-                           extra_infos=[e.extra_info for e in ex])
+        return prompt_batch(indices, examples)
 
     # ------------------------------------------------------------------ phases
 
@@ -178,9 +212,7 @@ class RLTrainer:
         global_prompts = self._prompts(global_idx, self.train_data.examples)
         prompts = global_prompts.subset(local_rows)
         self._last_prompts = prompts
-        # Fingerprint of the global data order, so a resumed run can be checked against the original.
-        self._data_metrics = {"data/epoch": float(self.loader.epoch),
-                              "data/batch_fingerprint": float(sum((i + 1) * (k + 1) for k, i in enumerate(global_idx)) % 1000003)}
+        self._data_metrics = data_metrics(self.loader, global_idx)
         # The rollout layout splits the global batch over its replicas; rows come back to their dp rank.
         return self.rollout.generate(self.actor.model, self.actor.hf_config, global_prompts, step=step,
                                      n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature,
@@ -188,6 +220,12 @@ class RLTrainer:
 
     def collect_rollouts(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """generate + score; with DAPO `filter_groups`, keep generating until enough informative groups."""
+        if self.offpolicy is not None:  # generated by the rollout role; scored here
+            batch, metrics, global_idx = self.offpolicy.take(step)
+            self._data_metrics = data_metrics(self.loader, global_idx)
+            with self.timer("score"):
+                metrics.update(self.score(batch))
+            return batch, metrics
         fg = self.cfg.algorithm.filter_groups
         kept: list[RolloutBatch] = []
         n_gen = n_filtered = 0
@@ -387,6 +425,9 @@ class RLTrainer:
                 metrics.update(self.update_actor(batch))
         if self.cfg.algorithm.use_kl_in_reward and "kl_penalty/kl" in metrics:
             self.kl_ctrl.update(metrics["kl_penalty/kl"], n_steps=self.cfg.data.train_batch_size)
+        if self.offpolicy is not None:
+            with self.timer("async_exchange"):  # next batch in, these weights out
+                metrics.update(self.offpolicy.after_update(step, batch, self.actor.model, self.loader))
         metrics.update(self.timer.pop())
         metrics.update(self.batch_metrics(batch))
         metrics.update(getattr(self, "_data_metrics", {}))
@@ -457,7 +498,8 @@ class RLTrainer:
 
     def save(self) -> None:
         path = save_checkpoint(str(self.out_dir), self.global_step, self._stateful(), self.trainer_state(),
-                               max_to_keep=self.cfg.checkpoint.max_to_keep)
+                               max_to_keep=self.cfg.checkpoint.max_to_keep, group=self.group,
+                               rank_state=self.offpolicy.rank_state() if self.offpolicy is not None else None)
         if self.env.is_main:
             print(f"[rlhf] checkpoint saved: {path}", flush=True)
 
@@ -465,7 +507,9 @@ class RLTrainer:
         path = find_resume_path(self.cfg.checkpoint.resume, str(self.out_dir))
         if path is None:
             return
-        self.load_trainer_state(load_checkpoint(path, self._stateful()))
+        self.load_trainer_state(load_checkpoint(path, self._stateful(), group=self.group))
+        if self.offpolicy is not None:
+            self.offpolicy.load_rank_state(load_rank_state(path))
         if self.env.is_main:
             print(f"[rlhf] resumed from {path} at step {self.global_step}", flush=True)
 
@@ -479,6 +523,8 @@ class RLTrainer:
         if self.val_data is not None and cfg.val_before_train and self.global_step == 0:
             first_val = self.validate(0)
             self.logger.log(0, first_val)
+        if self.offpolicy is not None:
+            self.offpolicy.start(self.global_step, self.actor.model, self.loader)
         last = {}
         start = self.global_step
         while self.global_step < self.total_steps:
@@ -504,7 +550,7 @@ class RLTrainer:
                 self.save()
         summary = self.summarize(first_val, last)
         if self.cfg.checkpoint.export_hf:
-            export_hf(self.actor.model, self.tokenizer, str(self.out_dir / "hf_export"))
+            export_hf(self.actor.model, self.tokenizer, str(self.out_dir / "hf_export"), group=self.group)
         self.close()
         return summary
 

@@ -30,14 +30,16 @@ class EfficiencyMeter:
     """MFU, tokens/s per device and per-phase peak memory of one step (global figures)."""
 
     def __init__(self, hf_config, device: torch.device, compute_dtype: torch.dtype, *, world_size: int,
-                 ppo_epochs: int):
+                 ppo_epochs: int, group: Optional[dist.ProcessGroup] = None):
+        """``world_size`` / ``group``: the ranks the figures cover (None: the world)."""
         self.hf_config = hf_config
         self.device = device
         self.world_size = world_size
         self.ppo_epochs = ppo_epochs
+        self.group = group
         peak = peak_flops(device, compute_dtype)
         # One figure for all ranks (a measured CPU roof varies a little from process to process).
-        t = all_reduce_max(torch.tensor([float(peak or 0.0)], dtype=torch.float64, device=device))
+        t = all_reduce_max(torch.tensor([float(peak or 0.0)], dtype=torch.float64, device=device), group)
         self.peak = float(t.item()) or None
 
     def step_metrics(self, *, prompt_tokens: torch.Tensor, response_tokens: torch.Tensor, n_seqs: int,
@@ -51,7 +53,7 @@ class EfficiencyMeter:
         names = sorted(peaks)
         slow = torch.tensor([times.get("step", 0.0), times.get("generate", 0.0), times.get("update", 0.0)]
                             + [peaks[k] for k in names], dtype=torch.float64, device=self.device)
-        t_step, t_gen, t_upd, *mem = all_reduce_max(slow).tolist()
+        t_step, t_gen, t_upd, *mem = all_reduce_max(slow, self.group).tolist()
         out = {f"perf/max_memory_gb/{k}": v / 2 ** 30 for k, v in zip(names, mem)}
         tokens = p_tok + r_tok
         if t_step > 0:

@@ -37,7 +37,7 @@ class StepOps:
         compute_dtype = torch.bfloat16 if device.type == "cuda" and cfg.model.mixed_precision else \
             getattr(torch, cfg.model.dtype)
         self.efficiency = EfficiencyMeter(hf_config, device, compute_dtype, world_size=env.world_size,
-                                          ppo_epochs=cfg.actor.ppo_epochs)
+                                          ppo_epochs=cfg.actor.ppo_epochs, group=env.group)
         # Metrics are global, so every rank reaches the same verdict; rank 0 prints it.
         self.health = HealthMonitor(t.alerts, warn=(lambda line: print(line, flush=True)) if env.is_main else None)
         parts = (self.watchdog, self.memory, PhaseRanges(device.type == "cuda", self.profiler),

@@ -324,19 +324,20 @@ class SharedScorer:
 
 
 def model_parallel_group(mesh) -> Optional[tuple[Any, int]]:
-    """``(group, src rank)`` of the ranks sharing this rank's dp coordinate; None without tp / pp.
+    """``(group, src rank)`` of the ranks sharing this rank's dp coordinate (its pp / sp / tp peers,
+    which hold the same rows); None when there are none.
 
-    Collective: every rank of ``mesh`` must call it (it creates one group per dp coordinate).
+    Only the members of each group create it, so a role of trainer.mode one_step_off can call
+    it alone.
     """
     import torch.distributed as dist
 
-    ranks = mesh.mesh  # [pp, dp, tp] global ranks
-    if ranks.shape[0] * ranks.shape[2] == 1:
+    names = list(mesh.mesh_dim_names)
+    ranks = mesh.mesh.movedim(names.index("dp"), 0)  # [dp, ...] global ranks
+    if ranks[0].numel() == 1:
         return None
-    groups = [ranks[:, d, :].flatten().tolist() for d in range(ranks.shape[1])]
-    group, _ = dist.new_subgroups_by_enumeration(groups)
-    mine = next(g for g in groups if dist.get_rank() in g)
-    return group, mine[0]
+    mine = next(row.flatten().tolist() for row in ranks if dist.get_rank() in row.flatten().tolist())
+    return dist.new_group(mine, use_local_synchronization=True), mine[0]
 
 
 def make_scorer(spec: str, *, num_workers: int, timeout_s: float, reward_kwargs: Optional[dict] = None,

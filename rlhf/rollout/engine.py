@@ -148,15 +148,30 @@ class RolloutEngine:
                 ``pp_group`` attribute that ``parallelize_model`` sets on stage modules).
             top_p, top_k: override ``rollout.top_p`` / ``rollout.top_k`` for this call.
         """
-        lay = self.layout
         pp_group = pp_group if pp_group is not None else getattr(model, "pp_group", None)
         t0 = time.perf_counter()
         weights, rs = self._rollout_weights(model, pp_group)
+        reshard_s = time.perf_counter() - t0
+        batch, stats = self.sample(weights, hf_config, prompts, step=step, n=n, temperature=temperature,
+                                   local_rows=local_rows, top_p=top_p, top_k=top_k)
+        del weights  # the rollout weights live only for this window (unless kept for CUDA graphs)
+        if self.device.type == "cuda" and self._kept is None:
+            torch.cuda.empty_cache()  # hand the rollout copy and KV cache back before the update
+        stats.update({"timing/reshard": reshard_s, "reshard/bytes_received": float(rs.bytes_received),
+                      "reshard/params": float(rs.numel)})
+        return batch, stats
+
+    def sample(self, weights: dict[str, torch.Tensor], hf_config, prompts: PromptBatch, *, step: int, n: int,
+               temperature: float, local_rows: Optional[list[int]] = None, top_p: Optional[float] = None,
+               top_k: Optional[int] = None) -> tuple[RolloutBatch, dict[str, float]]:
+        """Sample with rollout ``weights`` already in this rank's rollout layout (the arguments are
+        :meth:`generate`'s); the rollout role of trainer.mode one_step_off calls it with received weights."""
+        lay = self.layout
         t1 = time.perf_counter()
         sampler = self._sampler(hf_config, weights)
         params = self.sampling_params(n=n, temperature=temperature, seed=self.cfg.seed, top_p=top_p, top_k=top_k)
-        if local_rows is None and dist.is_initialized() and dist.get_world_size() > 1:
-            prompts, local_rows = self._global_prompts(prompts)
+        if local_rows is None and dist.is_initialized() and lay.size > 1:
+            prompts, local_rows = self._global_prompts(prompts, lay.group)
         if local_rows is None:
             out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys)
             mine = prompts
@@ -170,22 +185,19 @@ class RolloutEngine:
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
             out.stats = stats_local
             mine = prompts.subset(local_rows)
-        del sampler, weights  # the rollout weights live only for this window (unless kept for CUDA graphs)
-        if self.device.type == "cuda" and self._kept is None:
-            torch.cuda.empty_cache()  # hand the rollout copy and KV cache back before the update
+        del sampler
         t2 = time.perf_counter()
         batch = self.to_batch(mine, out, n)
-        stats = {"timing/reshard": t1 - t0, "timing/generate": t2 - t1,
-                 "reshard/bytes_received": float(rs.bytes_received), "reshard/params": float(rs.numel)}
+        stats = {"timing/generate": t2 - t1}
         for k, v in out.stats.items():
             stats[f"rollout/{k}"] = float(v)
         return batch, stats
 
     @staticmethod
-    def _global_prompts(prompts: PromptBatch) -> tuple[PromptBatch, list[int]]:
+    def _global_prompts(prompts: PromptBatch, group=None) -> tuple[PromptBatch, list[int]]:
         """Every rank's prompts, de-duplicated (tp / pp peers hold the same ones), and mine in it."""
-        pieces = [None] * dist.get_world_size()
-        dist.all_gather_object(pieces, prompts)
+        pieces = [None] * dist.get_world_size(group)
+        dist.all_gather_object(pieces, prompts, group=group)
         unique: list[PromptBatch] = []
         start_of: dict[tuple, int] = {}
         offset = 0

@@ -89,10 +89,18 @@ class RolloutLayout:
     dp: int = 1
     dp_rank: int = 0
     dp_group: Optional[dist.ProcessGroup] = None
+    group: Optional[dist.ProcessGroup] = None  # all ranks of the layout; None = the world
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.dp
 
     @classmethod
-    def build(cls, tp: int, device_type: str) -> "RolloutLayout":
-        """Create the groups (a collective: every rank calls it with the same ``tp``)."""
+    def build(cls, tp: int, device_type: str, ranks: Optional[list[int]] = None) -> "RolloutLayout":
+        """Create the groups: over the world (a collective: every rank calls it with the same ``tp``),
+        or over ``ranks`` (one role of trainer.mode one_step_off; only those ranks call it)."""
+        if ranks is not None:
+            return cls._over(tp, ranks)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if tp < 1 or world % tp:
             raise ValueError(f"rollout.tp={tp} does not divide the world size {world}")
@@ -105,6 +113,20 @@ class RolloutLayout:
                    tp_group=mesh["rollout_tp"].get_group() if tp > 1 else None,
                    dp=world // tp, dp_rank=mesh["rollout_dp"].get_local_rank(),
                    dp_group=mesh["rollout_dp"].get_group() if world // tp > 1 else None)
+
+    @classmethod
+    def _over(cls, tp: int, ranks: list[int]) -> "RolloutLayout":
+        """Blocks of ``tp`` consecutive entries of ``ranks``; groups synchronise among their members only."""
+        if tp < 1 or len(ranks) % tp:
+            raise ValueError(f"rollout.tp={tp} does not divide the {len(ranks)} ranks of the layout")
+        me = ranks.index(dist.get_rank())
+        dp = len(ranks) // tp
+
+        def group(members: list[int]) -> Optional[dist.ProcessGroup]:
+            return dist.new_group(members, use_local_synchronization=True) if len(members) > 1 else None
+
+        return cls(tp=tp, tp_rank=me % tp, tp_group=group(ranks[me - me % tp: me - me % tp + tp]),
+                   dp=dp, dp_rank=me // tp, dp_group=group(ranks[me % tp::tp]), group=group(ranks))
 
 
 @dataclass
