@@ -30,8 +30,7 @@ from rlhf.algos.dynamic_sampling import select_informative_groups
 from rlhf.algos.policy_loss import get_policy_loss
 from rlhf.algos.rollout_correction import rollout_is_weights
 from rlhf.config import Config, ConfigError
-from rlhf.data.dataset import load_prompt_dataset
-from rlhf.data.loader import PromptLoader
+from rlhf.data.prompts import data_metrics, load_data, make_loader, prompt_batch
 from rlhf.evaluation import flat_metrics, generation_rows, score_batch, summarize, val_sampling
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.models.loading import check_model_dir, load_tokenizer, model_config
@@ -43,40 +42,8 @@ from rlhf.ops.runtime import StepOps
 from rlhf.rewards.pool import make_scorer
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import reward_components
-from rlhf.rollout.engine import PromptBatch, RolloutEngine
+from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.reshard import RolloutLayout
-
-
-def load_data(cfg: Config, files, tokenizer):
-    d = cfg.data
-    return load_prompt_dataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                               truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                               apply_chat_template=d.apply_chat_template)
-
-
-def make_loader(cfg: Config, dataset_len: int) -> tuple[PromptLoader, int]:
-    """The training prompt loader and the run's total steps."""
-    gen_bs = cfg.data.gen_batch_size if cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size > 0 \
-        else cfg.data.train_batch_size
-    if gen_bs % cfg.actor.ppo_mini_batch_size:
-        raise ConfigError(f"data.gen_batch_size ({gen_bs}) must be a multiple of actor.ppo_mini_batch_size "
-                          f"({cfg.actor.ppo_mini_batch_size})")
-    loader = PromptLoader(dataset_len, gen_bs, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    steps = cfg.trainer.total_epochs * loader.steps_per_epoch
-    return loader, steps if cfg.trainer.total_training_steps < 0 else cfg.trainer.total_training_steps
-
-
-def prompt_batch(indices: list[int], examples) -> PromptBatch:
-    ex = [examples[i] for i in indices]
-    return PromptBatch(prompt_ids=[e.prompt_ids for e in ex], keys=[e.index for e in ex],
-                       ground_truths=[e.ground_truth for e in ex], data_sources=[e.data_source for e in ex],
-                       extra_infos=[e.extra_info for e in ex])
-
-
-def data_metrics(loader: PromptLoader, global_idx: list[int]) -> dict[str, float]:
-    """Epoch and a fingerprint of the global data order, so a resumed run can be checked against the original."""
-    return {"data/epoch": float(loader.epoch),
-            "data/batch_fingerprint": float(sum((i + 1) * (k + 1) for k, i in enumerate(global_idx)) % 1000003)}
 
 
 class RLTrainer:
@@ -86,7 +53,6 @@ class RLTrainer:
         """``roles``: this process's :class:`rlhf.async_rl.roles.Roles` under trainer.mode one_step_off
         (the trainer then runs on the training role's ranks and takes its batches from the rollout role)."""
         self.cfg = cfg
-        self.roles = roles
         self.env = roles.env if roles is not None else \
             init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.collective_timeout_s)
         # Budgets halved after an out-of-memory end of an earlier attempt of this run (before anything is sized).
@@ -199,9 +165,6 @@ class RLTrainer:
         print(f"[rlhf] world={self.env.world_size} layout dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} sp={self.dims.sp} "
               f"device={self.device} backend={self.env.backend} steps={self.total_steps}", flush=True)
 
-    def _prompts(self, indices: list[int], examples) -> PromptBatch:
-        return prompt_batch(indices, examples)
-
     # ------------------------------------------------------------------ phases
 
     def generate(self, step: int) -> tuple[RolloutBatch, dict]:
@@ -209,7 +172,7 @@ class RLTrainer:
         global_idx = self.loader.next_batch()
         local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dims.dp,
                                            self.cfg.actor.ppo_mini_batch_size)
-        global_prompts = self._prompts(global_idx, self.train_data.examples)
+        global_prompts = prompt_batch(global_idx, self.train_data.examples)
         prompts = global_prompts.subset(local_rows)
         self._last_prompts = prompts
         self._data_metrics = data_metrics(self.loader, global_idx)
@@ -461,7 +424,7 @@ class RLTrainer:
         if self.val_data is None:
             return {}
         idx = list(range(self.dp_rank, len(self.val_data), self.dims.dp))
-        prompts = self._prompts(idx, self.val_data.examples)
+        prompts = prompt_batch(idx, self.val_data.examples)
         try:
             with self.timer("validate"):
                 batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,

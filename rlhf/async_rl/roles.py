@@ -31,7 +31,7 @@ def check_one_step_off(cfg: Config, world_size: int) -> int:
     mode = "trainer.mode=one_step_off"
     if world_size < 2 or world_size % 2:
         raise ConfigError(f"{mode} splits the world into two equal halves (training ranks, rollout ranks), "
-                          f"but the world size {world_size} is {'odd' if world_size % 2 else 'below 2'}; "
+                          f"but the world size {world_size} is {'below 2' if world_size < 2 else 'odd'}; "
                           f"launch an even number of ranks")
     half = world_size // 2
     if cfg.parallel.rollout_ranks not in (0, half):

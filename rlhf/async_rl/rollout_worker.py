@@ -26,7 +26,7 @@ from rlhf.batch import minibatch_major_shard
 from rlhf.config import Config
 from rlhf.models.loading import load_tokenizer, model_config
 from rlhf.rollout.engine import RolloutEngine
-from rlhf.trainer import load_data, make_loader, prompt_batch
+from rlhf.data.prompts import load_data, make_loader, prompt_batch
 
 
 class RolloutWorker:

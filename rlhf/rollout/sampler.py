@@ -124,7 +124,7 @@ class Sampler:
         self.tp_group = tp_group
         self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
         self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype)
-        self.cache: StaticKVCache | None = None
+        self.cache: PagedKVCache | None = None
         self.max_seq_len = 0
         self._graphs: dict[int, tuple[Any, Tensor]] = {}  # window -> (CUDAGraph, logits buffer)
         self._graph_pool: Any = None

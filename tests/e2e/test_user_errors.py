@@ -24,6 +24,8 @@ def _error_line(r) -> str:
     ({"parallel.tp": 3}, "impossible parallel layout: world size 1 is not divisible by parallel.tp x parallel.pp"),
     ({"parallel.sp": 3}, "world size 1 is not divisible by parallel.tp x pp x sp = 1 x 1 x 3"),
     ({"parallel.sp": 1, "actor.ulysses_sequence_parallel_size": 2}, "disagree"),
+    ({"trainer.mode": "one_step_off", "actor.tis_imp_ratio_cap": 2.0},
+     "trainer.mode=one_step_off splits the world into two equal halves"),
     ({"actor.lrr": 1e-6}, "unknown config key 'actor.lrr'; did you mean actor.lr"),
     ({"rollout.n": "four"}, "config key 'rollout.n' must be int"),
     ({"data.train_files": "/no/such.parquet"}, "/no/such.parquet"),
