@@ -97,3 +97,16 @@ def test_killed_rollout_rank_resumes_with_the_in_flight_batch(tiny_assets, rewar
     for step in async_run:
         for key in KEYS + ("async/is_weight_mean",):
             assert _close(async_run[step][key], resumed[step][key]), (step, key)
+
+
+def test_lora_ships_the_base_once_then_only_adapters(tiny_assets, reward, async_run, tmp_path):
+    """1 training + 1 rollout rank: after the first transfer only adapters cross (fewer bytes than
+    the full weights the non-LoRA run ships), and the rollout copy follows the trained adapters."""
+    r = run_script("train_grpo.py", _args(tiny_assets, tmp_path, reward, **{
+        "trainer.mode": "one_step_off", "model.lora_rank": 8, "model.lora_alpha": 16, "actor.lr": 2e-3,
+        "trainer.total_training_steps": 3, "checkpoint.save_freq": -1}), nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lora = train_steps(tmp_path / "metrics.jsonl")
+    assert [lora[s]["async/policy_lag"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert 0 < lora[1]["async/weight_bytes"] < async_run[1]["async/weight_bytes"] / 2
+    assert lora[1]["actor/grad_norm"] > 0 and lora[3]["async/is_weight_max"] > 1.0 + 1e-4
