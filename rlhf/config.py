@@ -173,6 +173,9 @@ class RewardConfig:
                              "job; 0 = score in the trainer process (no timeout).")
     timeout_s: float = _f(30.0, "Seconds one reward call may take in a worker; past it the sample scores 0, is "
                                 "counted in reward/timeouts and the worker is replaced.")
+    score_during_generation: bool = _f(True, "With a worker pool (num_workers > 0) and no tp / pp / sp peers: "
+                                             "submit responses to the pool as they finish, so rewards are "
+                                             "computed while the rest of the batch decodes.")
 
 
 @dataclass

@@ -39,9 +39,10 @@ from rlhf.models.parallelize import validate_layout
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
 from rlhf.ops.oom import apply_oom_records, record_oom
 from rlhf.ops.runtime import StepOps
-from rlhf.rewards.pool import make_scorer
+from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import reward_components
+from rlhf.rewards.streaming import StreamingScores
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.reshard import RolloutLayout
 
@@ -114,6 +115,7 @@ class RLTrainer:
                                     project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
                                     rank=self.env.rank)
         self.global_step = 0
+        self._streamed = None  # (StreamingScores, local rows) of the last generate, collected by score()
         self.offpolicy = None  # trainer.mode one_step_off: the training side of the pipeline
         if roles is not None:
             from rlhf.async_rl.pipeline import OneStepOff
@@ -176,10 +178,20 @@ class RLTrainer:
         prompts = global_prompts.subset(local_rows)
         self._last_prompts = prompts
         self._data_metrics = data_metrics(self.loader, global_idx)
+        stream = self._stream_scores(global_prompts)
+        self._streamed = (stream, local_rows) if stream is not None else None
         # The rollout layout splits the global batch over its replicas; rows come back to their dp rank.
         return self.rollout.generate(self.actor.model, self.actor.hf_config, global_prompts, step=step,
                                      n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature,
-                                     local_rows=local_rows, pp_group=self.actor.pp_group)
+                                     local_rows=local_rows, pp_group=self.actor.pp_group, on_finished=stream)
+
+    def _stream_scores(self, prompts) -> StreamingScores | None:
+        """Scoring during generation needs a worker pool and each row generated once by a rank whose
+        peers are all dp ranks (no shared scorer, rollout.tp = 1)."""
+        if not self.cfg.reward.score_during_generation or not isinstance(self.scorer, RewardPool) \
+                or self.rollout.layout.tp > 1:
+            return None
+        return StreamingScores(self.scorer, self.tokenizer, prompts)
 
     def collect_rollouts(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """generate + score; with DAPO `filter_groups`, keep generating until enough informative groups."""
@@ -245,9 +257,14 @@ class RLTrainer:
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         """Rule-based rewards on the last response token, plus DAPO overlong shaping."""
         # A phase of its own: rank-local user code, so the watchdog sees the ranks that finished it waiting.
+        streamed, self._streamed = self._streamed, None
         with self.timer("reward_fn"):
-            res = self.scorer.score(batch.response_texts, batch.ground_truths, batch.data_sources,
-                                    batch.extra_infos)
+            if streamed is not None:  # submitted while generating: collect
+                stream, local_rows = streamed
+                res = stream.collect(local_rows, self.cfg.rollout.n, self.rollout.layout.dp_group)
+            else:
+                res = self.scorer.score(batch.response_texts, batch.ground_truths, batch.data_sources,
+                                        batch.extra_infos)
         scores = res.scores.to(self.device)
         acc = torch.tensor(res.extra_metrics["acc"], device=self.device) if "acc" in res.extra_metrics \
             else (scores >= 1.0).float()

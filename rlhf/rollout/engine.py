@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,17 @@ def chunk_bounds(num_prompts: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+
+
+# (prompt position in the global batch, sample index) pairs and their response token ids
+OnFinished = Callable[[list[tuple[int, int]], list[list[int]]], None]
+
+
+def _rows_to_samples(fn: Optional[OnFinished], first_prompt: int, n: int):
+    """The sampler's output rows (``prompt * n + sample`` within a chunk) -> global (prompt, sample)."""
+    if fn is None:
+        return None
+    return lambda rows, ids: fn([(first_prompt + r // n, r % n) for r in rows], ids)
 
 
 def stop_sequences(tokenizer, stop: list[str]) -> list[list[int]]:
@@ -134,7 +145,8 @@ class RolloutEngine:
     def generate(self, model: torch.nn.Module, hf_config, prompts: PromptBatch, *, step: int, n: int,
                  temperature: float, local_rows: Optional[list[int]] = None,
                  pp_group: Optional[dist.ProcessGroup] = None, top_p: Optional[float] = None,
-                 top_k: Optional[int] = None) -> tuple[RolloutBatch, dict[str, float]]:
+                 top_k: Optional[int] = None, on_finished: Optional[OnFinished] = None,
+                 ) -> tuple[RolloutBatch, dict[str, float]]:
         """Reshard `model` (training layout) -> rollout weights -> sample -> RolloutBatch.
 
         Args:
@@ -147,13 +159,15 @@ class RolloutEngine:
             pp_group: the pipeline group when ``model`` is one pipeline stage (default: the
                 ``pp_group`` attribute that ``parallelize_model`` sets on stage modules).
             top_p, top_k: override ``rollout.top_p`` / ``rollout.top_k`` for this call.
+            on_finished: called as this rank's replica finishes sequences, with their
+                ``(prompt position in the global batch, sample)`` pairs and response token ids.
         """
         pp_group = pp_group if pp_group is not None else getattr(model, "pp_group", None)
         t0 = time.perf_counter()
         weights, rs = self._rollout_weights(model, pp_group)
         reshard_s = time.perf_counter() - t0
         batch, stats = self.sample(weights, hf_config, prompts, step=step, n=n, temperature=temperature,
-                                   local_rows=local_rows, top_p=top_p, top_k=top_k)
+                                   local_rows=local_rows, top_p=top_p, top_k=top_k, on_finished=on_finished)
         del weights  # the rollout weights live only for this window (unless kept for CUDA graphs)
         if self.device.type == "cuda" and self._kept is None:
             torch.cuda.empty_cache()  # hand the rollout copy and KV cache back before the update
@@ -163,7 +177,8 @@ class RolloutEngine:
 
     def sample(self, weights: dict[str, torch.Tensor], hf_config, prompts: PromptBatch, *, step: int, n: int,
                temperature: float, local_rows: Optional[list[int]] = None, top_p: Optional[float] = None,
-               top_k: Optional[int] = None) -> tuple[RolloutBatch, dict[str, float]]:
+               top_k: Optional[int] = None, on_finished: Optional[OnFinished] = None,
+               ) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample with rollout ``weights`` already in this rank's rollout layout (the arguments are
         :meth:`generate`'s); the rollout role of trainer.mode one_step_off calls it with received weights."""
         lay = self.layout
@@ -173,14 +188,16 @@ class RolloutEngine:
         if local_rows is None and dist.is_initialized() and lay.size > 1:
             prompts, local_rows = self._global_prompts(prompts, lay.group)
         if local_rows is None:
-            out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys)
+            out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys,
+                                   on_finished=_rows_to_samples(on_finished, 0, n))
             mine = prompts
         else:
             start, end = chunk_bounds(len(prompts.prompt_ids), lay.dp)[lay.dp_rank]
             out = None
             if end > start:
                 out = sampler.generate(prompts.prompt_ids[start:end], params, step=step,
-                                       prompt_keys=prompts.keys[start:end])
+                                       prompt_keys=prompts.keys[start:end],
+                                       on_finished=_rows_to_samples(on_finished, start, n))
             stats_local = dict(out.stats) if out is not None else {}
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
             out.stats = stats_local

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -193,12 +193,14 @@ class Sampler:
         *,
         step: int = 0,
         prompt_keys: list[int] | None = None,
+        on_finished: Callable[[list[int], list[list[int]]], None] | None = None,
     ) -> RolloutOutput:
         """Generate ``params.n`` responses per prompt (see ``RolloutOutput`` for the layout).
 
         ``prompt_keys`` (default ``range(len(prompts))``) are the prompts' global dataset
         indices: with ``params.seed`` and ``step`` they key the random draws, so the same
         prompt key yields the same responses whatever the batch or rank it is generated on.
+        ``on_finished(rows, token_ids)`` is called as sequences finish (output rows, their tokens).
         """
         params.validate(self.spec.vocab_size)
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -209,7 +211,7 @@ class Sampler:
             raise ValueError(f"generate: {len(prompt_keys)} prompt_keys for {len(prompts)} prompts")
         max_new = params.max_new_tokens
         self._ensure_capacity(max(len(p) for p in prompts) + max_new)
-        return RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys).execute())
+        return RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys, on_finished).execute())
 
     # ------------------------------------------------------------------ decode forward
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -55,8 +55,12 @@ class Slots:
 class GenerateRun:
     """State of one ``generate`` call (kept out of ``Sampler`` so calls cannot leak state)."""
 
-    def __init__(self, s: Any, prompts: list[list[int]], params: SamplingParams, step: int, keys: list[int]):
+    def __init__(self, s: Any, prompts: list[list[int]], params: SamplingParams, step: int, keys: list[int],
+                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None):
+        """``on_finished(rows, token_ids)``: called as sequences finish (output rows, their tokens), so
+        their rewards can be computed while the others still decode."""
         self.s, self.params, self.prompts = s, params, prompts
+        self.on_finished = on_finished
         dev = s.device
         n, self.n = params.n, params.n
         self.N = N = len(prompts) * n
@@ -293,6 +297,10 @@ class GenerateRun:
         self.out_len[fs] = gen[finished]
         if stopped is not None:
             self.out_stopped[fs] = stopped[finished]
+        if self.on_finished is not None:
+            rows, lens = fs.tolist(), gen[finished].tolist()
+            ids = self.out_ids[fs].tolist()
+            self.on_finished(rows, [r[:n] for r, n in zip(ids, lens)])
         self._compact([a + i for i in fin])
 
     def _compact(self, dead: list[int]) -> None:
