@@ -88,6 +88,25 @@ def worker_pid(agent_pid: int, rank: int) -> int | None:
     return None
 
 
+def kill_rank_after_checkpoint(proc: subprocess.Popen, checkpoint: Path, rank: int, timeout: float = 400) -> str:
+    """Wait for ``checkpoint``/COMPLETE, SIGKILL torchrun's worker ``rank`` (``proc`` is the agent) and
+    return the job's output once it ends (the agent restarts the workers when --max-restarts allows)."""
+    try:
+        t0 = time.monotonic()
+        while not (checkpoint / "COMPLETE").exists():
+            if proc.poll() is not None or time.monotonic() - t0 > 300:
+                raise AssertionError(f"no {checkpoint.name}:\n{proc.stdout.read()[-3000:]}")
+            time.sleep(0.05)
+        pid = worker_pid(proc.pid, rank)
+        if pid is None:
+            raise AssertionError(f"no worker with RANK={rank} under pid {proc.pid}")
+        os.kill(pid, signal.SIGKILL)
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def sigstop_run(workdir: Path) -> dict:
     out = workdir / "run_stop"
     proc = popen(args_for(workdir, out, 1000))

@@ -11,15 +11,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from bench.reliability import worker_pid
+from bench.reliability import kill_rank_after_checkpoint
 from tests.e2e.conftest import PARITY_REWARD, ROOT, grpo_args, run_script, train_steps
 
 STEPS = 4
@@ -76,18 +74,8 @@ def test_killed_rollout_rank_resumes_with_the_in_flight_batch(tiny_assets, rewar
            str(ROOT / "train_grpo.py"), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        t0 = time.monotonic()
-        while not (tmp_path / "checkpoints" / "global_step_2" / "COMPLETE").exists():
-            assert proc.poll() is None and time.monotonic() - t0 < 300, proc.stdout.read()[-3000:]
-            time.sleep(0.05)
-        pid = worker_pid(proc.pid, 3)  # torchrun's agent is proc; rank 3 is a rollout rank: its partner's in-flight batch is in the checkpoint
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        text, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # rank 3 is a rollout rank: its partner's in-flight batch is in the checkpoint.
+    text = kill_rank_after_checkpoint(proc, tmp_path / "checkpoints" / "global_step_2", rank=3)
     assert proc.returncode == 0, text[-3000:]
     assert "resumed from" in text and "at step 2" in text, text[-3000:]
     held = list((tmp_path / "checkpoints" / "global_step_2").glob("rank_state*.pt"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.reliability import worker_pid
+from bench.reliability import kill_rank_after_checkpoint, worker_pid
 from rlhf.metrics import read_metrics
 from tests.e2e.conftest import ROOT, grpo_args, run_script, train_steps
 
@@ -122,19 +122,8 @@ def test_killed_rank_restarts_and_the_run_equals_an_uninterrupted_one(tiny_asset
     assert ref.returncode == 0, text[-3000:]
 
     proc = _local_sh(tiny_assets, out, restarts=1)
-    try:
-        t0 = time.monotonic()
-        while not (out / "checkpoints" / "global_step_2" / "COMPLETE").exists():
-            assert proc.poll() is None and time.monotonic() - t0 < 300, proc.stdout.read()[-3000:]
-            time.sleep(0.05)
-        # torchrun's agent is local.sh's exec'd process, so the workers are its children.
-        pid = worker_pid(proc.pid, 1)
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        text, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # torchrun's agent is local.sh's exec'd process, so the workers are its children.
+    text = kill_rank_after_checkpoint(proc, out / "checkpoints" / "global_step_2", rank=1)
     assert proc.returncode == 0, text[-3000:]
     assert "resumed from" in text, text[-3000:]
     a, b = train_steps(ref_out / "metrics.jsonl"), train_steps(out / "metrics.jsonl")
