@@ -1,6 +1,6 @@
 """Colocated (4 ranks generate, then 4 ranks train) vs one_step_off (2 generate while 2 train), in one run.
 
-    python bench/async.py                           # ~4 min on a 2-core CPU
+    python bench/async.py                           # ~1 min on a 2-core CPU
     python bench/async.py --steps 8 --response 128
 
 Generation is made the dominant phase on purpose (long responses from a random tiny
@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,56 +35,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def _run(assets: Path, out: Path, args, mode: str) -> list[dict]:
-    from rlhf.metrics import read_metrics
-
-    over = {"model.path": assets / "model", "data.train_files": assets / "data" / "train.parquet",
-            "data.val_files": "", "data.max_prompt_length": 16, "data.max_response_length": args.response,
-            "data.train_batch_size": args.batch, "rollout.n": args.n, "actor.ppo_mini_batch_size": args.batch,
-            "actor.ppo_micro_batch_size_per_gpu": 64, "actor.tis_imp_ratio_cap": 2.0, "trainer.device": "cpu",
-            "trainer.output_dir": out, "trainer.total_training_steps": args.steps, "checkpoint.save_freq": -1,
-            "checkpoint.export_hf": False, "trainer.mode": mode}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "train_grpo.py")] + [f"{k}={v}" for k, v in over.items()]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if r.returncode:
-        raise SystemExit(f"{mode} run failed:\n{r.stderr[-3000:]}")
-    rows = [m for m in read_metrics(out / "metrics.jsonl") if "actor/loss" in m]
-    return rows[args.warmup:]
-
-
-def _mean(rows: list[dict], key: str) -> float:
-    return sum(r.get(key, 0.0) for r in rows) / len(rows)
+from bench.tiny_run import add_shape_args, mean, tiny_grpo_rows  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=8)
+    add_shape_args(ap, steps=8, batch=16, n=4, response=96)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=16, help="prompts per step")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--response", type=int, default=96, help="max response tokens")
     args = ap.parse_args()
     from tests._assets import write_tiny_assets
 
     with tempfile.TemporaryDirectory() as tmp:
         assets = write_tiny_assets(Path(tmp) / "assets", n_train=256, n_val=16)
-        colo = _run(assets, Path(tmp) / "colocated", args, "colocated")
-        off = _run(assets, Path(tmp) / "one_step_off", args, "one_step_off")
-    t_colo, t_off = _mean(colo, "timing/step"), _mean(off, "timing/step")
-    g4 = _mean(colo, "timing/rollout")
+        colo, off = (tiny_grpo_rows(assets, Path(tmp) / mode, batch=args.batch, n=args.n, response=args.response,
+                                    steps=args.steps, warmup=args.warmup, nproc=4, **{
+                                        "trainer.mode": mode, "actor.tis_imp_ratio_cap": 2.0})
+                     for mode in ("colocated", "one_step_off"))
+    t_colo, t_off = mean(colo, "timing/step"), mean(off, "timing/step")
+    g4 = mean(colo, "timing/rollout")
     u4 = t_colo - g4
-    gen_busy = _mean(off, "async/rollout_generate_s")
-    train_busy = t_off - _mean(off, "async/train_wait_s")
+    gen_busy = mean(off, "async/rollout_generate_s")
+    train_busy = t_off - mean(off, "async/train_wait_s")
     res = {
         "steps_per_s_colocated": 1 / t_colo, "steps_per_s_one_step_off": 1 / t_off, "speedup": t_colo / t_off,
         "colocated_generate_share": g4 / t_colo,
-        "one_step_off_train_idle_share": _mean(off, "async/train_wait_s") / t_off,
-        "one_step_off_rollout_idle_share": _mean(off, "async/rollout_idle_s") / t_off,
+        "one_step_off_train_idle_share": mean(off, "async/train_wait_s") / t_off,
+        "one_step_off_rollout_idle_share": mean(off, "async/rollout_idle_s") / t_off,
         "expected_ideal_overlap": t_colo / max(gen_busy, train_busy),
         "expected_linear_scaling": t_colo / max(2 * g4, 2 * u4),
-        "policy_lag_mean": _mean(off, "async/policy_lag"),
+        "policy_lag_mean": mean(off, "async/policy_lag"),
         "config": vars(args),
     }
     print(f"colocated    4 ranks: {res['steps_per_s_colocated']:.3f} steps/s, generation {res['colocated_generate_share']:.0%} "
