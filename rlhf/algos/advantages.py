@@ -8,7 +8,7 @@ the same way::
     adv, ret = get_adv_estimator(cfg.adv_estimator)(
         token_level_rewards=r, response_mask=m, index=prompt_ids, values=v, gamma=1.0, lam=1.0)
 
-Outcome-reward estimators use the sequence score ``s_i = sum_t r_it`` and a baseline over
+Outcome-reward estimators use the sequence score ``s_i = sum_t r_it m_it`` and a baseline over
 the group of responses sharing a prompt (``index``).  Group statistics are computed with
 ``index_add_`` / ``scatter_reduce`` (no Python loop over samples).  Degenerate groups follow
 verl: a group of one has mean 0 and std 1; a group whose scores are all equal gets exactly
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rlhf.algos.masked import masked_whiten
+from rlhf.algos.masked import masked_sum, masked_whiten
 from rlhf.algos.reward_shaping import place_reward_on_last_token
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "compute_gpg_outcome_advantage",
     "compute_gdpo_outcome_advantage",
     "group_ids",
+    "sequence_scores",
 ]
 
 GroupIndex = torch.Tensor | np.ndarray | Sequence[Any]
@@ -160,6 +161,12 @@ def _group_stats(scores: torch.Tensor, index: GroupIndex | None) -> _GroupStats:
     )
 
 
+def sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Outcome score ``s_i = sum_t r_it m_it`` ``[B, T] -> [B]``: rewards at masked positions
+    (tool outputs, padding) never count, in every estimator."""
+    return masked_sum(token_level_rewards, response_mask, dim=-1)
+
+
 def _zero_if_constant(centered: torch.Tensor, stats: _GroupStats) -> torch.Tensor:
     # A group of one keeps its (uncentred) score, as verl; only real groups are zeroed.
     return torch.where(stats.constant & (stats.count > 1), torch.zeros_like(centered), centered)
@@ -184,7 +191,10 @@ def compute_gae_advantage_return(
 
     ``delta_t = r_t + gamma V_{t+1} - V_t``,  ``A_t = delta_t + gamma lam A_{t+1}``,
     ``R_t = A_t + V_t``; masked-out positions are skipped (they pass ``V`` and ``A`` through),
-    then ``A`` is whitened over the mask of the whole batch (as verl).
+    so the TD error of the last token before a masked tool-output span bootstraps from the
+    value of the next *generated* token, and neither ``gamma`` nor ``lam`` is applied across
+    the span (verl's multi-turn GAE); rewards and values at masked positions are ignored.
+    Then ``A`` is whitened over the mask of the whole batch (as verl).
 
     Shapes: ``token_level_rewards``, ``values``, ``response_mask`` ``[B, T]`` ->
     ``advantages [B, T]`` (whitened), ``returns [B, T]`` (not whitened).
@@ -228,7 +238,7 @@ def compute_grpo_outcome_advantage(
     Shapes: ``token_level_rewards``, ``response_mask`` ``[B, T]``; ``index [B]`` ->
     ``(advantages, returns)`` both ``[B, T]`` and equal.
     """
-    scores = token_level_rewards.sum(dim=-1)  # [B]
+    scores = sequence_scores(token_level_rewards, response_mask)  # [B]
     stats = _group_stats(scores, index)
     adv = _zero_if_constant(scores - stats.mean, stats)
     if norm_adv_by_std_in_grpo:
@@ -251,7 +261,7 @@ def compute_rloo_outcome_advantage(
     ``A_i = s_i - 1/(n-1) sum_{j != i} s_j = n/(n-1) (s_i - mean_g(s))``; a group of one keeps
     ``A_i = s_i`` (verl).  Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
     """
-    scores = token_level_rewards.sum(dim=-1)
+    scores = sequence_scores(token_level_rewards, response_mask)
     stats = _group_stats(scores, index)
     n = stats.count
     loo = (scores - stats.mean) * n / (n - 1).clamp(min=1)
@@ -273,10 +283,11 @@ def compute_opo_outcome_advantage(
     """On-Policy RL with Optimal reward baseline (Hao et al. 2025, eq. 6).
 
     ``b = sum_j |y_j| s_j / sum_j |y_j|`` over the group (length-weighted mean),
-    ``A_i = s_i - b``; a group of one has ``b = 0`` (verl).
+    ``A_i = s_i - b``; a group of one has ``b = 0`` (verl).  ``|y_j|`` counts generated tokens
+    (``response_mask``), the terms of the policy gradient; masked tool outputs do not count.
     Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
     """
-    scores = token_level_rewards.sum(dim=-1)
+    scores = sequence_scores(token_level_rewards, response_mask)
     lengths = response_mask.sum(dim=-1).to(scores.dtype)
     stats = _group_stats(scores, index)
     gid = stats.gid
@@ -302,16 +313,21 @@ def compute_reinforce_plus_plus_outcome_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, eq. 7-9): discounted return, whitened over the whole batch.
 
-    ``G_t = sum_{k>=t} gamma^{k-t} r_k`` (the running return resets at masked positions),
-    ``A = whiten_batch(G) * mask``.  Shapes: ``[B, T]`` -> ``advantages [B, T]``, ``returns [B, T]``.
+    ``G_t = r_t + gamma G_{t'}`` with ``t'`` the next *generated* position (``mask = 1``):
+    masked positions are skipped, so an outcome reward reaches the tokens before a masked
+    tool-output span (no discount for the span), and the returns on the mask equal those of
+    the same response with the holes removed (verl's multi-turn GAE semantics; verl issue
+    #7278 / PR #7300 for REINFORCE++, which used to reset the return at every masked position).
+    Rewards on masked positions (tool outputs, padding) are ignored.
+    ``A = whiten_batch(G) * mask``.  Shapes: ``[B, T]`` -> ``advantages [B, T]``, ``returns [B, T]``
+    (0 off the mask).
     """
-    mask = response_mask.to(token_level_rewards.dtype)
+    keep = response_mask.bool()
     returns = torch.zeros_like(token_level_rewards)
     running = torch.zeros_like(token_level_rewards[:, 0])
     for t in reversed(range(token_level_rewards.shape[-1])):
-        running = token_level_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        running = torch.where(keep[:, t], token_level_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(keep[:, t], running, torch.zeros_like(running))
     advantages = whiten(returns, response_mask) * response_mask
     return advantages, returns
 
@@ -331,7 +347,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     ``A_it = whiten_batch(s_i - mean_g(s)) * m_it`` (group of one: mean 0).
     Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
     """
-    scores = token_level_rewards.sum(dim=-1)
+    scores = sequence_scores(token_level_rewards, response_mask)
     stats = _group_stats(scores, index)
     centered = _zero_if_constant(scores - stats.mean, stats)
     adv = centered.unsqueeze(-1) * response_mask
@@ -350,13 +366,14 @@ def compute_remax_outcome_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023, eq. 7): baseline = reward of the greedy response to the prompt.
 
-    ``G_t = sum_{k>=t} r_k m_k``, ``A_t = G_t - b m_t`` with ``b = reward_baselines [B]``.
+    ``G_t = sum_{k>=t} r_k m_k``, ``A_t = (G_t - b) m_t`` with ``b = reward_baselines [B]``.
     Shapes: ``[B, T]`` -> ``advantages [B, T]``, ``returns [B, T]``.
     """
     if reward_baselines is None:
         raise ValueError("adv_estimator 'remax' needs `reward_baselines` (greedy-rollout reward, [B])")
     returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
-    advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
+    # verl leaves the reward-to-go on masked positions inside a response; zero them like every estimator
+    advantages = (returns - reward_baselines.unsqueeze(-1)) * response_mask
     return advantages, returns
 
 
@@ -377,7 +394,7 @@ def compute_grpo_passk_outcome_advantage(
     0 for the others; without ``norm_adv_by_std_in_grpo`` the margin is not divided.
     Groups need >= 2 samples. Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
     """
-    scores = token_level_rewards.sum(dim=-1)
+    scores = sequence_scores(token_level_rewards, response_mask)
     stats = _group_stats(scores, index)
     if bool((stats.count < 2).any()):
         raise ValueError("adv_estimator 'grpo_passk' needs >= 2 samples per prompt (rollout.n >= 2)")
@@ -413,7 +430,7 @@ def compute_gpg_outcome_advantage(
     (``global_sum``). No std division. Pair with ``actor.policy_loss: gpg``.
     Shapes: ``[B, T]`` in, ``(advantages, returns) [B, T]`` out, equal.
     """
-    scores = token_level_rewards.sum(dim=-1)
+    scores = sequence_scores(token_level_rewards, response_mask)
     stats = _group_stats(scores, index)
     counts = torch.stack([torch.tensor(float(scores.shape[0]), dtype=torch.float64, device=scores.device),
                           (scores != 0).sum().double()])
@@ -454,7 +471,7 @@ def compute_gdpo_outcome_advantage(
     fallback).  ``(advantages, returns) [B, T]``, equal.
     """
     if reward_components is None:
-        reward_components = token_level_rewards.sum(-1, keepdim=True)
+        reward_components = sequence_scores(token_level_rewards, response_mask).unsqueeze(-1)
     K = reward_components.shape[-1]
     weights = [1.0] * K if reward_weights is None else [float(w) for w in reward_weights]
     if len(weights) != K:

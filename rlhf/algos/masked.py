@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "mask_end"]
 
 
 def _zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -71,3 +71,15 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     if not shift_mean:
         whitened = whitened + mean
     return whitened
+
+
+def mask_end(mask: torch.Tensor) -> torch.Tensor:
+    """One past the last masked-in position of each row, 0 for an empty row: ``[B, T]`` -> ``[B]`` long.
+
+    Equals ``mask.sum(-1)`` only when the mask is a prefix of ones; a response with masked
+    tool outputs (holes) ends later than its token count.
+    """
+    valid = mask.bool()
+    T = valid.shape[-1]
+    end = T - valid.flip(dims=[-1]).to(torch.int8).argmax(dim=-1)  # argmax: first max, i.e. the last 1
+    return torch.where(valid.any(dim=-1), end, torch.zeros_like(end))

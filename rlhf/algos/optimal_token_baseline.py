@@ -18,8 +18,10 @@ baseline is 0 there (verl's default).
 
 ``tir_optimal_token_baseline`` is the tool-integrated variant: a response with masked tool
 outputs (holes in ``response_mask``) is compacted to its model tokens first, so step ``t`` is
-the t-th *generated* token of every trajectory.  On contiguous masks (every rollout of this
-framework today) both give the same numbers.
+the t-th *generated* token of every trajectory; use it for multi-turn rollouts.  The plain
+variant compares trajectories position by position (a hole is a step where that trajectory
+has no token; its zero tail starts where the second-longest trajectory *ends*, not at its
+token count).  On contiguous masks both give the same numbers.
 
 Groups never span ranks (a prompt's samples are contiguous on one rank), so nothing here
 is reduced over data-parallel ranks.
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from rlhf.algos.advantages import GroupIndex, group_ids, register_adv_estimator
+from rlhf.algos.masked import mask_end
 
 __all__ = [
     "sum_pi_squared_from_logits",
@@ -71,7 +74,9 @@ def _group_baseline(returns: torch.Tensor, energy: torch.Tensor, mask: torch.Ten
     count = returns.new_zeros(G).index_add(0, gid, valid_row.to(returns.dtype))[gid]
     baseline = torch.where((count > 1).unsqueeze(-1), baseline, torch.zeros_like(baseline))
     if handle_zero_tail:
-        lengths = mask.sum(-1)
+        # Trajectories are compared by where they end, not by token count: with holes in the
+        # mask a row can end later than it has tokens, and step t is a position here.
+        lengths = mask_end(mask).to(returns.dtype)
         longest = lengths.new_full((G,), -1.0).scatter_reduce(0, gid, lengths, reduce="amax")
         is_longest = lengths == longest[gid]
         n_longest = returns.new_zeros(G).index_add(0, gid, is_longest.to(returns.dtype))[gid]

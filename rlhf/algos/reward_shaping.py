@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rlhf.algos.masked import mask_end
+
 __all__ = ["overlong_reward_penalty", "place_reward_on_last_token"]
 
 
@@ -22,8 +24,13 @@ def overlong_reward_penalty(
         R(y) = -(|y| - (L_max - L_cache)) / L_cache * f     otherwise
 
     i.e. linear from 0 down to ``-f`` at ``|y| = L_max`` (``f = penalty_factor``; DAPO uses 1).
-    Shape: ``response_lengths [B]`` (valid tokens per response) -> penalty ``[B]`` (float), to
-    be *added* to the task score.
+    Shape: ``response_lengths [B]`` -> penalty ``[B]`` (float), to be *added* to the task score.
+
+    ``|y|`` is the trajectory length: every response-side token in context, generated and
+    tool output alike (``RolloutBatch.trajectory_lengths``), as verl's DAPO reward manager
+    counts ``attention_mask[prompt_length:]``.  ``L_max`` bounds the whole trajectory, and the
+    penalty exists to steer the policy away from being cut off there, so tool outputs count
+    even though they carry no loss.  On single-turn rollouts this is the generated length.
     """
     if overlong_buffer_len <= 0:
         raise ValueError(f"overlong_buffer_len must be > 0, got {overlong_buffer_len}")
@@ -37,18 +44,19 @@ def overlong_reward_penalty(
 
 
 def place_reward_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Put each sequence score on its last valid response token (outcome reward).
+    """Put each sequence score on its last generated token (outcome reward).
 
     Shapes: ``scores [B]``, ``response_mask [B, T]`` -> ``token_level_scores [B, T]`` (zeros
-    elsewhere).  The last valid token is the last position where the mask is 1, so masks with
-    holes (e.g. masked tool outputs in a multi-turn response) are handled.  A row with an
-    empty mask gets no reward (it takes no part in any loss).
+    elsewhere).  The position is the last one where ``response_mask`` is 1, not
+    ``mask.sum() - 1``: with masked tool outputs (holes) the count is smaller than the
+    position, and a trajectory that ends on a tool output must not put its reward there
+    (a masked position takes no part in any estimator).  As verl's
+    ``select_response_ids_for_reward``.  A row with an empty mask gets no reward.
     """
     B, T = response_mask.shape
-    valid = response_mask.bool()
-    # Index of the last True per row: T - 1 - argmax over the flipped mask.
-    last = (T - 1) - valid.flip(dims=[-1]).to(torch.int8).argmax(dim=-1)  # [B]
-    has_token = valid.any(dim=-1)
+    end = mask_end(response_mask)  # [B]
+    last = (end - 1).clamp(min=0)
+    has_token = end > 0
     out = torch.zeros(B, T, dtype=scores.dtype if scores.is_floating_point() else torch.float32,
                       device=response_mask.device)
     rows = torch.arange(B, device=response_mask.device)

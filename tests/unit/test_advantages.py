@@ -87,7 +87,7 @@ def test_grpo_matches_per_group_loop_reference():
     m = (torch.rand(B, T, generator=g) > 0.3).float()
     index = torch.randint(0, 7, (B,), generator=g)
     adv, _ = get_adv_estimator("grpo")(token_level_rewards=r, response_mask=m, index=index)
-    scores = r.sum(-1)
+    scores = (r * m).sum(-1)  # rewards on masked positions do not count (verl sums them; ours never has any)
     ref = torch.empty(B)
     for i in range(B):  # verl's per-sample loop
         grp = scores[index == index[i]]
