@@ -18,9 +18,9 @@ class RolloutBatch:
     """
 
     input_ids: torch.Tensor            # [N, P+R] left-padded prompt | right-padded response
-    attention_mask: torch.Tensor       # [N, P+R]
+    attention_mask: torch.Tensor       # [N, P+R] context: 1 on every real token, tool outputs included
     responses: torch.Tensor            # [N, R]
-    response_mask: torch.Tensor        # [N, R] float, 1 on generated tokens
+    response_mask: torch.Tensor        # [N, R] float, loss: 1 on generated tokens, 0 on tool outputs / pad
     index: torch.Tensor                # [N] global prompt id (group id)
     rollout_log_probs: torch.Tensor    # [N, R] sampler log-probs
     truncated: torch.Tensor            # [N] bool, hit max_response_length
@@ -48,6 +48,15 @@ class RolloutBatch:
     @property
     def response_length(self) -> int:
         return self.responses.shape[1]
+
+    def trajectory_lengths(self) -> torch.Tensor:
+        """[N] response-side tokens in context: generated tokens and tool outputs (what
+        ``max_response_length`` bounds)."""
+        return self.attention_mask[:, -self.response_length:].sum(-1)
+
+    def generated_lengths(self) -> torch.Tensor:
+        """[N] tokens the policy generated (the loss tokens); ``<= trajectory_lengths()``."""
+        return self.response_mask.sum(-1)
 
     def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
         """Rows `idx` of every per-row field (tensors and lists)."""

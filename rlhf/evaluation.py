@@ -153,7 +153,7 @@ def score_batch(scorer, batch) -> list[SampleRecord]:
     scores = res.scores.tolist()
     accs = res.extra_metrics.get("acc") or [float(s >= 1.0) for s in scores]
     return records_from_scores(batch.index.tolist(), batch.data_sources, scores, accs, res.preds or [None] * len(scores),
-                               batch.response_mask.sum(-1).long().tolist(), batch.truncated.tolist())
+                               batch.trajectory_lengths().long().tolist(), batch.truncated.tolist())
 
 
 def generation_rows(records: Sequence[SampleRecord], batch, prompt_text: dict[int, str], n: int,

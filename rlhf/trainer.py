@@ -275,9 +275,9 @@ class RLTrainer:
             rm_scores = self.reward_model.score(batch).to(self.device).float()  # [N]
             sums["reward/rm_score_mean"] = rm_scores.sum()
             scores = rm_scores if r.reward_model.combine == "replace" else scores + rm_scores
-        if r.overlong_buffer_enable:
-            lengths = batch.response_mask.sum(-1)
-            penalty = overlong_reward_penalty(lengths, max_response_length=self.cfg.data.max_response_length,
+        if r.overlong_buffer_enable:  # on the trajectory length, tool outputs included (see reward_shaping)
+            penalty = overlong_reward_penalty(batch.trajectory_lengths(),
+                                              max_response_length=self.cfg.data.max_response_length,
                                               overlong_buffer_len=r.overlong_buffer_len,
                                               penalty_factor=r.overlong_penalty_factor)
             scores = scores + penalty
@@ -418,11 +418,15 @@ class RLTrainer:
         return metrics
 
     def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        """Global reward / length statistics (summed over dp, so layout-independent)."""
-        lengths = batch.response_mask.sum(-1)
+        """Global reward / length statistics (summed over dp, so layout-independent).
+
+        ``response_length/*`` is the trajectory length (tool outputs included, as verl);
+        ``response_length/generated_mean`` counts only the policy's own (loss) tokens."""
+        lengths = batch.trajectory_lengths().float()
         seq_scores = batch.token_level_scores.sum(-1)
         stats = torch.stack([seq_scores.sum(), (seq_scores ** 2).sum(), lengths.sum(), batch.acc.nan_to_num(0).sum(),
-                             batch.truncated.float().sum(), torch.tensor(float(len(batch)), device=self.device)]).double()
+                             batch.truncated.float().sum(), torch.tensor(float(len(batch)), device=self.device),
+                             batch.generated_lengths().sum()]).double()
         all_reduce_sum(stats, self.dp_group)
         mx = lengths.max().clone()
         if dist.get_world_size(self.dp_group) > 1:
@@ -431,7 +435,8 @@ class RLTrainer:
         mean = stats[0] / n
         return {"reward/mean": float(mean), "reward/std": float((stats[1] / n - mean ** 2).clamp(min=0).sqrt()),
                 "reward/acc": float(stats[3] / n), "response_length/mean": float(stats[2] / n),
-                "response_length/max": float(mx), "response_length/clip_ratio": float(stats[4] / n)}
+                "response_length/max": float(mx), "response_length/clip_ratio": float(stats[4] / n),
+                "response_length/generated_mean": float(stats[6] / n)}
 
     # ------------------------------------------------------------------ validation
 
