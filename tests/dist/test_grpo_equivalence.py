@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory):
 
 def make_global_batch(vocab: int):
     """A deterministic batch of N = 32 rows with uneven response lengths (CPU tensors)."""
-    return random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab)
+    return random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab, holes=True)  # multi-turn masks
 
 
 def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:

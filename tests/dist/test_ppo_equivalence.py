@@ -45,7 +45,7 @@ def _config(root, world: int):
 def _global_batch(vocab: int):
     from rlhf.algos.reward_shaping import place_reward_on_last_token
 
-    batch = random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab)
+    batch = random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab, holes=True)  # multi-turn masks
     g = torch.Generator().manual_seed(1)
     batch.token_level_scores = place_reward_on_last_token(torch.rand(len(batch), generator=g), batch.response_mask)
     return batch

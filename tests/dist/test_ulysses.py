@@ -71,7 +71,7 @@ def _run_layout(layout, workdir) -> dict:
                       kl_loss_coef=0.1, entropy_coeff=0.01, clip_ratio_high=0.28, grad_clip=1.0, weight_decay=0.0,
                       use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20, log_prob_max_token_len_per_gpu=20)
     actor = PolicyWorker(model_cfg, mesh, torch.device("cpu"), actor_cfg=cfg, total_steps=1)
-    batch = random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, actor.hf_config.vocab_size)
+    batch = random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, actor.hf_config.vocab_size, holes=True)
     batch.values = 0.3 * torch.randn(len(batch), R, generator=torch.Generator().manual_seed(1)) * batch.response_mask
     batch.returns = torch.randn(len(batch), R, generator=torch.Generator().manual_seed(2)) * batch.response_mask
     prompts = minibatch_major_shard(list(range(N_PROMPTS)), dp_rank, dp, MINI)
