@@ -10,7 +10,8 @@ import pytest
 
 from rlhf.config import ConfigError, load_config
 from rlhf.models.hub import resolve_model_path
-from rlhf.verl_compat import RULES, check_launch_world, translate
+from rlhf.verl_compat import check_launch_world, translate
+from rlhf.verl_keys import RULES
 
 REQ = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"]
 ROOT = Path(__file__).resolve().parents[2]
