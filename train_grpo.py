@@ -21,7 +21,6 @@ def build_trainer(cfg, dry_run: bool = False, **kw):
 
     if cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("algorithm.adv_estimator 'gae' trains a critic: run train_ppo.py")
-
     return RLTrainer(cfg, dry_run=dry_run, **kw)
 
 
