@@ -16,8 +16,11 @@ from rlhf.cli import train_main
 
 
 def build_trainer(cfg, dry_run: bool = False, **kw):
+    from rlhf.config import ConfigError
     from rlhf.trainer import RLTrainer
 
+    if cfg.algorithm.adv_estimator == "gae":
+        raise ConfigError("algorithm.adv_estimator 'gae' trains a critic: run train_ppo.py")
     return RLTrainer(cfg, dry_run=dry_run, **kw)
 
 

@@ -280,3 +280,9 @@ def _export_lora(model: torch.nn.Module, out_dir: str) -> None:
                        f"unexpected {unexpected[:5]}")
     save_adapter(rebuilt, Path(out_dir) / "adapter")
     export_merged(rebuilt, out_dir)
+
+
+if __name__ == "__main__":  # python -m rlhf.checkpoint export --ckpt DIR --out DIR
+    from rlhf.checkpoint_export import main
+
+    main()

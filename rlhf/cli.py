@@ -13,6 +13,7 @@ from typing import Callable
 
 from rlhf.config import ConfigError, describe, load_config
 from rlhf.data.dataset import DataError
+from rlhf.verl_compat import check_launch_world
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
 
@@ -79,7 +80,20 @@ def print_memory_plan(cfg, args) -> bool:
         elif plan_world != world:
             print(f"[plan] planned for --world-size {plan_world}, launched with {world}: layout checks "
                   "against this world skipped", flush=True)
+            check_tokenizer_and_data(cfg)
     return not config_only and plan_world == world
+
+
+def check_tokenizer_and_data(cfg) -> None:
+    """The dry-run checks that need no process group: tokenizer and prompt files."""
+    from rlhf.data.prompts import load_data
+    from rlhf.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        if files:
+            print(f"[rlhf] {key}: {load_data(cfg, files, tokenizer).stats.summary()}", flush=True)
+    print("dry run OK: config and data are valid; the layout was checked by the memory plan", flush=True)
 
 
 def train_main(doc: str, trainer_factory: Callable) -> None:
@@ -88,6 +102,9 @@ def train_main(doc: str, trainer_factory: Callable) -> None:
     def main() -> None:
         args = parse_args(doc)
         cfg = load(args)
+        # verl's trainer.nnodes x n_gpus_per_node: checked against the launch; a 1-process dry run plans for it
+        planned = check_launch_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), dry_run=args.dry_run)
+        args.world_size = args.world_size or planned
         if args.dry_run and not print_memory_plan(cfg, args):
             return
         if cfg.trainer.mode == "one_step_off":

@@ -264,6 +264,9 @@ class TrainerConfig:
         "colocated", "colocated: every rank generates, then every rank trains. one_step_off: half the ranks "
                      "generate batch k+1 with the weights of step k-1 while the other half trains on batch k "
                      "(rlhf/async_rl).")
+    nnodes: int = _f(0, "verl's launch layout: nodes; with n_gpus_per_node, checked against the launched world "
+                        "size (0 = unchecked); a single-process --dry-run plans for nnodes x n_gpus_per_node.")
+    n_gpus_per_node: int = _f(0, "verl's launch layout: ranks per node (see trainer.nnodes; 0 = unchecked).")
     stop_after_steps: int = _f(-1, "Exit after this many steps in this process (e.g. a time-limited slurm job); "
                                    "the schedule still spans total_training_steps and a later run resumes.")
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig, metadata={
@@ -445,6 +448,11 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
     for ov in overrides:
         keys, value = parse_override(ov)
         _set_dotted(tree, keys, value)
+    from rlhf.models.hub import resolve_hub_names
+    from rlhf.verl_compat import translate
+
+    tree = translate(tree, cls)  # verl's key names -> ours (README: "Coming from verl")
+    resolve_hub_names(tree)
     _apply_aliases(tree)
     cfg = _build(cls, tree, "")
     (check or validate)(cfg)

@@ -23,7 +23,8 @@ from rlhf.config import ConfigError, RolloutConfig
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="local HF model directory")
+    ap.add_argument("--model", required=True, help="HF model directory, cached hub name, or a training checkpoint "
+                                                   "(<output_dir>/checkpoints/global_step_N)")
     ap.add_argument("--data", required=True, nargs="+", help="parquet/jsonl files in verl's schema")
     ap.add_argument("--n", "--num-samples", dest="n", type=int, default=1,
                     help="samples per prompt (under torchrun spell it --num-samples: torchrun takes --n itself)")
@@ -56,6 +57,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     """Run the evaluation on every rank; rank 0 returns ``{"summary", "generations"}`` (others: {})."""
     import torch
 
+    from rlhf.checkpoint_export import hf_model_dir
     from rlhf.data.dataset import load_prompt_dataset
     from rlhf.evaluation import format_table, score_batch, summarize
     from rlhf.models.loading import load_causal_lm, load_tokenizer
@@ -70,8 +72,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         scorer = make_scorer(args.reward, num_workers=args.reward_workers, timeout_s=args.reward_timeout)
     except (ValueError, KeyError) as e:
         raise ConfigError(f"--reward: {e}") from None
-    tokenizer = load_tokenizer(args.model, key="--model")
-    model = load_causal_lm(args.model, dtype=dtype, key="--model").to(env.device).eval()
+    with hf_model_dir(args.model) as model_dir:  # a checkpoint dir is exported to a temporary directory
+        tokenizer = load_tokenizer(model_dir, key="--model")
+        model = load_causal_lm(model_dir, dtype=dtype, key="--model").to(env.device).eval()
     ds = load_prompt_dataset(args.data, tokenizer, prompt_key=args.prompt_key, max_prompt_length=args.max_prompt_length,
                              truncation="error", filter_overlong_prompts=True,
                              apply_chat_template=not args.no_chat_template)

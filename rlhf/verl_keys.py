@@ -1,0 +1,338 @@
+"""verl's configuration keys and what each becomes here: the table :mod:`rlhf.verl_compat` applies.
+
+One entry per verl key (dotted, as in verl's ``ppo_trainer.yaml``; see its "Config Explanation"
+page, docs/examples/config.rst): mapped to a native key (``to``), following a native key that
+another setting fills (``follows``), accepted with a note because it does not change the
+results here (``ignored``), or accepted only for harmless values and refused otherwise
+(``only``). An entry for a subtree covers every key under it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from rlhf.config import ConfigError
+
+# Sections that only the native spelling has; their presence turns verl's defaults off.
+NATIVE_ONLY_SECTIONS = ("model", "actor", "rollout", "parallel", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What happens to one verl key (or, for a subtree rule, to everything under it)."""
+
+    native: str = ""                       # the native dotted key the value goes to
+    convert: Optional[Callable[[Any], dict]] = None  # value -> {native key: value} (several or none)
+    note: str = ""                         # printed: why accepted without a native key / what differs
+    ok: Optional[tuple] = None             # values accepted (with `note`); others refused with `why`
+    why: str = ""                          # refusal reason
+    fallback: bool = False                 # set `native` only when nothing else sets it
+
+
+def to(native: str, note: str = "", convert=None) -> Rule:
+    return Rule(native=native, note=note, convert=convert)
+
+
+def follows(native: str, note: str = "") -> Rule:
+    return Rule(native=native, note=note, fallback=True)
+
+
+def ignored(note: str) -> Rule:
+    return Rule(note=note)
+
+
+def only(ok: tuple, note: str, why: str) -> Rule:
+    return Rule(ok=ok, note=note, why=why)
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _per_gpu(native: str) -> Callable[[Any], dict]:
+    """verl's deprecated global micro-batch sizes are divided over the ranks (as verl does)."""
+    return lambda v: {} if v is None else {native: max(1, int(v) // _world())}
+
+
+def _dtype(v: Any) -> dict:
+    names = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+             "fp16": "float16", "float16": "float16"}
+    if v not in names:
+        raise ConfigError(f"verl key 'fsdp_config.model_dtype={v}': expected fp32, bf16 or fp16")
+    return {"model.dtype": names[v]}
+
+
+def _resume_mode(v: Any) -> dict:
+    if v in ("auto", "disable"):
+        return {"checkpoint.resume": v}
+    if v == "resume_path":
+        return {}  # the path comes with trainer.resume_from_path
+    raise ConfigError(f"verl key 'trainer.resume_mode={v}': expected auto, disable or resume_path")
+
+
+_OFFLOAD = "model.param_offload moves parameters, gradients and optimizer state together"
+_PERF = "a performance switch of verl's engines; no effect on the results here"
+_SAMPLER = "the built-in KV-cache sampler generates (no inference engine)"
+_ONE_SETTING = ("the actor, reference and rollout share one log-prob micro-batch here: "
+                "actor.log_prob_micro_batch_size_per_gpu")
+
+_AR, _A, _R = "actor_rollout_ref.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+
+RULES: dict[str, Rule] = {
+    # ---------------------------------------------------------------- actor_rollout_ref.model
+    _AR + "model.path": to("model.path"),
+    _AR + "model.tokenizer_path": to("model.tokenizer_path"),
+    _AR + "model.trust_remote_code": to("model.trust_remote_code"),
+    _AR + "model.attn_implementation": to("model.attn_implementation"),
+    _AR + "model.enable_gradient_checkpointing": to("model.enable_gradient_checkpointing"),
+    _AR + "model.use_remove_padding": to("model.use_remove_padding"),
+    _AR + "model.lora_rank": to("model.lora_rank"),
+    _AR + "model.lora_alpha": to("model.lora_alpha"),
+    _AR + "model.target_modules": to("model.target_modules"),
+    _AR + "model.hf_config_path": only((None,), "the config comes from model.path",
+                                       "a config other than the checkpoint's is not supported"),
+    _AR + "model.custom_chat_template": only((None,), "the tokenizer's chat template is used",
+                                             "custom chat templates are not supported; put it in the tokenizer"),
+    _AR + "model.external_lib": only((None,), "nothing to import", "external model libraries are not imported"),
+    _AR + "model.override_config": only(({},), "no override", "overriding the model config is not supported"),
+    _AR + "model.exclude_modules": only((None,), "no LoRA exclusions", "LoRA exclude_modules is not supported"),
+    _AR + "model.use_shm": ignored(_PERF),
+    _AR + "model.enable_activation_offload": ignored(_PERF),
+    _AR + "model.use_liger": ignored(_PERF),
+    _AR + "model.use_fused_kernels": ignored(_PERF),
+    _AR + "model.fused_kernel_options": ignored(_PERF),
+    _AR + "hybrid_engine": only((True,), "always a hybrid engine: the actor's ranks generate",
+                                "only the hybrid engine (colocated actor and rollout) exists here"),
+    _AR + "nccl_timeout": to("trainer.collective_timeout_s", convert=lambda v: {"trainer.collective_timeout_s": float(v)}),
+    # ---------------------------------------------------------------- actor_rollout_ref.actor
+    **{_A + k: to("actor." + k) for k in (
+        "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+        "ppo_epochs", "shuffle", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+        "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tis_imp_ratio_cap",
+        "grad_clip")},
+    _A + "ppo_micro_batch_size": to("actor.ppo_micro_batch_size_per_gpu", "global size / world size (deprecated in verl)",
+                                    convert=_per_gpu("actor.ppo_micro_batch_size_per_gpu")),
+    _A + "ulysses_sequence_parallel_size": to("parallel.sp"),
+    _A + "use_remove_padding": to("model.use_remove_padding"),
+    _A + "strategy": only(("fsdp", "fsdp2"), "FSDP2 is the training engine", "only FSDP (FSDP2) training exists here"),
+    _A + "policy_loss.loss_mode": to("actor.policy_loss"),
+    **{_A + "policy_loss." + k: to("actor." + k) for k in (
+        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")},
+    _A + "optim.lr": to("actor.lr"),
+    _A + "optim.weight_decay": to("actor.weight_decay"),
+    _A + "optim.betas": to("actor.betas"),
+    _A + "optim.lr_warmup_steps": to("actor.lr_warmup_steps"),
+    _A + "optim.lr_warmup_steps_ratio": to("actor.lr_warmup_steps_ratio"),
+    _A + "optim.warmup_style": to("actor.warmup_style"),
+    _A + "optim.lr_scheduler_type": to("actor.warmup_style"),
+    _A + "optim.min_lr_ratio": to("actor.min_lr_ratio"),
+    _A + "optim.clip_grad": to("actor.grad_clip"),
+    _A + "optim.num_cycles": only((0.5,), "half a cosine cycle, as here", "only num_cycles=0.5 (one half cosine)"),
+    _A + "optim.total_training_steps": ignored("set by the trainer (trainer.total_training_steps)"),
+    _A + "optim.optimizer": only(("AdamW",), "AdamW", "only AdamW is implemented"),
+    _A + "optim.optimizer_impl": only(("torch.optim",), "torch.optim.AdamW", "only torch.optim.AdamW is implemented"),
+    _A + "fsdp_config.param_offload": to("model.param_offload", _OFFLOAD),
+    _A + "fsdp_config.optimizer_offload": ignored(_OFFLOAD),
+    _A + "fsdp_config.grad_offload": ignored(_OFFLOAD),
+    _A + "fsdp_config.offload_policy": ignored(_OFFLOAD),
+    _A + "fsdp_config.model_dtype": to("model.dtype", convert=_dtype),
+    _A + "fsdp_config.ulysses_sequence_parallel_size": to("parallel.sp"),
+    _A + "fsdp_config.fsdp_size": ignored("FSDP shards over all data-parallel ranks (no HSDP)"),
+    **{_A + "fsdp_config." + k: ignored(_PERF) for k in (
+        "wrap_policy", "reshard_after_forward", "forward_prefetch", "use_orig_params", "mixed_precision",
+        "entropy_from_logits_with_chunking", "use_torch_compile", "entropy_checkpointing", "forward_only",
+        "strategy", "dtype")},
+    **{_A + k: ignored(_PERF) for k in (
+        "use_torch_compile", "entropy_from_logits_with_chunking", "entropy_checkpointing", "use_fused_kernels")},
+    _A + "checkpoint": ignored("a checkpoint always holds model, optimizer and trainer state"),
+    _A + "profiler": ignored("profile with trainer.profile_steps"),
+    _A + "data_loader_seed": ignored("the data order is seeded by data.seed"),
+    _A + "freeze_vision_tower": only((False,), "text models only", "vision towers are not supported"),
+    # ---------------------------------------------------------------- actor_rollout_ref.ref
+    _AR + "ref.log_prob_micro_batch_size_per_gpu": follows("actor.log_prob_micro_batch_size_per_gpu", _ONE_SETTING),
+    _AR + "ref.log_prob_micro_batch_size": ignored(_ONE_SETTING),
+    _AR + "ref.log_prob_max_token_len_per_gpu": follows("actor.log_prob_max_token_len_per_gpu", _ONE_SETTING),
+    _AR + "ref.log_prob_use_dynamic_bsz": ignored("follows actor.use_dynamic_bsz"),
+    _AR + "ref.ulysses_sequence_parallel_size": follows("parallel.sp", "one sp size for actor and reference"),
+    _AR + "ref.fsdp_config": ignored("the reference shares the actor's layout (" + _OFFLOAD + ")"),
+    **{_AR + "ref." + k: ignored(_PERF) for k in (
+        "strategy", "use_torch_compile", "entropy_from_logits_with_chunking", "entropy_checkpointing", "profiler",
+        "model")},
+    # ---------------------------------------------------------------- actor_rollout_ref.rollout
+    _R + "n": to("rollout.n"),
+    _R + "temperature": to("rollout.temperature"),
+    _R + "top_k": to("rollout.top_k"),
+    _R + "top_p": to("rollout.top_p"),
+    _R + "do_sample": to("rollout.temperature", "do_sample=false is greedy: rollout.temperature=0",
+                         convert=lambda v: {} if v else {"rollout.temperature": 0.0}),
+    _R + "tensor_model_parallel_size": to("rollout.tp"),
+    _R + "gpu_memory_utilization": to("rollout.gpu_memory_utilization"),
+    _R + "max_num_seqs": to("rollout.max_num_seqs"),
+    _R + "max_num_batched_tokens": to("rollout.prefill_tokens", "tokens per prefill forward"),
+    _R + "enforce_eager": to("rollout.compile", "CUDA graphs: rollout.compile",
+                             convert=lambda v: {"rollout.compile": False} if v else {}),
+    _R + "log_prob_micro_batch_size_per_gpu": to("actor.log_prob_micro_batch_size_per_gpu", _ONE_SETTING),
+    _R + "log_prob_micro_batch_size": to("actor.log_prob_micro_batch_size_per_gpu", _ONE_SETTING,
+                                         convert=_per_gpu("actor.log_prob_micro_batch_size_per_gpu")),
+    _R + "log_prob_max_token_len_per_gpu": to("actor.log_prob_max_token_len_per_gpu", _ONE_SETTING),
+    _R + "log_prob_use_dynamic_bsz": ignored("follows actor.use_dynamic_bsz"),
+    _R + "prompt_length": follows("data.max_prompt_length"),
+    _R + "response_length": follows("data.max_response_length"),
+    **{_R + "val_kwargs." + k: to("trainer.val_kwargs." + k) for k in ("n", "do_sample", "temperature", "top_p", "top_k")},
+    _R + "name": ignored(_SAMPLER),
+    _R + "mode": ignored(_SAMPLER),
+    _R + "dtype": ignored("the sampler computes in bf16 on GPU, in the master dtype on CPU"),
+    _R + "load_format": ignored("rollout weights come from the actor's shards every step"),
+    _R + "layered_summon": ignored("rollout weights come from the actor's shards every step"),
+    _R + "update_weights_bucket_megabytes": ignored("rollout weights come from the actor's shards every step"),
+    **{_R + k: ignored(_PERF) for k in (
+        "free_cache_engine", "cudagraph_capture_sizes", "enable_chunked_prefill", "enable_prefix_caching",
+        "disable_log_stats", "engine_kwargs", "max_model_len", "skip_tokenizer_init", "multi_stage_wake_up",
+        "calculate_log_probs", "profiler", "trace", "data_parallel_size", "expert_parallel_size",
+        "pipeline_model_parallel_size", "agent")},
+    _R + "ignore_eos": only((False,), "responses stop at EOS", "ignore_eos=true is not supported"),
+    _R + "over_sample_rate": only((0, 0.0), "no over-sampling", "over-sampling is not supported"),
+    _R + "skip_rollout": only((False,), "rollouts are generated", "skip_rollout (replaying dumps) is not supported"),
+    _R + "skip_dump_dir": ignored("no rollout dumps"),
+    _R + "multi_turn.enable": only((False,), "single-turn rollouts", "multi-turn rollouts are not supported"),
+    **{_R + "multi_turn." + k: ignored("single-turn rollouts") for k in (
+        "max_assistant_turns", "tool_config_path", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
+        "tool_response_truncate_side", "interaction_config_path", "use_inference_chat_template",
+        "tokenization_sanity_check_mode", "format", "max_turns")},
+    # ---------------------------------------------------------------- critic
+    "critic.optim.lr": to("critic.lr"),
+    "critic.optim.weight_decay": to("critic.weight_decay"),
+    "critic.optim.lr_warmup_steps": to("critic.lr_warmup_steps"),
+    "critic.optim.lr_warmup_steps_ratio": to("critic.lr_warmup_steps_ratio"),
+    "critic.optim.warmup_style": to("critic.warmup_style"),
+    "critic.optim.lr_scheduler_type": to("critic.warmup_style"),
+    "critic.optim.clip_grad": to("critic.grad_clip"),
+    "critic.optim.betas": only(([0.9, 0.999],), "AdamW betas (0.9, 0.999)", "the critic's AdamW betas are fixed at (0.9, 0.999)"),
+    "critic.optim.min_lr_ratio": only((0, 0.0), "no cosine floor", "the critic's schedule has no min_lr_ratio"),
+    "critic.optim.num_cycles": only((0.5,), "half a cosine cycle", "only num_cycles=0.5"),
+    "critic.optim.total_training_steps": ignored("set by the trainer"),
+    "critic.optim.optimizer": only(("AdamW",), "AdamW", "only AdamW is implemented"),
+    "critic.model.path": to("critic.model_path"),
+    "critic.model.tokenizer_path": ignored("the critic reads the actor's tokens"),
+    "critic.model.trust_remote_code": ignored("follows model.trust_remote_code"),
+    "critic.model.enable_gradient_checkpointing": ignored("follows model.enable_gradient_checkpointing"),
+    "critic.model.use_remove_padding": ignored("the critic always runs the padded path"),
+    "critic.model.lora_rank": only((0,), "full critic", "critic LoRA is not supported"),
+    "critic.model.override_config": only(({},), "no override", "overriding the critic config is not supported"),
+    "critic.model.external_lib": only((None,), "nothing to import", "external model libraries are not imported"),
+    **{"critic.model." + k: ignored(_PERF) for k in (
+        "fsdp_config", "use_shm", "enable_activation_offload", "lora_alpha", "target_modules")},
+    "critic.ppo_micro_batch_size": to("critic.ppo_micro_batch_size_per_gpu", "global size / world size",
+                                      convert=_per_gpu("critic.ppo_micro_batch_size_per_gpu")),
+    "critic.forward_micro_batch_size": ignored("critic forwards use critic.ppo_micro_batch_size_per_gpu"),
+    "critic.forward_micro_batch_size_per_gpu": ignored("critic forwards use critic.ppo_micro_batch_size_per_gpu"),
+    "critic.forward_max_token_len_per_gpu": ignored("critic forwards use actor.log_prob_max_token_len_per_gpu"),
+    "critic.use_dynamic_bsz": ignored("follows actor.use_dynamic_bsz"),
+    "critic.shuffle": ignored("follows the actor's mini-batch order"),
+    "critic.ulysses_sequence_parallel_size": follows("parallel.sp", "one sp size for all models"),
+    "critic.rollout_n": ignored("follows rollout.n"),
+    "critic.strategy": only(("fsdp", "fsdp2"), "FSDP2", "only FSDP (FSDP2) training exists here"),
+    "critic.enable": ignored("a critic is trained exactly when algorithm.adv_estimator=gae"),
+    "critic.checkpoint": ignored("a checkpoint always holds model, optimizer and trainer state"),
+    "critic.profiler": ignored("profile with trainer.profile_steps"),
+    # ---------------------------------------------------------------- reward_model, custom_reward_function
+    "reward_model.enable": to("reward.reward_model.enable"),
+    "reward_model.model.path": to("reward.reward_model.path"),
+    "reward_model.micro_batch_size_per_gpu": to("reward.reward_model.micro_batch_size_per_gpu"),
+    "reward_model.max_length": to("reward.reward_model.max_length"),
+    "reward_model.model.input_tokenizer": ignored("responses are decoded with the actor's tokenizer"),
+    "reward_model.reward_manager": ignored("rule-based rewards run in a worker pool (reward.num_workers)"),
+    "reward_model.launch_reward_fn_async": ignored("see reward.score_during_generation"),
+    "reward_model.overlong_buffer.enable": to("reward.overlong_buffer_enable"),
+    "reward_model.overlong_buffer.len": to("reward.overlong_buffer_len"),
+    "reward_model.overlong_buffer.penalty_factor": to("reward.overlong_penalty_factor"),
+    "reward_model.overlong_buffer.log": ignored("reward shaping is logged"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": to("reward.overlong_buffer_enable"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": to("reward.overlong_buffer_len"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": to("reward.overlong_penalty_factor"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": ignored("reward shaping is logged"),
+    "reward_model.reward_kwargs.max_resp_len": follows("data.max_response_length"),
+    "reward.reward_manager": ignored("rule-based rewards run in a worker pool (reward.num_workers)"),
+    "reward.reward_kwargs.overlong_buffer_cfg.enable": to("reward.overlong_buffer_enable"),
+    "reward.reward_kwargs.overlong_buffer_cfg.len": to("reward.overlong_buffer_len"),
+    "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": to("reward.overlong_penalty_factor"),
+    "reward.reward_kwargs.overlong_buffer_cfg.log": ignored("reward shaping is logged"),
+    "reward.reward_kwargs.max_resp_len": follows("data.max_response_length"),
+    "reward_model.sandbox_fusion.url": only((None,), "no sandbox", "sandbox-fusion code execution is not supported"),
+    **{"reward_model." + k: ignored(_PERF) for k in (
+        "model.fsdp_config", "model.use_remove_padding", "model.trust_remote_code", "model.use_shm",
+        "model.use_fused_kernels", "model.external_lib", "strategy", "use_dynamic_bsz",
+        "forward_max_token_len_per_gpu", "micro_batch_size", "profiler", "ulysses_sequence_parallel_size",
+        "sandbox_fusion.max_concurrent", "sandbox_fusion.memory_limit_mb", "enable_resource_pool",
+        "n_gpus_per_node", "nnodes")},
+    "custom_reward_function.path": to("reward.reward_fn", "path:name"),
+    "custom_reward_function.name": to("reward.reward_fn", "path:name"),
+    "custom_reward_function.reward_kwargs": to("reward.reward_kwargs"),
+    # ---------------------------------------------------------------- algorithm, data
+    "algorithm.use_pf_ppo": only((False,), "no preference-feedback PPO", "PF-PPO reweighting is not supported"),
+    "algorithm.pf_ppo": ignored("PF-PPO is off"),
+    "data.tokenizer": to("model.tokenizer_path"),
+    "data.reward_fn_key": only(("data_source",), "rewards are chosen by data_source",
+                               "rewards are chosen by the data_source column only"),
+    "data.val_batch_size": ignored("validation prompts are batched by the sampler (rollout.max_num_seqs)"),
+    "data.custom_cls.path": only((None,), "the built-in dataset", "custom dataset classes are not supported"),
+    "data.custom_cls.name": ignored("the built-in dataset"),
+    "data.sampler.class_path": only((None,), "the built-in sampler", "custom data samplers are not supported"),
+    "data.sampler.class_name": ignored("the built-in sampler"),
+    "data.datagen.path": only((None,), "no data generation", "dynamic data generation is not supported"),
+    "data.datagen.name": ignored("no data generation"),
+    "data.apply_chat_template_kwargs": only(({},), "default chat template arguments",
+                                            "chat template arguments are not supported"),
+    "data.trust_remote_code": ignored("see model.trust_remote_code"),
+    "data.return_multi_modal_inputs": ignored("text prompts only"),
+    **{"data." + k: ignored("not needed by this data path") for k in (
+        "use_shm", "return_raw_input_ids", "return_raw_chat", "return_full_prompt", "dataloader_num_workers",
+        "filter_overlong_prompts_workers", "image_key", "video_key", "validation_shuffle")},
+    # ---------------------------------------------------------------- trainer
+    "trainer.save_freq": to("checkpoint.save_freq"),
+    "trainer.default_local_dir": to("trainer.output_dir", "checkpoints go to <dir>/checkpoints/global_step_N"),
+    "trainer.critic_warmup": to("algorithm.critic_warmup"),
+    "trainer.resume_mode": to("checkpoint.resume", convert=_resume_mode),
+    "trainer.resume_from_path": to("checkpoint.resume"),
+    "trainer.max_actor_ckpt_to_keep": to("checkpoint.max_to_keep", "null = keep all (0)",
+                                         convert=lambda v: {"checkpoint.max_to_keep": 0 if v is None else v}),
+    "trainer.max_critic_ckpt_to_keep": ignored("actor and critic are saved together (checkpoint.max_to_keep)"),
+    "trainer.remove_previous_ckpt_in_save": to("checkpoint.max_to_keep", "true keeps the last one",
+                                               convert=lambda v: {"checkpoint.max_to_keep": 1} if v else {}),
+    "trainer.default_hdfs_dir": only((None,), "no HDFS copy", "copying checkpoints to HDFS is not supported"),
+    "trainer.del_local_ckpt_after_load": only((False,), "checkpoints are kept", "deleting checkpoints is not supported"),
+    "trainer.val_only": only((False,), "training runs", "validation-only runs: use python -m rlhf.eval"),
+    "trainer.balance_batch": ignored("micro-batches are balanced by token count (actor.use_dynamic_bsz)"),
+    "trainer.rollout_data_dir": ignored("rollouts are not dumped"),
+    "trainer.validation_data_dir": ignored("see trainer.log_val_generations (generations.jsonl)"),
+    **{"trainer." + k: ignored("no Ray / verl worker here") for k in (
+        "ray_wait_register_center_timeout", "use_legacy_worker_impl", "esi_redundant_time", "use_v1")},
+    "global_profiler": ignored("profile with trainer.profile_steps"),
+    "ray_init": ignored("no Ray: torchrun launches the ranks"),
+    "ray_kwargs": ignored("no Ray: torchrun launches the ranks"),
+    "transfer_queue": ignored("no Ray: torchrun launches the ranks"),
+}
+
+# Subtrees that exist only in verl's spelling: an unlisted key under them is refused by name.
+VERL_ONLY = ("actor_rollout_ref", "custom_reward_function", "reward_model", "critic.optim", "critic.model",
+             "reward.reward_manager", "reward.reward_kwargs.overlong_buffer_cfg")
+
+# verl's defaults (ppo_trainer.yaml) where they differ from ours; applied, where unset, to a
+# configuration written only in verl's spelling.
+VERL_DEFAULTS: dict[str, Any] = {
+    "algorithm.adv_estimator": "gae",
+    "trainer.total_epochs": 30,
+    "trainer.project_name": "verl_examples",
+    "trainer.experiment_name": "gsm8k",
+    "data.filter_overlong_prompts": False,
+    "model.enable_gradient_checkpointing": True,
+    "checkpoint.max_to_keep": 0,
+}
+
+# verl interpolations: (key, the key it follows) — critic.ppo_mini_batch_size: ${actor...ppo_mini_batch_size}.
+VERL_FOLLOWS = (("critic.ppo_mini_batch_size", "actor.ppo_mini_batch_size"),
+                ("critic.ppo_epochs", "actor.ppo_epochs"),
+                ("critic.loss_agg_mode", "actor.loss_agg_mode"),
+                ("actor.log_prob_max_token_len_per_gpu", "actor.ppo_max_token_len_per_gpu"))
