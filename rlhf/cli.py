@@ -28,7 +28,8 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     ap.add_argument("--plan-device", choices=("cuda", "cpu"), default=None,
                     help="with --dry-run: device to plan for (default: the run's trainer.device)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 parallel.tp=2")
-    return ap.parse_args(argv)
+    # Intermixed: overrides may come before, between and after the flags.
+    return ap.parse_intermixed_args(argv)
 
 
 def run_main(fn: Callable[[], object]) -> None:

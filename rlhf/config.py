@@ -243,7 +243,7 @@ class TrainerConfig:
     output_dir: str = _f("outputs/run", "Run directory: resolved config, metrics, checkpoints, export.")
     project_name: str = _f("rlhf", "Project name for loggers.")
     experiment_name: str = _f("run", "Experiment name for loggers.")
-    logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, tensorboard, mlflow.")
+    logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, tensorboard, mlflow, wandb.")
     max_nan_steps: int = _f(3, "Optimizer steps with a non-finite loss/grad norm are skipped and counted; "
                                  "abort after this many in a row.")
     collective_timeout_s: float = _f(600.0, "Seconds a collective waits for the slowest rank (every process group); "
@@ -344,15 +344,48 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _build(cls: type, data: dict, prefix: str) -> Any:
+def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every key of the tree under ``cls``, sections included (``trainer``, ``trainer.val_kwargs``, ...)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        out.append(prefix + f.name)
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += _dotted_keys(tp, prefix + f.name + ".")
+    return out
+
+
+def _near_keys(root: type, prefix: str, key: str, names: list[str]) -> list[str]:
+    """Keys a user probably meant by the unknown ``prefix + key``: the same name in another section
+    (``trainer.save_freq`` -> ``checkpoint.save_freq``), else close spellings in this section, else
+    close spellings anywhere. Only close matches: a loose cutoff suggests unrelated keys (nnodes -> mode)."""
+    everywhere = _dotted_keys(root)
+    same_leaf = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
+    if same_leaf:
+        return same_leaf[:3]
+    near = [prefix + n for n in _closest(key, names, cutoff=0.75)]
+    if near:
+        return near
+    close = _closest(key, {k.rsplit(".", 1)[-1] for k in everywhere}, cutoff=0.8)
+    return [k for k in everywhere if k.rsplit(".", 1)[-1] in close][:3]
+
+
+def _closest(word: str, candidates, cutoff: float) -> list[str]:
+    """The candidates at least `cutoff` similar to `word` and about as similar as the best one."""
+    scored = sorted(((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in candidates), reverse=True)
+    return [c for r, c in scored if r >= cutoff and r >= scored[0][0] - 0.05][:3]
+
+
+def _build(cls: type, data: dict, prefix: str, root: type | None = None) -> Any:
+    root = root or cls
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
-            near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(prefix + n for n in near)}?" if near else ""
+            near = _near_keys(root, prefix, str(key), names)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint} (valid keys in "
                               f"'{prefix.rstrip('.') or 'config'}': {', '.join(names)})")
     kwargs = {}
@@ -361,7 +394,7 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
             continue
         tp, value, dotted = hints[f.name], data[f.name], prefix + f.name
         if dataclasses.is_dataclass(tp):
-            kwargs[f.name] = _build(tp, value if value is not None else {}, dotted + ".")
+            kwargs[f.name] = _build(tp, value if value is not None else {}, dotted + ".", root)
             continue
         ok, value = _type_ok(value, tp)
         if not ok:
@@ -500,6 +533,7 @@ def validate(cfg: Config) -> None:
     need(all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in cfg.trainer.profile_steps),
          "trainer.profile_steps", f"must be a list of step numbers >= 1, got {cfg.trainer.profile_steps}")
     need(cfg.trainer.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0")
+    check_logger(cfg.trainer.logger)
     from rlhf.ops.alerts import check_alerts_config
 
     try:
@@ -521,6 +555,16 @@ def validate(cfg: Config) -> None:
     need(not vk.do_sample or vk.temperature > 0, "trainer.val_kwargs.temperature", "must be > 0 when do_sample")
     need(0 < vk.top_p <= 1, "trainer.val_kwargs.top_p", "must be in (0, 1]")
     need(vk.top_k == -1 or vk.top_k > 0, "trainer.val_kwargs.top_k", "must be -1 (off) or > 0")
+
+
+def check_logger(backends: list, key: str = "trainer.logger") -> None:
+    """Unknown backends and missing tracker packages fail at load time, not at the first logged step."""
+    from rlhf.metrics import check_backends
+
+    try:
+        check_backends(backends)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"config key '{key}': {e}") from None
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[str]:

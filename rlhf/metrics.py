@@ -28,6 +28,9 @@ from typing import Any, Iterator, Mapping, Sequence, TextIO
 import torch
 
 BACKENDS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")
+# Backend -> (module that must be importable, pip package).
+_BACKEND_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
+                     "wandb": ("wandb", "wandb")}
 # Shown on the console line when present (in this order); others only go to files.
 DEFAULT_CONSOLE_KEYS = (
     "reward/mean",
@@ -37,6 +40,22 @@ DEFAULT_CONSOLE_KEYS = (
     "response_length/mean",
     "timing/step",
 )
+
+
+def check_backends(backends: Sequence[str]) -> None:
+    """ValueError naming an unknown backend (with the nearest valid one), ImportError naming a missing
+    package: a run fails at start-up instead of at its first logged step."""
+    import difflib
+    import importlib.util
+
+    for b in backends:
+        if b not in BACKENDS:
+            near = difflib.get_close_matches(str(b), BACKENDS, n=1, cutoff=0.6)
+            raise ValueError(f"unknown logger backend {b!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+                             + f" (valid: {', '.join(BACKENDS)})")
+        module, package = _BACKEND_PACKAGES.get(b, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ImportError(f"logger backend {b!r} needs the {package} package: pip install {package}")
 
 
 def _to_float(key: str, value: Any) -> float:
@@ -107,9 +126,7 @@ class MetricsLogger:
         console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
         stream: TextIO | None = None,
     ) -> None:
-        unknown = [b for b in backends if b not in BACKENDS]
-        if unknown:
-            raise ValueError(f"unknown logger backend(s) {unknown}; valid: {list(BACKENDS)}")
+        check_backends(backends)
         self.output_dir = Path(output_dir)
         self.backends = tuple(backends)
         self.total_steps = total_steps

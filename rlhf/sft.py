@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from rlhf.config import ConfigError, ModelConfig, ParallelConfig, _f
+from rlhf.config import ConfigError, ModelConfig, ParallelConfig, _f, check_logger
 from rlhf.checkpoint import export_hf
 from rlhf.data.dataset import DataError
 from rlhf.data.loader import PromptLoader
@@ -68,6 +68,7 @@ class SFTConfig:
 
 
 def validate_sft(cfg: SFTConfig) -> None:
+    check_logger(cfg.trainer.logger)
     if not cfg.model.path:
         raise ConfigError("config key 'model.path': is required")
     if not cfg.sft.train_files:
