@@ -165,6 +165,8 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     reward_fn: str = _f("default", "Registered reward name or path/to/file.py:function.")
+    reward_kwargs: dict = _f({}, "Keyword arguments passed to the reward function, e.g. {format_score: 0.1} "
+                                 "(verl custom_reward_function.reward_kwargs).")
     overlong_buffer_enable: bool = _f(False, "DAPO overlong reward shaping.")
     overlong_buffer_len: int = _f(0, "Length of the soft overlong penalty window (tokens).")
     overlong_penalty_factor: float = _f(1.0, "Penalty at the maximum response length.")

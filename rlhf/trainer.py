@@ -77,7 +77,7 @@ class RLTrainer:
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
-        self._named("reward.reward_fn", get_reward_fn, cfg.reward.reward_fn)
+        self._named("reward.reward_fn", lambda fn: get_reward_fn(fn, cfg.reward.reward_kwargs), cfg.reward.reward_fn)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
@@ -98,7 +98,8 @@ class RLTrainer:
                                 lora=False) if self.need_ref and cfg.model.lora_rank == 0 else None
         # Worker processes with a per-call timeout: a hung reward function scores 0 instead of hanging the job.
         self.scorer = make_scorer(cfg.reward.reward_fn, num_workers=cfg.reward.num_workers,
-                                  timeout_s=cfg.reward.timeout_s, mesh=self.mesh)
+                                  timeout_s=cfg.reward.timeout_s, reward_kwargs=cfg.reward.reward_kwargs,
+                                  mesh=self.mesh)
         self.reward_model = None
         if cfg.reward.reward_model.enable:
             from rlhf.rewards.reward_model import RewardModelScorer
@@ -132,7 +133,7 @@ class RLTrainer:
         """Registry lookup whose unknown-name error names the config key (and lists valid names)."""
         try:
             return lookup(name)
-        except (ValueError, KeyError, AttributeError) as e:
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
             raise ConfigError(f"{key}: {e}") from None
 
     def _check_names(self) -> None:
