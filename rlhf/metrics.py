@@ -3,7 +3,8 @@
 * :class:`MetricsLogger` — only rank 0 writes. ``log(step, metrics)`` appends one JSON line
   per step to ``<output_dir>/metrics.jsonl`` (``{"step": 3, "time": ..., "reward/mean": ...}``),
   prints a one-line progress bar with ETA and a few key metrics, and forwards to
-  tensorboard / mlflow / wandb when asked (imported lazily; a clear error if missing).
+  tensorboard / mlflow / wandb when asked (imported lazily; a clear error if missing), with
+  the run's config as their hyperparameters (:mod:`rlhf.trackers`: names, run identity).
 * :class:`PhaseTimer` — ``with timer("generate"):`` accumulates wall-clock seconds per
   phase; it synchronises the accelerator first so asynchronous kernels are counted in
   the phase that launched them.
@@ -27,16 +28,20 @@ from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 import torch
 
+from rlhf.trackers import flatten_config, mlflow_name, tensorboard_config, wandb_run_id
+
 BACKENDS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")
 # Backend -> (module that must be importable, pip package).
 _BACKEND_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
                      "wandb": ("wandb", "wandb")}
-# Shown on the console line when present (in this order); others only go to files.
+# Shown on the console line when present (in this order); others only go to files. Each is a
+# name the RL trainers log (tests/e2e/test_ppo_quickstart.py checks it on a real run).
 DEFAULT_CONSOLE_KEYS = (
     "reward/mean",
     "val/acc",
-    "actor/pg_loss",
-    "actor/kl",
+    "actor/loss",
+    "actor/kl_to_ref",
+    "critic/vf_loss",
     "response_length/mean",
     "timing/step",
 )
@@ -112,6 +117,8 @@ class MetricsLogger:
         rank: global rank; ranks other than 0 do nothing.
         console_keys: metrics shown on the console line when present.
         stream: console stream (stdout by default).
+        config: the resolved run config (nested dict): hyperparameters of the trackers (mlflow
+            params, wandb config, tensorboard hparams and a ``config`` text).
     """
 
     def __init__(
@@ -125,6 +132,7 @@ class MetricsLogger:
         rank: int = 0,
         console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
         stream: TextIO | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         check_backends(backends)
         self.output_dir = Path(output_dir)
@@ -157,6 +165,8 @@ class MetricsLogger:
                     "logger backend 'tensorboard' needs the tensorboard package: pip install tensorboard"
                 ) from e
             self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard" / experiment))
+            if config:
+                tensorboard_config(self._tb, config, self.console_keys)
         if "mlflow" in self.backends:
             try:
                 import mlflow
@@ -170,13 +180,18 @@ class MetricsLogger:
                     mlflow.create_experiment(project, (self.output_dir / "mlartifacts").resolve().as_uri())
             mlflow.set_experiment(project)
             mlflow.start_run(run_name=experiment)
+            if config:
+                mlflow.log_params(flatten_config(config))
             self._mlflow = mlflow
         if "wandb" in self.backends:
             try:
                 import wandb
             except ImportError as e:
                 raise ImportError("logger backend 'wandb' needs the wandb package: pip install wandb") from e
-            wandb.init(project=project, name=experiment, dir=str(self.output_dir))
+            # A resumed job continues its run (WANDB_RUN_ID, when set, names the run instead).
+            run_id = None if os.environ.get("WANDB_RUN_ID") else wandb_run_id(self.output_dir)
+            wandb.init(project=project, name=experiment, dir=str(self.output_dir), id=run_id, resume="allow",
+                       config=flatten_config(config) if config else None)
             self._wandb = wandb
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -200,7 +215,7 @@ class MetricsLogger:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, global_step=step)
         if self._mlflow is not None:
-            self._mlflow.log_metrics(values, step=step)
+            self._mlflow.log_metrics({mlflow_name(k): v for k, v in values.items()}, step=step)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
 

@@ -114,7 +114,7 @@ class RLTrainer:
         self.timer = PhaseTimer(self.device, listeners=self.ops.listeners)
         self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,
                                     project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
-                                    rank=self.env.rank)
+                                    rank=self.env.rank, config=cfg.to_dict())
         self.global_step = 0
         self._streamed = None  # (StreamingScores, local rows) of the last generate, collected by score()
         self.offpolicy = None  # trainer.mode one_step_off: the training side of the pipeline
