@@ -41,7 +41,7 @@ from rlhf.ops.oom import apply_oom_records, record_oom
 from rlhf.ops.runtime import StepOps
 from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.registry import get_reward_fn
-from rlhf.rewards.scoring import reward_components
+from rlhf.rewards.scoring import mean_of_sums, reward_components
 from rlhf.rewards.streaming import StreamingScores
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.reshard import RolloutLayout
@@ -287,7 +287,9 @@ class RLTrainer:
         batch.acc = acc
         if self.cfg.algorithm.gdpo_reward_keys:
             batch.reward_components = reward_components(res, self.cfg.algorithm.gdpo_reward_keys).to(self.device)
-        metrics = self._global_means(sums, len(batch), totals=("reward/errors", "reward/timeouts"))
+        # The reward dict's other numeric keys: means over every dp rank's samples that reported them.
+        metrics = mean_of_sums(all_gather_object(res.metric_sums(), self.dp_group))
+        metrics.update(self._global_means(sums, len(batch), totals=("reward/errors", "reward/timeouts")))
         failed = metrics["reward/errors"] + metrics["reward/timeouts"]
         if failed and self.env.is_main:
             where = f"; first on this rank: {res.first_error}" if res.first_error else ""
