@@ -62,8 +62,12 @@ def print_memory_plan(cfg, args) -> bool:
 
     import torch
 
+    from rlhf.models.loading import check_rollout_support
     from rlhf.planner import format_plan, parse_bytes, plan_from_config
 
+    # What the sampler cannot run is said first: the plan of such a run would be moot.
+    check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
+                          cfg.data.max_prompt_length + cfg.data.max_response_length)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan_world = args.world_size or world
     device = args.plan_device or ("cuda" if cfg.trainer.device == "cuda" or

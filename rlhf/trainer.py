@@ -33,7 +33,7 @@ from rlhf.config import Config, ConfigError
 from rlhf.data.prompts import data_metrics, load_data, make_loader, prompt_batch
 from rlhf.evaluation import flat_metrics, generation_rows, score_batch, summarize, val_sampling
 from rlhf.metrics import MetricsLogger, PhaseTimer
-from rlhf.models.loading import check_model_dir, load_tokenizer, model_config
+from rlhf.models.loading import check_rollout_support, load_tokenizer, model_config
 from rlhf.models.lora import reference_context
 from rlhf.models.parallelize import validate_layout
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
@@ -69,7 +69,8 @@ class RLTrainer:
         self.dp_group = self.mesh["dp"].get_group()
         self.device = self.env.device
         self.out_dir = Path(cfg.trainer.output_dir)
-        check_model_dir(cfg.model.path)
+        check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
+                              cfg.data.max_prompt_length + cfg.data.max_response_length)
         if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1:
             raise ConfigError(f"model.lora_rank: LoRA needs rollout.tp = 1 (got {cfg.rollout.tp})")
         self._check_names()
