@@ -24,7 +24,8 @@ def sft_args(assets, out, **over) -> list[str]:
 def test_lora_sft_trains_only_the_adapters(tiny_assets, tmp_path):
     out = tmp_path / "sft"
     r = run_script("train_sft.py", sft_args(tiny_assets, out, **{"model.lora_rank": 4, "model.lora_alpha": 8,
-                                                                  "model.enable_gradient_checkpointing": True}))
+                                                                  "model.enable_gradient_checkpointing": True,
+                                                                  "model.param_offload": True}))
     assert r.returncode == 0, r.stderr[-3000:]
     adapter = json.loads((out / "hf_export" / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 4 and adapter["lora_alpha"] == 8
