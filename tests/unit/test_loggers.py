@@ -7,6 +7,9 @@ import json
 
 from rlhf.metrics import MetricsLogger
 
+CONFIG = {"actor": {"lr": 1e-6, "betas": [0.9, 0.99]}, "algorithm": {"gdpo_reward_weights": None},
+          "trainer": {"logger": ["console", "mlflow"], "alerts": {"kl_to_ref": 1.0}, "experiment_name": "exp"}}
+VAL = {"val/synthetic/addition/pass@1": 0.5, "val/pass@4": 0.75, "val/acc": 0.5}
 ROWS = [{"key": 3, "sample": 0, "prompt": "1+2=", "response": "3 | ok\nyes", "ground_truth": "3", "score": 1.0}]
 
 
@@ -26,12 +29,14 @@ def test_tensorboard_scalars_and_generation_table_read_back(tmp_path):
     assert event.step == 2 and "| step | key | sample | prompt |" in table and "3 \\| ok<br>yes" in table
 
 
-def test_mlflow_file_store_metrics_and_generation_table_read_back(tmp_path, monkeypatch):
+def test_mlflow_store_metrics_hyperparameters_and_generation_table_read_back(tmp_path, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with MetricsLogger(tmp_path, backends=("mlflow",), total_steps=2, project="proj", experiment="exp") as logger:
+    with MetricsLogger(tmp_path, backends=("mlflow", "jsonl"), total_steps=2, project="proj", experiment="exp",
+                       config=CONFIG) as logger:
+        logger.log(0, VAL)
         logger.log(1, {"reward/mean": 0.25})
         logger.log(2, {"reward/mean": 0.75})
         logger.log_generations(2, ROWS)
@@ -39,6 +44,15 @@ def test_mlflow_file_store_metrics_and_generation_table_read_back(tmp_path, monk
     client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
     history = client.get_metric_history(run_id, "reward/mean")
     assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (2, 0.75)]
+    # mlflow refuses "@" in names: pass@k is logged as pass_at_k there; metrics.jsonl keeps the names.
+    run = client.get_run(run_id)
+    assert {k: v for k, v in run.data.metrics.items() if k.startswith("val/")} == {
+        "val/synthetic/addition/pass_at_1": 0.5, "val/pass_at_4": 0.75, "val/acc": 0.5}
+    assert set(VAL) <= set(json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0]))
+    # The resolved config, flattened, as the run's parameters.
+    assert run.data.params == {"actor.lr": "1e-06", "actor.betas": "[0.9, 0.99]", "algorithm.gdpo_reward_weights": "None",
+                               "trainer.logger": "['console', 'mlflow']", "trainer.alerts.kl_to_ref": "1.0",
+                               "trainer.experiment_name": "exp"}
     path = client.download_artifacts(run_id, "generations/step_2.json", str(tmp_path / "dl"))
     table = json.loads(open(path).read())
     assert table["columns"][:3] == ["step", "key", "sample"] and table["data"][0][4] == "3 | ok\nyes"
@@ -96,29 +110,6 @@ def test_wandb_offline_history_read_back(tmp_path, monkeypatch):
     assert table["columns"][:3] == ["step", "key", "sample"] and table["data"][0][4] == "3 | ok\nyes"
 
 
-CONFIG = {"actor": {"lr": 1e-6, "betas": [0.9, 0.99]}, "algorithm": {"gdpo_reward_weights": None},
-          "trainer": {"logger": ["console", "mlflow"], "alerts": {"kl_to_ref": 1.0}, "experiment_name": "exp"}}
-VAL = {"val/synthetic/addition/pass@1": 0.5, "val/pass@4": 0.75, "val/acc": 0.5}
-
-
-def test_mlflow_names_with_at_sign_and_hyperparameters_read_back(tmp_path, monkeypatch):
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from rlhf.metrics import read_metrics
-
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with MetricsLogger(tmp_path, backends=("mlflow", "jsonl"), total_steps=2, project="proj", experiment="exp",
-                       config=CONFIG) as logger:
-        logger.log(0, VAL)
-        run_id = mlflow.active_run().info.run_id
-    client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
-    run = client.get_run(run_id)
-    assert run.data.metrics == {"val/synthetic/addition/pass_at_1": 0.5, "val/pass_at_4": 0.75, "val/acc": 0.5}
-    assert run.data.params == {"actor.lr": "1e-06", "actor.betas": "[0.9, 0.99]", "algorithm.gdpo_reward_weights": "None",
-                               "trainer.logger": "['console', 'mlflow']", "trainer.alerts.kl_to_ref": "1.0",
-                               "trainer.experiment_name": "exp"}
-    assert set(VAL) <= set(read_metrics(tmp_path / "metrics.jsonl")[0])  # the jsonl keeps the names
 
 
 def test_tensorboard_names_with_at_sign_and_hyperparameters_read_back(tmp_path):
