@@ -10,7 +10,6 @@ setting has the same meaning (``actor.ppo_mini_batch_size``, ``algorithm.adv_est
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
+
+from rlhf.config_hints import near_keys
 
 
 class ConfigError(ValueError):
@@ -346,38 +347,6 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every key of the tree under ``cls``, sections included (``trainer``, ``trainer.val_kwargs``, ...)."""
-    out = []
-    for f in dataclasses.fields(cls):
-        out.append(prefix + f.name)
-        tp = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(tp):
-            out += _dotted_keys(tp, prefix + f.name + ".")
-    return out
-
-
-def _near_keys(root: type, prefix: str, key: str, names: list[str]) -> list[str]:
-    """Keys a user probably meant by the unknown ``prefix + key``: the same name in another section
-    (``trainer.save_freq`` -> ``checkpoint.save_freq``), else close spellings in this section, else
-    close spellings anywhere. Only close matches: a loose cutoff suggests unrelated keys (nnodes -> mode)."""
-    everywhere = _dotted_keys(root)
-    same_leaf = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
-    if same_leaf:
-        return same_leaf[:3]
-    near = [prefix + n for n in _closest(key, names, cutoff=0.75)]
-    if near:
-        return near
-    close = _closest(key, {k.rsplit(".", 1)[-1] for k in everywhere}, cutoff=0.8)
-    return [k for k in everywhere if k.rsplit(".", 1)[-1] in close][:3]
-
-
-def _closest(word: str, candidates, cutoff: float) -> list[str]:
-    """The candidates at least `cutoff` similar to `word` and about as similar as the best one."""
-    scored = sorted(((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in candidates), reverse=True)
-    return [c for r, c in scored if r >= cutoff and r >= scored[0][0] - 0.05][:3]
-
-
 def _build(cls: type, data: dict, prefix: str, root: type | None = None) -> Any:
     root = root or cls
     if not isinstance(data, dict):
@@ -386,7 +355,7 @@ def _build(cls: type, data: dict, prefix: str, root: type | None = None) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
-            near = _near_keys(root, prefix, str(key), names)
+            near = near_keys(root, prefix, str(key), names)
             hint = f"; did you mean {', '.join(near)}?" if near else ""
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint} (valid keys in "
                               f"'{prefix.rstrip('.') or 'config'}': {', '.join(names)})")
