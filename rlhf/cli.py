@@ -29,7 +29,8 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     ap.add_argument("--plan-device", choices=("cuda", "cpu"), default=None,
                     help="with --dry-run: device to plan for (default: the run's trainer.device)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 parallel.tp=2")
-    return ap.parse_args(argv)
+    # Intermixed: overrides may come before, between and after the flags.
+    return ap.parse_intermixed_args(argv)
 
 
 def run_main(fn: Callable[[], object]) -> None:
@@ -62,8 +63,12 @@ def print_memory_plan(cfg, args) -> bool:
 
     import torch
 
+    from rlhf.models.loading import check_rollout_support
     from rlhf.planner import format_plan, parse_bytes, plan_from_config
 
+    # What the sampler cannot run is said first: the plan of such a run would be moot.
+    check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
+                          cfg.data.max_prompt_length + cfg.data.max_response_length)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan_world = args.world_size or world
     device = args.plan_device or ("cuda" if cfg.trainer.device == "cuda" or

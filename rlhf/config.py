@@ -10,7 +10,6 @@ setting has the same meaning (``actor.ppo_mini_batch_size``, ``algorithm.adv_est
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
+
+from rlhf.config_hints import near_keys
 
 
 class ConfigError(ValueError):
@@ -165,6 +166,8 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     reward_fn: str = _f("default", "Registered reward name or path/to/file.py:function.")
+    reward_kwargs: dict = _f({}, "Keyword arguments passed to the reward function, e.g. {format_score: 0.1} "
+                                 "(verl custom_reward_function.reward_kwargs).")
     overlong_buffer_enable: bool = _f(False, "DAPO overlong reward shaping.")
     overlong_buffer_len: int = _f(0, "Length of the soft overlong penalty window (tokens).")
     overlong_penalty_factor: float = _f(1.0, "Penalty at the maximum response length.")
@@ -243,7 +246,7 @@ class TrainerConfig:
     output_dir: str = _f("outputs/run", "Run directory: resolved config, metrics, checkpoints, export.")
     project_name: str = _f("rlhf", "Project name for loggers.")
     experiment_name: str = _f("run", "Experiment name for loggers.")
-    logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, tensorboard, mlflow.")
+    logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, tensorboard, mlflow, wandb.")
     max_nan_steps: int = _f(3, "Optimizer steps with a non-finite loss/grad norm are skipped and counted; "
                                  "abort after this many in a row.")
     collective_timeout_s: float = _f(600.0, "Seconds a collective waits for the slowest rank (every process group); "
@@ -347,15 +350,16 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _build(cls: type, data: dict, prefix: str) -> Any:
+def _build(cls: type, data: dict, prefix: str, root: type | None = None) -> Any:
+    root = root or cls
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
-            near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(prefix + n for n in near)}?" if near else ""
+            near = near_keys(root, prefix, str(key), names)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint} (valid keys in "
                               f"'{prefix.rstrip('.') or 'config'}': {', '.join(names)})")
     kwargs = {}
@@ -364,7 +368,7 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
             continue
         tp, value, dotted = hints[f.name], data[f.name], prefix + f.name
         if dataclasses.is_dataclass(tp):
-            kwargs[f.name] = _build(tp, value if value is not None else {}, dotted + ".")
+            kwargs[f.name] = _build(tp, value if value is not None else {}, dotted + ".", root)
             continue
         ok, value = _type_ok(value, tp)
         if not ok:
@@ -508,6 +512,7 @@ def validate(cfg: Config) -> None:
     need(all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in cfg.trainer.profile_steps),
          "trainer.profile_steps", f"must be a list of step numbers >= 1, got {cfg.trainer.profile_steps}")
     need(cfg.trainer.log_val_generations >= 0, "trainer.log_val_generations", "must be >= 0")
+    check_logger(cfg.trainer.logger)
     from rlhf.ops.alerts import check_alerts_config
 
     try:
@@ -529,6 +534,16 @@ def validate(cfg: Config) -> None:
     need(not vk.do_sample or vk.temperature > 0, "trainer.val_kwargs.temperature", "must be > 0 when do_sample")
     need(0 < vk.top_p <= 1, "trainer.val_kwargs.top_p", "must be in (0, 1]")
     need(vk.top_k == -1 or vk.top_k > 0, "trainer.val_kwargs.top_k", "must be -1 (off) or > 0")
+
+
+def check_logger(backends: list, key: str = "trainer.logger") -> None:
+    """Unknown backends and missing tracker packages fail at load time, not at the first logged step."""
+    from rlhf.metrics import check_backends
+
+    try:
+        check_backends(backends)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"config key '{key}': {e}") from None
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
 ALL = "all"
@@ -27,7 +27,8 @@ ALL = "all"
 
 @dataclass
 class SampleRecord:
-    """One scored response. ``key``: the prompt's dataset index; ``sample``: 0..n-1."""
+    """One scored response. ``key``: the prompt's dataset index; ``sample``: 0..n-1; ``extras``: the
+    other numeric keys of the reward function's dict (those it reported for this sample)."""
 
     key: int
     sample: int
@@ -37,6 +38,7 @@ class SampleRecord:
     pred: Optional[str]
     length: int
     truncated: bool
+    extras: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,6 +96,9 @@ def _summarize_group(records: list[SampleRecord]) -> dict[str, float]:
            "response_length": sum(r.length for r in records) / len(records),
            "truncation_rate": sum(r.truncated for r in records) / len(records),
            "pass@1": sum(r.acc for r in records) / len(records)}
+    for key in sorted({k for r in records for k in r.extras}):
+        reported = [r.extras[key] for r in records if key in r.extras]
+        out[f"reward/{key}"] = sum(reported) / len(reported)
     has_pred = any(r.pred is not None for r in records)
     for k in ks_for(n):
         if k > 1:
@@ -108,8 +113,9 @@ def summarize(records: Iterable[SampleRecord]) -> dict[str, dict[str, float]]:
 
     Metrics: ``pass@1`` (mean acc), ``pass@k`` and ``maj@k`` for ``k`` in :func:`ks_for`
     of the smallest per-prompt sample count, ``score`` (mean reward), ``response_length``
-    (mean tokens), ``truncation_rate``, ``n_prompts``, ``n_samples``. For pass@k a sample
-    counts as correct when ``acc >= 0.5``.
+    (mean tokens), ``truncation_rate``, ``n_prompts``, ``n_samples``, and ``reward/<key>`` for
+    each extra key of the reward dict (mean over the samples that reported it). For pass@k a
+    sample counts as correct when ``acc >= 0.5``.
     """
     records = list(records)
     if not records:
@@ -131,7 +137,7 @@ def summarize(records: Iterable[SampleRecord]) -> dict[str, dict[str, float]]:
 
 def records_from_scores(keys: Sequence[int], data_sources: Sequence[str], scores: Sequence[float],
                         accs: Sequence[float], preds: Sequence[Optional[str]], lengths: Sequence[int],
-                        truncated: Sequence[bool]) -> list[SampleRecord]:
+                        truncated: Sequence[bool], extras: Optional[Sequence[dict]] = None) -> list[SampleRecord]:
     """Records of ``B`` rows in prompt-major order (row ``i * n + j`` = sample ``j`` of prompt ``i``)."""
     seen: Counter = Counter()
     out = []
@@ -139,7 +145,8 @@ def records_from_scores(keys: Sequence[int], data_sources: Sequence[str], scores
         acc = accs[i]
         out.append(SampleRecord(key=int(key), sample=seen[key], data_source=data_sources[i], score=float(scores[i]),
                                 acc=0.0 if acc is None or math.isnan(acc) else float(acc), pred=preds[i],
-                                length=int(lengths[i]), truncated=bool(truncated[i])))
+                                length=int(lengths[i]), truncated=bool(truncated[i]),
+                                extras=dict(extras[i]) if extras is not None else {}))
         seen[key] += 1
     return out
 
@@ -152,8 +159,9 @@ def score_batch(scorer, batch) -> list[SampleRecord]:
     res = scorer.score(batch.response_texts, batch.ground_truths, batch.data_sources, batch.extra_infos)
     scores = res.scores.tolist()
     accs = res.extra_metrics.get("acc") or [float(s >= 1.0) for s in scores]
+    extras = [{k: v[i] for k, v in res.extra_metrics.items() if not math.isnan(v[i])} for i in range(len(scores))]
     return records_from_scores(batch.index.tolist(), batch.data_sources, scores, accs, res.preds or [None] * len(scores),
-                               batch.trajectory_lengths().long().tolist(), batch.truncated.tolist())
+                               batch.trajectory_lengths().long().tolist(), batch.truncated.tolist(), extras)
 
 
 def generation_rows(records: Sequence[SampleRecord], batch, prompt_text: dict[int, str], n: int,
@@ -174,7 +182,8 @@ def generation_rows(records: Sequence[SampleRecord], batch, prompt_text: dict[in
 
 def flat_metrics(summary: dict[str, dict[str, float]], prefix: str = "val") -> dict[str, float]:
     """``{prefix/source/metric: v}`` plus, from the ``all`` entry, ``prefix/acc``, ``/score``,
-    ``/response_length``, ``/n`` (mean over every sample, as validation always logged)."""
+    ``/response_length``, ``/n`` (mean over every sample, as validation always logged), pass@k,
+    maj@k, truncation_rate and the reward dict's extras ``prefix/reward/<key>``."""
     out: dict[str, float] = {}
     for src, metrics in summary.items():
         if src != ALL:
@@ -183,7 +192,7 @@ def flat_metrics(summary: dict[str, dict[str, float]], prefix: str = "val") -> d
         a = summary[ALL]
         out.update({f"{prefix}/acc": a["pass@1"], f"{prefix}/score": a["score"],
                     f"{prefix}/response_length": a["response_length"], f"{prefix}/n": a["n_samples"]})
-        out.update({f"{prefix}/{k}": v for k, v in a.items() if k.startswith(("pass@", "maj@"))
+        out.update({f"{prefix}/{k}": v for k, v in a.items() if k.startswith(("pass@", "maj@", "reward/"))
                     or k == "truncation_rate"})
     return out
 

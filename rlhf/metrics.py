@@ -3,7 +3,8 @@
 * :class:`MetricsLogger` — only rank 0 writes. ``log(step, metrics)`` appends one JSON line
   per step to ``<output_dir>/metrics.jsonl`` (``{"step": 3, "time": ..., "reward/mean": ...}``),
   prints a one-line progress bar with ETA and a few key metrics, and forwards to
-  tensorboard / mlflow / wandb when asked (imported lazily; a clear error if missing).
+  tensorboard / mlflow / wandb when asked (imported lazily; a clear error if missing), with
+  the run's config as their hyperparameters (:mod:`rlhf.trackers`: names, run identity).
 * :class:`PhaseTimer` — ``with timer("generate"):`` accumulates wall-clock seconds per
   phase; it synchronises the accelerator first so asynchronous kernels are counted in
   the phase that launched them.
@@ -27,16 +28,39 @@ from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 import torch
 
+from rlhf.trackers import flatten_config, mlflow_name, tensorboard_config, wandb_run_id
+
 BACKENDS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")
-# Shown on the console line when present (in this order); others only go to files.
+# Backend -> (module that must be importable, pip package).
+_BACKEND_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
+                     "wandb": ("wandb", "wandb")}
+# Shown on the console line when present (in this order); others only go to files. Each is a
+# name the RL trainers log (tests/e2e/test_ppo_quickstart.py checks it on a real run).
 DEFAULT_CONSOLE_KEYS = (
     "reward/mean",
     "val/acc",
-    "actor/pg_loss",
-    "actor/kl",
+    "actor/loss",
+    "actor/kl_to_ref",
+    "critic/vf_loss",
     "response_length/mean",
     "timing/step",
 )
+
+
+def check_backends(backends: Sequence[str]) -> None:
+    """ValueError naming an unknown backend (with the nearest valid one), ImportError naming a missing
+    package: a run fails at start-up instead of at its first logged step."""
+    import difflib
+    import importlib.util
+
+    for b in backends:
+        if b not in BACKENDS:
+            near = difflib.get_close_matches(str(b), BACKENDS, n=1, cutoff=0.6)
+            raise ValueError(f"unknown logger backend {b!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+                             + f" (valid: {', '.join(BACKENDS)})")
+        module, package = _BACKEND_PACKAGES.get(b, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ImportError(f"logger backend {b!r} needs the {package} package: pip install {package}")
 
 
 def _to_float(key: str, value: Any) -> float:
@@ -93,6 +117,8 @@ class MetricsLogger:
         rank: global rank; ranks other than 0 do nothing.
         console_keys: metrics shown on the console line when present.
         stream: console stream (stdout by default).
+        config: the resolved run config (nested dict): hyperparameters of the trackers (mlflow
+            params, wandb config, tensorboard hparams and a ``config`` text).
     """
 
     def __init__(
@@ -106,10 +132,9 @@ class MetricsLogger:
         rank: int = 0,
         console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
         stream: TextIO | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> None:
-        unknown = [b for b in backends if b not in BACKENDS]
-        if unknown:
-            raise ValueError(f"unknown logger backend(s) {unknown}; valid: {list(BACKENDS)}")
+        check_backends(backends)
         self.output_dir = Path(output_dir)
         self.backends = tuple(backends)
         self.total_steps = total_steps
@@ -140,6 +165,8 @@ class MetricsLogger:
                     "logger backend 'tensorboard' needs the tensorboard package: pip install tensorboard"
                 ) from e
             self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard" / experiment))
+            if config:
+                tensorboard_config(self._tb, config, self.console_keys)
         if "mlflow" in self.backends:
             try:
                 import mlflow
@@ -153,13 +180,18 @@ class MetricsLogger:
                     mlflow.create_experiment(project, (self.output_dir / "mlartifacts").resolve().as_uri())
             mlflow.set_experiment(project)
             mlflow.start_run(run_name=experiment)
+            if config:
+                mlflow.log_params(flatten_config(config))
             self._mlflow = mlflow
         if "wandb" in self.backends:
             try:
                 import wandb
             except ImportError as e:
                 raise ImportError("logger backend 'wandb' needs the wandb package: pip install wandb") from e
-            wandb.init(project=project, name=experiment, dir=str(self.output_dir))
+            # A resumed job continues its run (WANDB_RUN_ID, when set, names the run instead).
+            run_id = None if os.environ.get("WANDB_RUN_ID") else wandb_run_id(self.output_dir)
+            wandb.init(project=project, name=experiment, dir=str(self.output_dir), id=run_id, resume="allow",
+                       config=flatten_config(config) if config else None)
             self._wandb = wandb
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -183,7 +215,7 @@ class MetricsLogger:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, global_step=step)
         if self._mlflow is not None:
-            self._mlflow.log_metrics(values, step=step)
+            self._mlflow.log_metrics({mlflow_name(k): v for k, v in values.items()}, step=step)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
 

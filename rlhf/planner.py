@@ -372,7 +372,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device-memory", help="e.g. 80GiB: say whether the peak fits")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         plan = plan_from_config(cfg, world_size=args.world_size, device=args.device)

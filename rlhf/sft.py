@@ -3,6 +3,12 @@
 Data: jsonl or parquet rows ``{"prompt": chat messages or string, "response": str}``.
 Loss: cross-entropy on response tokens (and the closing EOS) only, normalised by the
 global number of response tokens of the batch, so it is independent of the dp size.
+
+Model settings shared with RL: LoRA (``model.lora_rank``: only the adapters train; the
+export holds the merged model and the PEFT adapter), ``model.param_offload``,
+``model.enable_gradient_checkpointing``, ``model.trust_remote_code``. Layout: data
+parallel only; tensor / pipeline / sequence parallelism and padding-free batches are
+refused in one line at load time, never ignored.
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from rlhf.config import ConfigError, ModelConfig, ParallelConfig, _f
+from rlhf.config import ConfigError, ModelConfig, ParallelConfig, _f, check_logger
 from rlhf.checkpoint import export_hf
 from rlhf.data.dataset import DataError
 from rlhf.data.loader import PromptLoader
 from rlhf.metrics import MetricsLogger
-from rlhf.models.fsdp import apply_fsdp, grad_scale
+from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import check_model_dir, load_causal_lm, load_tokenizer
 from rlhf.models.logprobs import position_ids_from_mask
+from rlhf.models.lora import apply_lora
+from rlhf.models.parallelize import parallelize_model
 from rlhf.optim import build_optimizer, build_scheduler, clip_grad_norm
 from rlhf.parallel import ParallelDims, all_reduce_sum, init_distributed
 
@@ -68,12 +76,22 @@ class SFTConfig:
 
 
 def validate_sft(cfg: SFTConfig) -> None:
+    check_logger(cfg.trainer.logger)
     if not cfg.model.path:
         raise ConfigError("config key 'model.path': is required")
     if not cfg.sft.train_files:
         raise ConfigError("config key 'sft.train_files': is required")
     if cfg.sft.train_batch_size <= 0 or cfg.sft.micro_batch_size_per_gpu <= 0:
         raise ConfigError("config keys 'sft.train_batch_size' and 'sft.micro_batch_size_per_gpu' must be > 0")
+    if cfg.model.lora_rank < 0:
+        raise ConfigError("config key 'model.lora_rank': must be >= 0")
+    # Settings of the shared model / parallel sections that SFT does not implement: refused, not ignored.
+    for key, value, default in (("parallel.tp", cfg.parallel.tp, 1), ("parallel.pp", cfg.parallel.pp, 1),
+                                ("parallel.sp", cfg.parallel.sp, 1),
+                                ("model.use_remove_padding", cfg.model.use_remove_padding, False)):
+        if value != default:
+            raise ConfigError(f"config key '{key}': SFT runs padded batches, data parallel only; set {key}={default} "
+                              f"(got {value})")
 
 
 def _read_rows(path: str) -> list:
@@ -132,33 +150,55 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[t
     return ids, attn, loss_mask
 
 
-def run_sft(cfg: SFTConfig) -> dict:
+def _setup(cfg: SFTConfig) -> tuple:
+    """Everything a dry run checks: process group and layout, model directory, tokenizer, data."""
     env = init_distributed(cfg.trainer.device)
     torch.manual_seed(cfg.trainer.seed)
-    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, env.world_size)
-    if dims.tp != 1 or dims.pp != 1:
-        raise ConfigError("SFT supports data parallel only: set parallel.tp=1 parallel.pp=1")
+    dims = ParallelDims.resolve(cfg.parallel.dp, 1, 1, env.world_size)
     if cfg.sft.train_batch_size % dims.dp:
         raise ConfigError(f"sft.train_batch_size ({cfg.sft.train_batch_size}) is not divisible by dp ({dims.dp})")
     mesh = dims.build_mesh(env.device.type)
-    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
     check_model_dir(cfg.model.path)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
     data, stats = tokenize_sft(_read_rows(cfg.sft.train_files), tokenizer, cfg.sft)
+    if env.is_main:
+        print(f"[rlhf.sft] data: {stats}; layout dp={dims.dp} world={env.world_size} device={env.device}", flush=True)
+    return env, dims, mesh, tokenizer, data
+
+
+def _build_model(cfg: SFTConfig, mesh, device: torch.device) -> torch.nn.Module:
+    m = cfg.model
+    model = load_causal_lm(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                           trust_remote_code=m.trust_remote_code)
+    if m.lora_rank > 0:  # only the adapters are trainable, so only they get gradients and optimizer state
+        try:
+            model = apply_lora(model, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=m.target_modules)
+        except ValueError as e:
+            raise ConfigError(f"model.target_modules: {e}") from None
+    return parallelize_model(model, mesh, cfg.parallel, device, mixed_precision=m.mixed_precision,
+                             param_offload=m.param_offload,
+                             activation_checkpointing=m.enable_gradient_checkpointing).module
+
+
+def run_sft(cfg: SFTConfig, *, dry_run: bool = False) -> dict:
+    """Train and export; with ``dry_run`` stop after the checks of :func:`_setup` (nothing written)."""
+    env, dims, mesh, tokenizer, data = _setup(cfg)
+    if dry_run:
+        return {}
+    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
     out_dir = Path(cfg.trainer.output_dir)
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(cfg.to_yaml())
-        print(f"[rlhf.sft] data: {stats}", flush=True)
-    model = load_causal_lm(cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation)
-    model = apply_fsdp(model, mesh["dp"], device=env.device, mixed_precision=cfg.model.mixed_precision)
+    model = _build_model(cfg, mesh, env.device)
     loader = PromptLoader(len(data), cfg.sft.train_batch_size, seed=cfg.sft.seed, shuffle=True)
     total = cfg.sft.total_epochs * loader.steps_per_epoch
     opt = build_optimizer(model.parameters(), lr=cfg.sft.lr, weight_decay=cfg.sft.weight_decay, betas=cfg.sft.betas)
     sched = build_scheduler(opt, total_steps=total, warmup_steps=-1, warmup_ratio=cfg.sft.lr_warmup_steps_ratio,
                             style=cfg.sft.warmup_style)
     logger = MetricsLogger(out_dir, backends=cfg.trainer.logger, total_steps=total, rank=env.rank,
-                           experiment="sft", console_keys=("sft/loss", "sft/grad_norm", "sft/lr"))
+                           experiment="sft", console_keys=("sft/loss", "sft/grad_norm", "sft/lr"),
+                           config=dataclasses.asdict(cfg))
     model.train()
     last = {}
     for step in range(1, total + 1):

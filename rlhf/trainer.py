@@ -33,7 +33,7 @@ from rlhf.config import Config, ConfigError
 from rlhf.data.prompts import data_metrics, load_data, make_loader, prompt_batch
 from rlhf.evaluation import flat_metrics, generation_rows, score_batch, summarize, val_sampling
 from rlhf.metrics import MetricsLogger, PhaseTimer
-from rlhf.models.loading import check_model_dir, load_tokenizer, model_config
+from rlhf.models.loading import check_rollout_support, load_tokenizer, model_config
 from rlhf.models.lora import reference_context
 from rlhf.models.parallelize import validate_layout
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
@@ -41,7 +41,7 @@ from rlhf.ops.oom import apply_oom_records, record_oom
 from rlhf.ops.runtime import StepOps
 from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.registry import get_reward_fn
-from rlhf.rewards.scoring import reward_components
+from rlhf.rewards.scoring import mean_of_sums, reward_components
 from rlhf.rewards.streaming import StreamingScores
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.reshard import RolloutLayout
@@ -69,7 +69,8 @@ class RLTrainer:
         self.dp_group = self.mesh["dp"].get_group()
         self.device = self.env.device
         self.out_dir = Path(cfg.trainer.output_dir)
-        check_model_dir(cfg.model.path)
+        check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
+                              cfg.data.max_prompt_length + cfg.data.max_response_length)
         if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1:
             raise ConfigError(f"model.lora_rank: LoRA needs rollout.tp = 1 (got {cfg.rollout.tp})")
         self._check_names()
@@ -77,7 +78,7 @@ class RLTrainer:
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
-        self._named("reward.reward_fn", get_reward_fn, cfg.reward.reward_fn)
+        self._named("reward.reward_fn", lambda fn: get_reward_fn(fn, cfg.reward.reward_kwargs), cfg.reward.reward_fn)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
@@ -98,7 +99,8 @@ class RLTrainer:
                                 lora=False) if self.need_ref and cfg.model.lora_rank == 0 else None
         # Worker processes with a per-call timeout: a hung reward function scores 0 instead of hanging the job.
         self.scorer = make_scorer(cfg.reward.reward_fn, num_workers=cfg.reward.num_workers,
-                                  timeout_s=cfg.reward.timeout_s, mesh=self.mesh)
+                                  timeout_s=cfg.reward.timeout_s, reward_kwargs=cfg.reward.reward_kwargs,
+                                  mesh=self.mesh)
         self.reward_model = None
         if cfg.reward.reward_model.enable:
             from rlhf.rewards.reward_model import RewardModelScorer
@@ -113,7 +115,7 @@ class RLTrainer:
         self.timer = PhaseTimer(self.device, listeners=self.ops.listeners)
         self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,
                                     project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
-                                    rank=self.env.rank)
+                                    rank=self.env.rank, config=cfg.to_dict())
         self.global_step = 0
         self._streamed = None  # (StreamingScores, local rows) of the last generate, collected by score()
         self.offpolicy = None  # trainer.mode one_step_off: the training side of the pipeline
@@ -132,7 +134,7 @@ class RLTrainer:
         """Registry lookup whose unknown-name error names the config key (and lists valid names)."""
         try:
             return lookup(name)
-        except (ValueError, KeyError, AttributeError) as e:
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
             raise ConfigError(f"{key}: {e}") from None
 
     def _check_names(self) -> None:
@@ -286,7 +288,9 @@ class RLTrainer:
         batch.acc = acc
         if self.cfg.algorithm.gdpo_reward_keys:
             batch.reward_components = reward_components(res, self.cfg.algorithm.gdpo_reward_keys).to(self.device)
-        metrics = self._global_means(sums, len(batch), totals=("reward/errors", "reward/timeouts"))
+        # The reward dict's other numeric keys: means over every dp rank's samples that reported them.
+        metrics = mean_of_sums(all_gather_object(res.metric_sums(), self.dp_group))
+        metrics.update(self._global_means(sums, len(batch), totals=("reward/errors", "reward/timeouts")))
         failed = metrics["reward/errors"] + metrics["reward/timeouts"]
         if failed and self.env.is_main:
             where = f"; first on this rank: {res.first_error}" if res.first_error else ""

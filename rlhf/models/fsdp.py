@@ -30,7 +30,7 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     if mp is not None:
         kwargs["mp_policy"] = mp
-    if param_offload:
+    if param_offload and device.type != "cpu":  # on CPU the parameters already live in host memory
         kwargs["offload_policy"] = CPUOffloadPolicy()
     elif device.type != "cpu":
         model.to(device)

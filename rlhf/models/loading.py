@@ -58,6 +58,18 @@ def model_config(path: str, trust_remote_code: bool = False, key: str = "model.p
     return AutoConfig.from_pretrained(str(check_model_dir(path, key)), trust_remote_code=trust_remote_code)
 
 
+def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_len: int | None = None,
+                          key: str = "model.path") -> None:
+    """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
+    traceback from the sampler after the model has loaded)."""
+    from rlhf.rollout.decoder import check_supported
+
+    try:
+        check_supported(model_config(path, trust_remote_code, key), max_seq_len)
+    except NotImplementedError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder blocks of a HF causal LM (through PEFT / wrappers / pipeline stages)."""
     # CausalLM.model.layers, or PeftModel.base_model.model.model.layers

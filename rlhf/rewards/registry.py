@@ -129,6 +129,7 @@ def get_reward_fn(spec: str, reward_kwargs: dict[str, Any] | None = None) -> Rew
     Raises:
         ValueError: unknown name (the message lists the registered names).
         FileNotFoundError / AttributeError: the file or the function in it is missing.
+        TypeError: ``reward_kwargs`` holds a keyword the function does not take.
     """
     if spec.endswith(".py"):
         fn = _load_from_file(spec, "compute_score")
@@ -143,5 +144,9 @@ def get_reward_fn(spec: str, reward_kwargs: dict[str, Any] | None = None) -> Rew
             f"or give path/to/file.py:function_name"
         )
     if reward_kwargs:
+        try:  # a misspelt keyword must fail here, not score every sample 0 as an error
+            inspect.signature(fn).bind_partial(**reward_kwargs)
+        except TypeError as e:
+            raise TypeError(f"reward.reward_kwargs {sorted(reward_kwargs)} do not fit {spec}: {e}") from None
         fn = functools.partial(fn, **reward_kwargs)
     return fn

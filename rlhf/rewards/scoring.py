@@ -41,12 +41,28 @@ class ScoreResult:
 
     def metric_means(self, prefix: str = "reward/") -> dict[str, float]:
         """``{prefix + key: mean over the samples that reported key}`` for the extra metrics."""
-        out: dict[str, float] = {}
+        return mean_of_sums([self.metric_sums()], prefix)
+
+    def metric_sums(self) -> dict[str, tuple[float, int]]:
+        """``{key: (sum, count)}`` of each extra metric over the samples that reported it: what ranks
+        exchange so that a mean over every rank's samples does not depend on the layout."""
+        out = {}
         for key, values in self.extra_metrics.items():
-            finite = [v for v in values if not math.isnan(v)]
-            if finite:
-                out[prefix + key] = sum(finite) / len(finite)
+            reported = [v for v in values if not math.isnan(v)]
+            out[key] = (sum(reported), len(reported))
         return out
+
+
+def mean_of_sums(pieces: Sequence[dict[str, tuple[float, int]]], prefix: str = "reward/") -> dict[str, float]:
+    """Merge :meth:`ScoreResult.metric_sums` of several ranks (keys may differ between them) into
+    ``{prefix + key: mean over all reported samples}``."""
+    total: dict[str, list[float]] = {}
+    for piece in pieces:
+        for key, (s, n) in piece.items():
+            acc = total.setdefault(key, [0.0, 0])
+            acc[0] += s
+            acc[1] += n
+    return {prefix + key: s / n for key, (s, n) in sorted(total.items()) if n}
 
 
 def _as_float(value: Any) -> float:

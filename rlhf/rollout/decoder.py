@@ -110,6 +110,17 @@ class DecoderSpec:
             )
 
 
+def check_supported(config: Any, max_seq_len: int | None = None) -> DecoderSpec:
+    """Everything about an HF config the sampler refuses, found before any weight is loaded (model type,
+    activation, rope type, a sliding window shorter than ``max_seq_len``); raises NotImplementedError.
+    The checks are the sampler's own, so an architecture added to it is accepted here too."""
+    spec = DecoderSpec.from_config(config)
+    rope_inv_freq(config, spec.head_dim)
+    if max_seq_len is not None:
+        spec.check_seq_len(max_seq_len)
+    return spec
+
+
 def rope_inv_freq(config: Any, head_dim: int) -> tuple[Tensor, float]:
     """HF's inverse frequencies ``[head_dim // 2]`` float32 and cos/sin scaling factor."""
     params = getattr(config, "rope_parameters", None)

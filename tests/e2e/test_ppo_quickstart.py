@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from rlhf.metrics import read_metrics
+from rlhf.metrics import DEFAULT_CONSOLE_KEYS, read_metrics
 from tests.e2e.conftest import grpo_args, run_script
 
 CRITIC_KEYS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/explained_variance",
@@ -49,6 +49,11 @@ def test_ppo_runs_logs_critic_metrics_and_resumes(tiny_assets, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["step"]: row for row in read_metrics(out / "metrics.jsonl") if "critic/vf_loss" in row}
     assert sorted(rows) == [1, 2, 3]
+    # The console line shows loss and KL: every console key is a metric this run logged.
+    logged = {k for row in read_metrics(out / "metrics.jsonl") for k in row}
+    assert set(DEFAULT_CONSOLE_KEYS) <= logged, set(DEFAULT_CONSOLE_KEYS) - logged
+    line = next(x for x in r.stdout.splitlines() if x.startswith("step 3/3"))
+    assert all(f"| {k} " in line for k in ("actor/loss", "actor/kl_to_ref", "critic/vf_loss")), line
     for step, row in rows.items():
         missing = [k for k in CRITIC_KEYS if k not in row]
         assert not missing, (step, missing)

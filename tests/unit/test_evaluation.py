@@ -98,3 +98,25 @@ def test_val_sampling_from_config():
         _cfg("trainer.val_kwargs.n=4")
     with pytest.raises(ConfigError, match="rollout.val_temperature.*not both"):
         _cfg("trainer.val_kwargs.do_sample=true", "rollout.val_temperature=0.5")
+
+
+def test_reward_dict_extras_become_validation_metrics():
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhf.evaluation import score_batch
+    from rlhf.rewards.scoring import ScoreResult
+
+    nan = float("nan")
+
+    class Scorer:
+        def score(self, texts, gts, sources, extras):
+            return ScoreResult(torch.tensor([1.0, 0.0, 1.0, 0.0]), {"fmt": [1.0, 0.0, 1.0, nan], "len": [2.0] * 4})
+
+    batch = SimpleNamespace(response_texts=["a"] * 4, ground_truths=["1"] * 4, data_sources=["d1", "d1", "d2", "d2"],
+                            extra_infos=[None] * 4, index=torch.tensor([0, 1, 0, 1]),
+                            response_mask=torch.ones(4, 3), truncated=torch.zeros(4, dtype=torch.bool))
+    flat = flat_metrics(summarize(score_batch(Scorer(), batch)), "val")
+    assert flat["val/d1/reward/fmt"] == 0.5 and flat["val/d2/reward/fmt"] == 1.0  # NaN: not reported
+    assert flat["val/reward/fmt"] == pytest.approx(2 / 3) and flat["val/reward/len"] == 2.0

@@ -7,6 +7,9 @@ import json
 
 from rlhf.metrics import MetricsLogger
 
+CONFIG = {"actor": {"lr": 1e-6, "betas": [0.9, 0.99]}, "algorithm": {"gdpo_reward_weights": None},
+          "trainer": {"logger": ["console", "mlflow"], "alerts": {"kl_to_ref": 1.0}, "experiment_name": "exp"}}
+VAL = {"val/synthetic/addition/pass@1": 0.5, "val/pass@4": 0.75, "val/acc": 0.5}
 ROWS = [{"key": 3, "sample": 0, "prompt": "1+2=", "response": "3 | ok\nyes", "ground_truth": "3", "score": 1.0}]
 
 
@@ -26,12 +29,14 @@ def test_tensorboard_scalars_and_generation_table_read_back(tmp_path):
     assert event.step == 2 and "| step | key | sample | prompt |" in table and "3 \\| ok<br>yes" in table
 
 
-def test_mlflow_file_store_metrics_and_generation_table_read_back(tmp_path, monkeypatch):
+def test_mlflow_store_metrics_hyperparameters_and_generation_table_read_back(tmp_path, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with MetricsLogger(tmp_path, backends=("mlflow",), total_steps=2, project="proj", experiment="exp") as logger:
+    with MetricsLogger(tmp_path, backends=("mlflow", "jsonl"), total_steps=2, project="proj", experiment="exp",
+                       config=CONFIG) as logger:
+        logger.log(0, VAL)
         logger.log(1, {"reward/mean": 0.25})
         logger.log(2, {"reward/mean": 0.75})
         logger.log_generations(2, ROWS)
@@ -39,6 +44,15 @@ def test_mlflow_file_store_metrics_and_generation_table_read_back(tmp_path, monk
     client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
     history = client.get_metric_history(run_id, "reward/mean")
     assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (2, 0.75)]
+    # mlflow refuses "@" in names: pass@k is logged as pass_at_k there; metrics.jsonl keeps the names.
+    run = client.get_run(run_id)
+    assert {k: v for k, v in run.data.metrics.items() if k.startswith("val/")} == {
+        "val/synthetic/addition/pass_at_1": 0.5, "val/pass_at_4": 0.75, "val/acc": 0.5}
+    assert set(VAL) <= set(json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0]))
+    # The resolved config, flattened, as the run's parameters.
+    assert run.data.params == {"actor.lr": "1e-06", "actor.betas": "[0.9, 0.99]", "algorithm.gdpo_reward_weights": "None",
+                               "trainer.logger": "['console', 'mlflow']", "trainer.alerts.kl_to_ref": "1.0",
+                               "trainer.experiment_name": "exp"}
     path = client.download_artifacts(run_id, "generations/step_2.json", str(tmp_path / "dl"))
     table = json.loads(open(path).read())
     assert table["columns"][:3] == ["step", "key", "sample"] and table["data"][0][4] == "3 | ok\nyes"
@@ -94,3 +108,62 @@ def test_wandb_offline_history_read_back(tmp_path, monkeypatch):
     assert (row["_step"], row["val/generations/_type"], row["val/generations/nrows"]) == (2, "table-file", 1)
     table = json.loads((run_file.parent / "files" / row["val/generations/path"]).read_text())
     assert table["columns"][:3] == ["step", "key", "sample"] and table["data"][0][4] == "3 | ok\nyes"
+
+
+
+
+def test_tensorboard_names_with_at_sign_and_hyperparameters_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    with MetricsLogger(tmp_path, backends=("tensorboard",), total_steps=2, experiment="exp", config=CONFIG) as logger:
+        logger.log(0, VAL)
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "exp"))
+    acc.Reload()
+    assert {k: acc.Scalars(k)[0].value for k in VAL} == VAL
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["actor.lr"].number_value == 1e-6 and hparams["actor.betas"].string_value == "[0.9, 0.99]"
+    assert hparams["trainer.alerts.kl_to_ref"].number_value == 1.0 and "algorithm.gdpo_reward_weights" not in hparams
+    (text,) = acc.Tensors("config/text_summary")
+    assert "lr: 1.0e-06" in text.tensor_proto.string_val[0].decode()
+
+
+def _wandb_run(run_file):
+    """(run record, [history rows]) of an offline wandb run file."""
+    from wandb.proto import wandb_internal_pb2
+
+    run, history = None, []
+    for raw in _wandb_records(run_file):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") == "run":
+            run = rec.run
+        elif rec.WhichOneof("record_type") == "history":
+            history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+    return run, history
+
+
+def test_wandb_names_hyperparameters_and_resume_continue_one_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    for first, last in ((0, 1), (2, 3)):  # a job, then its resumed continuation in the same output_dir
+        with MetricsLogger(tmp_path, backends=("wandb",), total_steps=3, project="proj", experiment="exp",
+                           config=CONFIG) as logger:
+            logger.mark_start(first)
+            for step in range(first, last + 1):
+                logger.log(step, {**VAL, "reward/mean": step / 10})
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2
+    (run1, hist1), (run2, hist2) = _wandb_run(files[0]), _wandb_run(files[1])
+    assert run1.run_id == run2.run_id and files[0].name == files[1].name  # one run, continued
+    config = {i.key: json.loads(i.value_json) for i in run2.config.update}
+    assert config["actor.lr"] == 1e-6 and config["trainer.alerts.kl_to_ref"] == 1.0
+    assert [h["_step"] for h in hist1 + hist2] == [0, 1, 2, 3]
+    assert all(h["val/synthetic/addition/pass@1"] == 0.5 for h in hist1 + hist2)
+    # Another output directory is another run.
+    with MetricsLogger(tmp_path / "other", backends=("wandb",), total_steps=1, project="proj", experiment="exp"):
+        pass
+    (other,) = (tmp_path / "other" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert other.name != files[0].name

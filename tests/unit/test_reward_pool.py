@@ -100,3 +100,33 @@ def test_close_ends_the_workers(spec):
     for p in procs:
         with pytest.raises(ProcessLookupError):
             os.kill(p.pid, 0)
+
+
+KWARG_REWARD = textwrap.dedent("""
+    def scaled(data_source, solution_str, ground_truth, extra_info=None, scale=1.0, bonus=0.0):
+        return {"score": scale * len(solution_str) + bonus, "bonus_seen": bonus}
+""")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_reward_kwargs_reach_the_function_serial_and_in_workers(tmp_path, workers):
+    from rlhf.config import load_config
+
+    (tmp_path / "r.py").write_text(KWARG_REWARD)
+    cfg = load_config(None, ["model.path=/m", "data.train_files=/d", f"reward.reward_fn={tmp_path}/r.py:scaled",
+                             "reward.reward_kwargs={scale: 2.0, bonus: 0.5}"])
+    assert cfg.reward.reward_kwargs == {"scale": 2.0, "bonus": 0.5}
+    scorer = make_scorer(cfg.reward.reward_fn, num_workers=workers, timeout_s=30,
+                         reward_kwargs=cfg.reward.reward_kwargs)
+    try:
+        res = scorer.score(*batch(["ab", "abcd"]))
+    finally:
+        scorer.close()
+    assert res.scores.tolist() == [4.5, 8.5] and res.extra_metrics["bonus_seen"] == [0.5, 0.5]
+    assert res.n_errors == 0
+
+
+def test_reward_kwargs_the_function_does_not_take_fail_at_start(tmp_path):
+    (tmp_path / "r.py").write_text(KWARG_REWARD)
+    with pytest.raises(TypeError, match="reward.reward_kwargs.*'sclae'"):
+        get_reward_fn(f"{tmp_path}/r.py:scaled", {"sclae": 2.0})

@@ -135,3 +135,18 @@ def test_reward_components_for_gdpo_in_key_order_and_named_when_missing():
     assert res.n_errors == 1
     with pytest.raises(ConfigError, match=r"returned no \['len'\].*'acc', 'fmt'"):
         reward_components(res, ["acc", "len"])
+
+
+def test_extra_metric_means_merge_over_ranks_like_one_batch():
+    from rlhf.rewards.scoring import ScoreResult, mean_of_sums
+
+    nan = math.nan
+    whole = ScoreResult(torch.zeros(5), {"fmt": [1.0, 0.0, nan, 1.0, 1.0], "len": [4.0, nan, nan, 2.0, 3.0]})
+    # Two ranks' halves; the first reported no "len" at all, the second no "fmt" on one sample.
+    a = ScoreResult(torch.zeros(2), {"fmt": [1.0, 0.0]})
+    b = ScoreResult(torch.zeros(3), {"fmt": [nan, 1.0, 1.0], "len": [nan, 2.0, 3.0]})
+    b_len_only_row0 = ScoreResult(torch.zeros(1), {"len": [4.0]})
+    want = {"reward/fmt": 3 / 4, "reward/len": 9 / 3}
+    assert whole.metric_means() == want
+    assert mean_of_sums([a.metric_sums(), b.metric_sums(), b_len_only_row0.metric_sums()]) == want
+    assert mean_of_sums([ScoreResult(torch.zeros(1), {"x": [nan]}).metric_sums()]) == {}
