@@ -116,7 +116,8 @@ def test_reward_dict_extras_become_validation_metrics():
 
     batch = SimpleNamespace(response_texts=["a"] * 4, ground_truths=["1"] * 4, data_sources=["d1", "d1", "d2", "d2"],
                             extra_infos=[None] * 4, index=torch.tensor([0, 1, 0, 1]),
-                            response_mask=torch.ones(4, 3), truncated=torch.zeros(4, dtype=torch.bool))
+                            response_mask=torch.ones(4, 3), truncated=torch.zeros(4, dtype=torch.bool),
+                            trajectory_lengths=lambda: torch.full((4,), 3))
     flat = flat_metrics(summarize(score_batch(Scorer(), batch)), "val")
     assert flat["val/d1/reward/fmt"] == 0.5 and flat["val/d2/reward/fmt"] == 1.0  # NaN: not reported
     assert flat["val/reward/fmt"] == pytest.approx(2 / 3) and flat["val/reward/len"] == 2.0
