@@ -22,7 +22,7 @@ phi3               fused ``qkv_proj`` / ``gate_up_proj`` (loaded as they are: th
                    q|k|v and gate|up anyway), partial rotary (``partial_rotary_factor``),
                    ``longrope`` scaling (short factors: ``max_seq_len`` must stay within
                    ``original_max_position_embeddings``), sliding window on every layer
-qwen3_moe          Qwen3 attention; sparse MLP layers (``rlhf.rollout.moe``) with a top-k
+qwen3_moe          Qwen3 attention; sparse MLP layers (``rlhf.models.moe``) with a top-k
                    softmax router, except ``mlp_only_layers`` and layers off
                    ``decoder_sparse_step``, which keep the dense MLP
 =================  =====================================================================
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf.models.softcap_attention import attention as capped_attention
-from rlhf.rollout.moe import MoESpec
+from rlhf.models.moe import MoESpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen3_moe")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")

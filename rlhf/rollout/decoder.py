@@ -15,13 +15,13 @@ knows, e.g. default / linear / llama3 / yarn). q/k/v and gate/up are fused into 
 each at load time. Family variants (Gemma's scaled embeddings, ``1 + w`` norms and sandwich
 norms, GeGLU, soft-capping, sliding windows, per-layer rope tables, Phi-3's fused checkpoints
 and partial rotary, Qwen3-MoE's routed experts) come from ``rlhf.rollout.arch`` /
-``rlhf.rollout.moe`` at a few dispatch points; attention is ``arch.attend``.
+``rlhf.models.moe`` at a few dispatch points; attention is ``arch.attend``.
 
 Tensor parallel hook: every function takes ``tp_group``. A tensor-parallel rollout passes
 column-sharded q/k/v and gate/up weights, row-sharded o_proj / down_proj weights, a spec
 with the local head counts (``DecoderSpec.shard``) and the group; the partial outputs of
 o_proj and down_proj are all-reduced over it. MoE layers split their experts over the group
-instead (``rlhf.rollout.moe``).
+instead (``rlhf.models.moe``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.rollout import arch, moe
+from rlhf.models import moe
+from rlhf.rollout import arch
 from rlhf.rollout.arch import SUPPORTED_MODEL_TYPES, ArchSpec
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderSpec", "prefill", "prefill_chunk", "decode"]
@@ -322,7 +323,7 @@ def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], 
 
 def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any) -> Tensor:
     """``x + down(act(gate(g)) * up(g))``, ``g = RMSNorm(x)``; ``x`` ``[M, hidden]``; routed
-    experts in a MoE layer (``rlhf.rollout.moe``)."""
+    experts in a MoE layer (``rlhf.models.moe``)."""
     g = rms_norm(x, lw.post_norm, spec.rms_norm_eps)
     eps, a = spec.rms_norm_eps, spec.arch
     if lw.router_w is not None:

@@ -1,5 +1,8 @@
 """Mixture-of-experts MLP (Qwen3-MoE), batched: no Python loop over tokens or experts.
 
+Used by the rollout decoder (routing and experts) and by the trainer's tensor-parallel experts
+(``rlhf.models.tensor_parallel``: HF routes, :func:`experts` runs this rank's experts).
+
 Math of one sparse layer (transformers' ``Qwen3MoeSparseMoeBlock``), for ``x [M, hidden]``::
 
     p = softmax_fp32(x W_router^T)              [M, E]
@@ -16,10 +19,11 @@ cannot run (a CUDA GPU older than sm80 or a non-bf16 dtype there, unaligned size
 blocks are multiplied one expert at a time instead (same result, one host sync).
 
 Experts over tensor parallelism: a rank holds the experts ``[offset, offset + E_local)`` (the
-weights' dim 0 is split over tp, see ``rlhf.rollout.reshard``) and every rank sees all tokens
-(the residual stream is replicated over tp). Assignments to other ranks' experts are sorted
-past the last block, skipped by the grouped matmul and zeroed; the partial outputs are summed
-over tp by the caller (the all-reduce a row-parallel ``down_proj`` would need anyway).
+weights' dim 0 is split over tp: ``rlhf.rollout.reshard``, ``rlhf.models.tensor_parallel``) and
+every rank sees all tokens (the residual stream is replicated over tp). Assignments to other
+ranks' experts are sorted past the last block, skipped by the grouped matmul and zeroed; the
+partial outputs are summed over tp by the caller (the all-reduce a row-parallel ``down_proj``
+would need anyway).
 """
 
 from __future__ import annotations
