@@ -24,6 +24,12 @@ every rank sees all tokens (the residual stream is replicated over tp). Assignme
 ranks' experts are sorted past the last block, skipped by the grouped matmul and zeroed; the
 partial outputs are summed over tp by the caller (the all-reduce a row-parallel ``down_proj``
 would need anyway).
+
+Router load-balancing (aux) loss: not added. The RL loss is built from per-token log-probs
+only; transformers adds ``router_aux_loss_coef * aux`` only when ``labels`` are passed, which
+the trainer never does, so ``output_router_logits`` changes nothing but memory. RL fine-tuning
+starts from a trained router at a small learning rate; watch ``actor/grad_norm`` and the
+rollout/trainer log-prob gap if a run drifts, rather than paying a balancing term on every step.
 """
 
 from __future__ import annotations
