@@ -1,4 +1,5 @@
-"""The sampler on Gemma 2, Gemma 3, Phi-3 and Qwen3-MoE against HF transformers (fp32, tiny random models)."""
+"""The sampler on Gemma 2, Gemma 3, Phi-3 and Qwen3-MoE against HF transformers (fp32, tiny random models);
+greedy decoding against HF ``generate`` is in test_sampler.py."""
 
 from __future__ import annotations
 
@@ -8,40 +9,12 @@ import transformers
 
 from rlhf.rollout import Sampler, SamplingParams
 from tests._archs import ARCHS, tiny_model
+from tests.unit.test_sampler import _model, _sampler, _teacher_forced
 
 PAD = 0
 # longer than the 4- and 6-token sliding windows of the tiny configs
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8, 9, 10], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [5],
            [33, 34, 35, 36, 40, 41, 42, 43, 44, 45, 46]]
-_MODELS: dict[str, torch.nn.Module] = {}
-
-
-def _model(kind: str) -> torch.nn.Module:
-    if kind not in _MODELS:
-        _MODELS[kind] = tiny_model(kind)
-    return _MODELS[kind]
-
-
-def _sampler(kind: str, **kw) -> Sampler:
-    m = _model(kind)
-    return Sampler(m.config, m.state_dict(), pad_token_id=PAD, **kw)
-
-
-@torch.no_grad()
-def _teacher_forced(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1].float()
-    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
-
-
-@pytest.mark.parametrize("kind", ARCHS)
-def test_greedy_tokens_and_logprobs_match_hf(kind):
-    model = _model(kind)
-    out = _sampler(kind).generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10))
-    for i, p in enumerate(PROMPTS):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=PAD,
-                             eos_token_id=None)[0, len(p):].tolist()
-        assert out.response_ids[i].tolist() == ref, f"{kind} prompt {i}"
-        torch.testing.assert_close(out.log_probs[i], _teacher_forced(model, p, ref, 1.0), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ARCHS)
