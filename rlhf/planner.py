@@ -148,7 +148,8 @@ class ModelShape:
         return n + self.norms_per_layer * self.hidden_size + 2 * self.head_dim * self.qk_norm
 
     def _dense_mlp_params(self) -> int:
-        return 3 * self.hidden_size * self.intermediate_size + (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
+        H, I = self.hidden_size, self.intermediate_size
+        return 3 * H * I + (2 * I + H) * self.mlp_bias
 
     def _experts_params(self, experts: int) -> int:
         """``experts`` experts (gate, up, down) and the router of one sparse block."""

@@ -47,8 +47,8 @@ def load_causal_lm(path: str, *, dtype: str = "float32", attn_implementation: st
                    trust_remote_code: bool = False, key: str = "model.path") -> PreTrainedModel:
     """`AutoModelForCausalLM` on CPU in the master dtype; FSDP2 moves shards to the device."""
     p = check_model_dir(path, key)
-    attn_implementation = training_attn_implementation(AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code),
-                                                       attn_implementation)
+    config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    attn_implementation = training_attn_implementation(config, attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(
         str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code)

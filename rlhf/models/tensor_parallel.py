@@ -183,8 +183,8 @@ def _layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 def _family_plan(model_type: str, layer: nn.Module) -> dict[str, ParallelStyle]:
     """The (non-sequence-parallel) plan of one block of the families in the module docstring."""
     if model_type == "phi3":
-        gathered = ColwiseParallel(output_layouts=Replicate())
-        return {"self_attn.qkv_proj": gathered, "self_attn.o_proj": RowwiseParallel(input_layouts=Replicate()),
+        return {"self_attn.qkv_proj": ColwiseParallel(output_layouts=Replicate()),
+                "self_attn.o_proj": RowwiseParallel(input_layouts=Replicate()),
                 "mlp.gate_up_proj": ColwiseParallel(output_layouts=Replicate()),
                 "mlp.down_proj": RowwiseParallel(input_layouts=Replicate())}
     plan = _layer_plan(False)
@@ -192,12 +192,6 @@ def _family_plan(model_type: str, layer: nn.Module) -> dict[str, ParallelStyle]:
         for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             del plan[name]
         plan["mlp.experts"] = ExpertsOverTP()
-    head_dim = 1 if model_type == "gemma3_text" else 2  # where the heads are when q_norm / k_norm run
-    for norm in ("q_norm", "k_norm"):  # per-head RMSNorm on the local heads
-        if getattr(layer.self_attn, norm, None) is not None:
-            # Each rank normalises its own heads: the weight is replicated and its
-            # gradient is summed over tp (input seen as Shard on the heads dim).
-            plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=head_dim, use_local_output=True)
     return plan
 
 
@@ -234,7 +228,8 @@ def _experts_over_tp_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     mesh = self.gate_up_proj.device_mesh
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
     out = experts(_replicated_input(hidden_states, mesh), top_k_index, _replicated_input(top_k_weights, mesh),
-                  gate_up, down, lambda g, u: self.act_fn(g) * u, expert_offset=mesh.get_local_rank() * gate_up.shape[0])
+                  gate_up, down, lambda g, u: self.act_fn(g) * u,
+                  expert_offset=mesh.get_local_rank() * gate_up.shape[0])
     return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
 
 
@@ -274,7 +269,8 @@ def apply_tp(
     validate_tp(model, tp)
     model_type = model.config.model_type
     if sequence_parallel and model_type not in _SEQUENCE_PARALLEL_TYPES:
-        raise ValueError(f"sequence_parallel: no plan for {model_type}; supported: {', '.join(_SEQUENCE_PARALLEL_TYPES)}")
+        raise ValueError(f"sequence_parallel: no plan for {model_type}; "
+                         f"supported: {', '.join(_SEQUENCE_PARALLEL_TYPES)}")
     if sequence_parallel and getattr(model, "source_class_name", None) is not None:
         raise ValueError(
             "sequence_parallel is not supported on pipeline stages (stage boundaries carry "
@@ -302,9 +298,12 @@ def apply_tp(
         )
     for layer in _decoder_layers(model):
         plan = _layer_plan(True) if sequence_parallel else _family_plan(model_type, layer)
-        if sequence_parallel and getattr(layer.self_attn, "q_norm", None) is not None:  # Qwen3, [b, T, heads, hd]
-            for norm in ("q_norm", "k_norm"):
-                plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        heads_dim = 1 if model_type == "gemma3_text" else 2  # q/k norms see [b, heads, T, hd] / [b, T, heads, hd]
+        for norm in ("q_norm", "k_norm"):  # Qwen3 / Gemma 3: per-head RMSNorm of the local heads
+            if getattr(layer.self_attn, norm, None) is not None:
+                # Each rank normalises its own heads: the weight is replicated and its
+                # gradient is summed over tp (input seen as Shard on the heads dim).
+                plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=heads_dim, use_local_output=True)
         parallelize_module(layer, tp_mesh, plan)
         if model_type != "phi3":  # Phi-3's attention runs on all heads (module docstring)
             _localize_attention_attrs(layer.self_attn, tp)

@@ -145,6 +145,11 @@ def _sliding_mask(length: int, window: int, device: torch.device) -> torch.Tenso
     return (k <= q) & (k > q - window)
 
 
+def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """The sliding-window mask of a ``length``-token sequence, None where plain causal is the same."""
+    return _sliding_mask(length, window, device) if window is not None and length > window else None
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
           dropout: float, softcap: float | None) -> torch.Tensor:
     """Causal SDPA (``mask`` None) or masked SDPA (bool, True = attend), with GQA; soft-capped
@@ -179,8 +184,7 @@ def _bucketed_sdpa(
         qb = q.index_select(1, idx).view(H, n_b, l_b, D).transpose(0, 1)  # [n_b, H, L_b, D]
         kb = k.index_select(1, idx).view(k.shape[0], n_b, l_b, D).transpose(0, 1)
         vb = v.index_select(1, idx).view(v.shape[0], n_b, l_b, v.shape[-1]).transpose(0, 1)
-        mask = _sliding_mask(l_b, sliding_window, q.device) if sliding_window is not None and l_b > sliding_window else None
-        ob = _sdpa(qb, kb, vb, mask, scaling, dropout, softcap)
+        ob = _sdpa(qb, kb, vb, _window_mask(l_b, sliding_window, q.device), scaling, dropout, softcap)
         ob = ob.transpose(1, 2).reshape(n_b * l_b, H, ob.shape[-1])  # [n_b*L_b, H, Dv]
         outs.append(ob[ok])
     out = torch.cat(outs, dim=0)[plan.inverse]  # [T, H, Dv]
@@ -220,8 +224,7 @@ def _unpacked_attention(
     """A regular (padded / cached) call: same result as transformers' sdpa (or, soft-capped, eager)."""
     if attention_mask is None and query.shape[2] == key.shape[2]:
         # :func:`varlen_attention_mask` dropped a plain causal (or sliding) mask.
-        L = query.shape[2]
-        mask = _sliding_mask(L, sliding_window, query.device) if sliding_window is not None and L > sliding_window else None
+        mask = _window_mask(query.shape[2], sliding_window, query.device)
         return _sdpa(query, key, value, mask, scaling, dropout, softcap).transpose(1, 2).contiguous(), None
     if softcap is not None:
         mask = attention_mask

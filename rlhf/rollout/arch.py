@@ -100,18 +100,19 @@ def _rope_params(config: Any) -> dict:
     return params
 
 
+def _per_layer_type(params: dict) -> bool:
+    return "full_attention" in params and "rope_theta" not in params  # Gemma 3: one dict per layer type
+
+
 def _layer_rope_params(config: Any) -> list[dict]:
-    """Rope parameters per rope table, and which table each layer uses (``_rope_index``)."""
+    """Rope parameters of each rope table: global layers', then (Gemma 3) sliding layers'."""
     params = _rope_params(config)
-    if "full_attention" in params and "rope_theta" not in params:  # Gemma 3: one dict per layer type
-        return [params["full_attention"], params["sliding_attention"]]
-    return [params]
+    return [params["full_attention"], params["sliding_attention"]] if _per_layer_type(params) else [params]
 
 
 def _rope_index(config: Any, layer: int) -> int:
-    params = _rope_params(config)
-    nested = "full_attention" in params and "rope_theta" not in params
-    return int(nested and config.layer_types[layer] == "sliding_attention")
+    """The rope table of ``layer`` (a row of :func:`_layer_rope_params`)."""
+    return int(_per_layer_type(_rope_params(config)) and config.layer_types[layer] == "sliding_attention")
 
 
 def from_config(config: Any, head_dim: int) -> ArchSpec:
@@ -129,10 +130,10 @@ def from_config(config: Any, head_dim: int) -> ArchSpec:
     # Gemma 3 keeps attn_logit_softcapping in its config but its attention never applies it.
     softcap = getattr(config, "attn_logit_softcapping", None) if model_type == "gemma2" else None
     window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
+    layer_types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
     layers = []
     for i in range(config.num_hidden_layers):
-        sliding = model_type in _WINDOW_ALL_LAYERS or (layer_types is not None and layer_types[i] == "sliding_attention")
+        sliding = model_type in _WINDOW_ALL_LAYERS or layer_types[i] == "sliding_attention"
         layers.append(LayerAttn(scale=scale, softcap=softcap, window=window if sliding else None,
                                 rope=_rope_index(config, i)))
     rope_max_len = None
@@ -176,8 +177,8 @@ def rope_inv_freq(config: Any, rotary_dim: int) -> tuple[Tensor, Tensor]:
     """HF's inverse frequencies ``[K, rotary_dim // 2]`` (float32) and cos/sin scales ``[K]``,
     one row per rope table (K = 2 for Gemma 3: global layers, then sliding layers)."""
     invs, scales = [], []
-    nested = len(_layer_rope_params(config)) > 1
-    for i, params in enumerate(_layer_rope_params(config)):
+    tables = _layer_rope_params(config)
+    for i, params in enumerate(tables):
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "default":
             base = params["rope_theta"]
@@ -192,7 +193,7 @@ def rope_inv_freq(config: Any, rotary_dim: int) -> tuple[Tensor, Tensor]:
             )
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        kw = {"layer_type": ("full_attention", "sliding_attention")[i]} if nested else {}
+        kw = {"layer_type": ("full_attention", "sliding_attention")[i]} if len(tables) > 1 else {}
         inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kw)
         invs.append(inv.float())
         scales.append(float(scale))

@@ -219,7 +219,7 @@ def prepare_weights(
                 else None,
                 o_w=get(a + "o_proj.weight"),
                 o_b=get(a + "o_proj.bias", required=False),
-                post_norm=norm_w(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
+                post_norm=norm_w(p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"),
                 gate_up_w=get(m + "gate_up_proj.weight") if fused
                 else cat(get(m + "gate_proj.weight"), get(m + "up_proj.weight")) if dense else None,
                 gate_up_b=cat(get(m + "gate_proj.bias", False), get(m + "up_proj.bias", False)) if dense else None,
@@ -420,7 +420,7 @@ def prefill_chunk(
         ``[1, V]`` float32 logits of the token after the chunk.
     """
     n = input_ids.shape[0]
-    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    h, d = spec.num_heads, spec.head_dim
     positions = torch.arange(start, start + n, device=input_ids.device)
     c, s = head_rope(cos[:, positions], sin[:, positions], spec)  # [K, c, Hall, R]
     index = cache.prefill_index(slots, start, n)
