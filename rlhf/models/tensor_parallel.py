@@ -68,8 +68,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-# HF model_type -> family name; the class names below are what users see in errors.
-_SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "qwen3_moe")
+from rlhf.rollout.arch import SUPPORTED_MODEL_TYPES as _SUPPORTED_MODEL_TYPES  # the families, one list
+
+# The class names below are what users see in errors.
 _SEQUENCE_PARALLEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_CLASSES = (
     "LlamaForCausalLM",

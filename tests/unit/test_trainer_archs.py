@@ -72,3 +72,13 @@ def test_gemma2_trains_on_the_softcapping_varlen_kernel():
         (lp * mask[:, -R:]).sum().backward()
     for (name, a), b in zip(eager.named_parameters(), ours.parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_gemma2_critic_loads_on_the_softcapping_kernel(tmp_path):
+    from rlhf.critic import load_value_model
+    from tests._archs import write_tiny_model
+
+    critic = load_value_model(write_tiny_model(tmp_path, "gemma2"))
+    assert critic.config._attn_implementation == "rlhf_varlen"
+    ids, mask = _batch()
+    assert critic(input_ids=ids, attention_mask=mask).logits.shape == (4, 16, 1)
