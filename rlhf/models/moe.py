@@ -15,8 +15,8 @@ tokens are a contiguous block, and both projections run as ONE grouped matmul ov
 in assignment order and summed over the k experts of each token (the order transformers'
 ``grouped_mm`` experts path sums in). Shapes are static (sort, histogram by ``index_add_``,
 offsets by ``cumsum``), so a decode step stays capturable in a CUDA graph. Where grouped_mm
-cannot run (a CUDA GPU older than sm80 or a non-bf16 dtype there, unaligned sizes), the
-blocks are multiplied one expert at a time instead (same result, one host sync).
+cannot run (a CUDA GPU older than sm80, sizes whose rows are not 16-byte aligned), the blocks
+are multiplied one expert at a time instead (same result, one host sync: not under CUDA graphs).
 
 Experts over tensor parallelism: a rank holds the experts ``[offset, offset + E_local)`` (the
 weights' dim 0 is split over tp: ``rlhf.rollout.reshard``, ``rlhf.models.tensor_parallel``) and
@@ -81,7 +81,7 @@ def _grouped_mm_ok(a: Tensor, w: Tensor) -> bool:
     if any(n * a.element_size() % 16 for n in (w.shape[-1], w.shape[-2])):  # the kernel's 16-byte strides
         return False
     if a.device.type == "cuda":
-        return a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)
+        return torch.cuda.get_device_capability(a.device) >= (8, 0)
     return a.device.type == "cpu"
 
 
@@ -90,6 +90,9 @@ def grouped_linear(a: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     ``w [G, out, in]`` transposed -> ``[S, out]``; rows past ``offs[-1]`` are left undefined."""
     if _grouped_mm_ok(a, w):
         return F.grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    if a.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("MoE experts: torch grouped_mm cannot run here (GPU older than sm80 or unaligned sizes) and "
+                           "the per-expert fallback cannot be captured in a CUDA graph; set rollout.compile=false")
     out = a.new_zeros((a.shape[0], w.shape[1]))
     start = 0
     for g, end in enumerate(offs.tolist()):
