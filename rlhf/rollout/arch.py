@@ -1,7 +1,7 @@
 """Architecture variants of the rollout decoder: what differs between the supported HF families.
 
-``SUPPORTED_MODEL_TYPES`` is THE list of HF ``model_type`` values the sampler runs (the TP plan
-and the memory planner cover the same families). :class:`ArchSpec` holds, read once from an HF
+``SUPPORTED_MODEL_TYPES`` is THE list of HF ``model_type`` values the sampler runs (the TP plan,
+``rlhf.models.tensor_parallel``, reads it; the memory planner covers the same families). :class:`ArchSpec` holds, read once from an HF
 config, everything a family changes relative to the Llama block of ``rlhf.rollout.decoder``;
 the decoder calls the helpers below at a handful of dispatch points:
 
@@ -31,7 +31,8 @@ Attention: :func:`attend` is the one attention function of the decoder. Its per-
 parameters (:class:`LayerAttn`: softmax scale, soft-cap, sliding window) change the math, and
 :class:`Masks` builds each distinct mask once per forward. SDPA has no soft-cap, so a capped
 layer runs the explicit ``softmax(cap * tanh(q k^T * scale / cap))`` of
-:func:`rlhf.models.softcap_attention.attention`.
+:func:`rlhf.models.softcap_attention.attention`. Sliding windows only mask: the paged KV cache
+still keeps every position of a sliding layer (no ring buffer, no memory saved).
 """
 
 from __future__ import annotations
