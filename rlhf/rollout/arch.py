@@ -1,9 +1,10 @@
 """Architecture variants of the rollout decoder: what differs between the supported HF families.
 
 ``SUPPORTED_MODEL_TYPES`` is THE list of HF ``model_type`` values the sampler runs (the TP plan,
-``rlhf.models.tensor_parallel``, reads it; the memory planner covers the same families). :class:`ArchSpec` holds, read once from an HF
-config, everything a family changes relative to the Llama block of ``rlhf.rollout.decoder``;
-the decoder calls the helpers below at a handful of dispatch points:
+``rlhf.models.tensor_parallel``, reads it; the memory planner covers the same families).
+:class:`ArchSpec` holds, read once from an HF config, everything a family changes relative to
+the Llama block of ``rlhf.rollout.decoder``; the decoder calls the helpers below at a handful of
+dispatch points:
 
 =================  =====================================================================
 family             differences (checked against transformers 5.x modeling code)

@@ -108,7 +108,8 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[Tensor, Tensor]:
     return arch.rope_inv_freq(config, arch.rotary_dim(config, head_dim))
 
 
-def rope_tables(inv_freq: Tensor, scale: Tensor, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+def rope_tables(inv_freq: Tensor, scale: Tensor, max_seq_len: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[Tensor, Tensor]:
     """cos and signed sin tables ``[K, max_seq_len, R]`` (fp32 like HF, then cast; R = rotary dim).
 
     HF's ``rotate_half(x) * sin`` equals ``roll(x, R/2) * sin_signed`` with
