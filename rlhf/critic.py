@@ -42,7 +42,7 @@ from rlhf.algos.value_loss import compute_value_loss
 from rlhf.batch import RolloutBatch, split_rows
 from rlhf.config import ConfigError, CriticConfig, ModelConfig, ParallelConfig
 from rlhf.data.batching import micro_batches_for_rank
-from rlhf.models.loading import DTYPES, check_model_dir
+from rlhf.models.loading import DTYPES, check_model_dir, training_attn_implementation
 from rlhf.models.logprobs import position_ids_from_mask
 from rlhf.models.packed import packed_forward_values
 from rlhf.models.parallelize import ParallelModel, parallelize_model
@@ -76,7 +76,8 @@ def load_value_model(path: str, *, dtype: str = "float32", attn_implementation: 
     config.use_cache = False
     try:
         model, info = AutoModelForTokenClassification.from_pretrained(
-            str(p), config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+            str(p), config=config, dtype=DTYPES[dtype],
+            attn_implementation=training_attn_implementation(config, attn_implementation),
             trust_remote_code=trust_remote_code, output_loading_info=True)
     except ValueError as e:  # transformers: "Unrecognized configuration class ..."
         raise ConfigError(f"{key}: {config.model_type} has no token-classification model in transformers, "

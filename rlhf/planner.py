@@ -46,10 +46,11 @@ from typing import Optional
 
 from rlhf.config import Config, ConfigError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024 ** 3
-_LORA_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # --------------------------------------------------------------------------- model shape
@@ -57,7 +58,13 @@ _LORA_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Sizes of a Llama-family decoder read from an HF config.json dict."""
+    """Sizes of a supported decoder read from an HF config.json dict.
+
+    Per family: Gemma 2/3 have four RMSNorms per block (and Gemma 3 per-head q/k norms); Phi-3
+    fuses q|k|v and gate|up (same counts, other module names); Qwen3-MoE's sparse blocks hold
+    ``num_experts`` experts of ``moe_intermediate_size`` and a router, of which a token uses
+    ``experts_per_tok`` (:meth:`num_active_params`); experts are split over tp like the rest.
+    """
 
     architecture: str
     vocab_size: int
@@ -72,6 +79,12 @@ class ModelShape:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool  # Qwen3: per-head RMSNorm of q and k
+    norms_per_layer: int = 2  # Gemma: 4 (sandwich norms)
+    fused: bool = False  # Phi-3: qkv_proj / gate_up_proj
+    num_experts: int = 0  # Qwen3-MoE
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    sparse_layers: int = 0  # blocks with routed experts (the others keep the dense MLP)
 
     @classmethod
     def from_config_dict(cls, d: dict, source: str = "config.json") -> "ModelShape":
@@ -83,14 +96,23 @@ class ModelShape:
         try:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
+            layers = int(d["num_hidden_layers"])
+            moe = arch == "Qwen3MoeForCausalLM"
+            skip, step = set(d.get("mlp_only_layers") or []), int(d.get("decoder_sparse_step") or 1)
             return cls(architecture=arch, vocab_size=int(d["vocab_size"]), hidden_size=hidden,
-                       intermediate_size=int(d["intermediate_size"]), num_layers=int(d["num_hidden_layers"]),
+                       intermediate_size=int(d["intermediate_size"]), num_layers=layers,
                        num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
                        head_dim=int(d.get("head_dim") or hidden // heads),
-                       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                       tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in _GEMMA)),
                        qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
                        o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias", False)),
-                       mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM")
+                       mlp_bias=bool(d.get("mlp_bias", False)),
+                       qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
+                       norms_per_layer=4 if arch in _GEMMA else 2, fused=arch == "Phi3ForCausalLM",
+                       num_experts=int(d.get("num_experts") or d["num_local_experts"]) if moe else 0,
+                       experts_per_tok=int(d["num_experts_per_tok"]) if moe else 0,
+                       moe_intermediate_size=int(d["moe_intermediate_size"]) if moe else 0,
+                       sparse_layers=sum(i not in skip and (i + 1) % step == 0 for i in range(layers)) if moe else 0)
         except KeyError as e:
             raise ConfigError(f"{source}: missing key {e.args[0]!r} needed by the memory planner") from None
 
@@ -109,17 +131,45 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear of one decoder block."""
+    def linears(self, dense_mlp: bool = True) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each ``nn.Linear`` of one decoder block (a sparse MoE
+        block, ``dense_mlp=False``, has attention linears only: its experts are 3-D parameters)."""
         H, I = self.hidden_size, self.intermediate_size
-        return {"q_proj": (H, self.q_dim), "k_proj": (H, self.kv_dim), "v_proj": (H, self.kv_dim),
-                "o_proj": (self.q_dim, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+        if self.fused:
+            out = {"qkv_proj": (H, self.q_dim + 2 * self.kv_dim), "o_proj": (self.q_dim, H)}
+            return {**out, "gate_up_proj": (H, 2 * I), "down_proj": (I, H)} if dense_mlp else out
+        out = {"q_proj": (H, self.q_dim), "k_proj": (H, self.kv_dim), "v_proj": (H, self.kv_dim),
+               "o_proj": (self.q_dim, H)}
+        return {**out, "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)} if dense_mlp else out
+
+    def _attn_and_norm_params(self) -> int:
+        n = sum(i * o for i, o in self.linears(dense_mlp=False).values())
+        n += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + self.hidden_size * self.o_bias
+        return n + self.norms_per_layer * self.hidden_size + 2 * self.head_dim * self.qk_norm
+
+    def _dense_mlp_params(self) -> int:
+        H, I = self.hidden_size, self.intermediate_size
+        return 3 * H * I + (2 * I + H) * self.mlp_bias
+
+    def _experts_params(self, experts: int) -> int:
+        """``experts`` experts (gate, up, down) and the router of one sparse block."""
+        return experts * 3 * self.hidden_size * self.moe_intermediate_size + self.num_experts * self.hidden_size
 
     def layer_params(self) -> int:
-        n = sum(i * o for i, o in self.linears().values())
-        n += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + self.hidden_size * self.o_bias
-        n += (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
-        return n + 2 * self.hidden_size + 2 * self.head_dim * self.qk_norm
+        """Parameters of the largest decoder block."""
+        mlp = self._experts_params(self.num_experts) if self.sparse_layers else self._dense_mlp_params()
+        return self._attn_and_norm_params() + mlp
+
+    def decoder_params(self, active: bool = False) -> int:
+        """All decoder blocks (``active``: only the experts a token is routed to)."""
+        sparse = self._experts_params(self.experts_per_tok if active else self.num_experts)
+        mlp = self.sparse_layers * sparse + (self.num_layers - self.sparse_layers) * self._dense_mlp_params()
+        return self.num_layers * self._attn_and_norm_params() + mlp
+
+    @property
+    def mlp_width(self) -> int:
+        """Intermediate activations of one token's MLP (MoE: over its routed experts)."""
+        return self.experts_per_tok * self.moe_intermediate_size if self.sparse_layers else self.intermediate_size
 
     def embed_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -129,11 +179,16 @@ class ModelShape:
         return self.hidden_size + (0 if self.tie_word_embeddings else self.embed_params())
 
     def num_params(self) -> int:
-        return self.embed_params() + self.num_layers * self.layer_params() + self.head_params()
+        return self.embed_params() + self.decoder_params() + self.head_params()
+
+    def num_active_params(self) -> int:
+        """Parameters one token goes through (MoE: routed experts only; dense: all)."""
+        return self.embed_params() + self.decoder_params(active=True) + self.head_params()
 
     def lora_params_per_layer(self, rank: int, target_modules) -> int:
-        names = _LORA_ALL_LINEAR if target_modules == "all-linear" else [str(t) for t in target_modules]
-        return sum(rank * (i + o) for name, (i, o) in self.linears().items() if name in names)
+        linears = self.linears(dense_mlp=not self.sparse_layers)
+        names = list(linears) if target_modules == "all-linear" else [str(t) for t in target_modules]
+        return sum(rank * (i + o) for name, (i, o) in linears.items() if name in names)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -196,9 +251,9 @@ def activation_elems_per_token_layer(s: ModelShape, tp: int, compute_bytes: int)
     Head / MLP tensors are split over tp; the residual stream is not.
     """
     fp32_ratio = 4 / compute_bytes
-    norms = 2 * (s.hidden_size * fp32_ratio + s.hidden_size)
+    norms = s.norms_per_layer * (s.hidden_size * fp32_ratio + s.hidden_size)
     attn = (3 * s.q_dim + 2 * s.kv_dim) / tp
-    mlp = 4 * s.intermediate_size / tp
+    mlp = 4 * s.mlp_width / tp + s.num_experts  # (MoE: router logits)
     return norms + attn + mlp + s.hidden_size  # + the block input (the residual)
 
 
@@ -265,7 +320,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
                      "here when it does not fit); set kv_cache_tokens to plan a fixed budget")
     prefill_tokens = min(r.prefill_tokens, seqs // r.n * d.max_prompt_length)
     comp["rollout activations"] = (prefill_tokens * (s.hidden_size * 3 + (s.q_dim + 2 * s.kv_dim
-                                   + 2 * s.intermediate_size) / r.tp) * rb
+                                   + 2 * s.mlp_width) / r.tp) * rb
                                    + 4 * (slots + seqs // r.n) * s.vocab_size * 4)  # fp32 logits, softmax, cdf
 
     # Training micro-batch: padded rows of prompt + response tokens.
@@ -320,8 +375,9 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
 
 def _lora_merged(s: ModelShape, m, rollout_tp: int, rb: int) -> float:
     """Merged W + (alpha/r) B A tensors of the adapted linears (new tensors each step)."""
-    names = _LORA_ALL_LINEAR if m.target_modules == "all-linear" else [str(t) for t in m.target_modules]
-    per_layer = sum(i * o for n, (i, o) in s.linears().items() if n in names)
+    linears = s.linears(dense_mlp=not s.sparse_layers)
+    names = list(linears) if m.target_modules == "all-linear" else [str(t) for t in m.target_modules]
+    per_layer = sum(i * o for n, (i, o) in linears.items() if n in names)
     return s.num_layers * per_layer / rollout_tp * rb
 
 
@@ -331,11 +387,15 @@ class _HFLike:
     def __init__(self, s: ModelShape):
         self.num_attention_heads, self.num_key_value_heads = s.num_heads, s.num_kv_heads
         self.intermediate_size, self.vocab_size, self.num_hidden_layers = s.intermediate_size, s.vocab_size, s.num_layers
+        self.model_type = "qwen3_moe" if s.num_experts else s.architecture
+        self.num_experts = s.num_experts
 
 
 def format_plan(plan: MemoryPlan, device_memory: Optional[int] = None, headroom: float = 0.10) -> str:
     s, lay = plan.shape, plan.layout
-    lines = [f"[plan] {s.architecture}: {s.num_params() / 1e9:.3f}B parameters ({s.num_layers} layers, hidden "
+    active = f", {s.num_active_params() / 1e9:.3f}B active per token ({s.experts_per_tok} of {s.num_experts} " \
+        f"experts; experts split over tp)" if s.num_experts else ""
+    lines = [f"[plan] {s.architecture}: {s.num_params() / 1e9:.3f}B parameters{active} ({s.num_layers} layers, hidden "
              f"{s.hidden_size}, vocab {s.vocab_size}, heads {s.num_heads}/{s.num_kv_heads} kv)",
              f"[plan] layout: world {lay['world']} = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}, "
              f"rollout.tp {lay['rollout_tp']}, device {lay['device']}; kv-cache slots {lay['slots']} x "

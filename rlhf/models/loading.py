@@ -47,11 +47,24 @@ def load_causal_lm(path: str, *, dtype: str = "float32", attn_implementation: st
                    trust_remote_code: bool = False, key: str = "model.path") -> PreTrainedModel:
     """`AutoModelForCausalLM` on CPU in the master dtype; FSDP2 moves shards to the device."""
     p = check_model_dir(path, key)
+    config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    attn_implementation = training_attn_implementation(config, attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(
         str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code)
     model.config.use_cache = False
     return model
+
+
+def training_attn_implementation(config, requested: str) -> str:
+    """The attention kernel to load a model with: ``requested``, except that Gemma 2 (whose
+    attention-logit soft-capping SDPA cannot express; transformers refuses sdpa for it) gets the
+    project's varlen attention instead of sdpa: SDPA where there is no cap, soft-capped otherwise."""
+    if requested == "sdpa" and config.model_type == "gemma2":
+        from rlhf.models.varlen_attention import register_varlen_attention
+
+        return register_varlen_attention()
+    return requested
 
 
 def model_config(path: str, trust_remote_code: bool = False, key: str = "model.path"):

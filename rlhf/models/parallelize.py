@@ -34,7 +34,7 @@ from rlhf.models.activation_checkpointing import apply_ac
 from rlhf.models.fsdp import apply_fsdp
 from rlhf.models.loading import decoder_layers
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
-from rlhf.models.tensor_parallel import apply_tp
+from rlhf.models.tensor_parallel import apply_tp, moe_sizes
 from rlhf.models.ulysses import check_sp
 from rlhf.parallel import ParallelDims, fsdp_mesh
 
@@ -237,7 +237,8 @@ def validate_layout(parallel: Any, hf_config: Any, world_size: int, *, rollout_t
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     sizes = {"num_attention_heads": heads, "num_key_value_heads": kv_heads,
-             "intermediate_size": hf_config.intermediate_size, "vocab_size": hf_config.vocab_size}
+             "intermediate_size": hf_config.intermediate_size, "vocab_size": hf_config.vocab_size,
+             **moe_sizes(hf_config)}
     for key, value in sizes.items():
         if value % tp:
             raise ConfigError(f"impossible parallel layout: model {key}={value} is not divisible by "
@@ -265,7 +266,7 @@ def validate_layout(parallel: Any, hf_config: Any, world_size: int, *, rollout_t
         raise ConfigError(f"impossible rollout layout: rollout.tp={rollout_tp} does not divide the world size "
                           f"{world_size} (= parallel.dp x tp x pp = {dp} x {tp} x {pp})")
     for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                       ("intermediate_size", hf_config.intermediate_size)):
+                       ("intermediate_size", hf_config.intermediate_size), *moe_sizes(hf_config).items()):
         if value % rollout_tp:
             raise ConfigError(f"impossible rollout layout: model {key}={value} is not divisible by "
                               f"rollout.tp={rollout_tp}")

@@ -8,6 +8,27 @@ Plan per decoder block (``parallelize_module`` on the 1-D tp mesh)::
     mlp.{gate,up}_proj       ColwiseParallel   -> intermediate/tp columns
     mlp.down_proj            RowwiseParallel
 
+Families beyond Llama / Qwen2 / Qwen3 / Mistral (``_family_plan``):
+
+* Gemma 2 / Gemma 3: the same projections; Gemma 3's per-head q/k norms run on
+  ``[b, heads, T, hd]`` (heads on dim 1, Qwen3's on dim 2); the extra norms stay replicated.
+* Phi-3: ``qkv_proj`` and ``gate_up_proj`` are fused, and the HF forward slices them by the
+  *global* head / intermediate sizes, so a row shard of them is not a set of whole heads.
+  transformers' own Phi-3 plan is used: the fused projections are column-parallel with the
+  output gathered (``Replicate``), attention and the gate run on all heads / columns on every
+  rank, and ``o_proj`` / ``down_proj`` are row-parallel on a replicated input (a local slice).
+  Parameters and projection FLOPs are split; attention is not, and each block all-gathers
+  the fused outputs. (A faster plan would need the fused weights stored head-interleaved.)
+* Qwen3-MoE: experts over tp (:class:`ExpertsOverTP`): each rank holds ``num_experts / tp``
+  whole experts (``mlp.experts.gate_up_proj`` / ``down_proj`` split on dim 0), the router
+  ``mlp.gate`` is replicated. Tokens are replicated over tp already, so no all-to-all is
+  needed: each rank runs its experts on the tokens routed to them and the partial outputs are
+  all-reduced, like a row-parallel ``down_proj``. Why not each expert's gate/up by rows and
+  down by columns: HF stores gate|up fused per expert (``[E, 2I, H]``), the Phi-3 problem
+  again, and tiny per-expert matmuls split tp ways waste the GPU. Dense layers
+  (``mlp_only_layers``) use the dense plan. Experts must divide by tp; the load balance
+  follows the router.
+
 and for the ends of the model::
 
     model.embed_tokens       RowwiseParallel(input Replicate)  vocab-parallel embedding
@@ -34,9 +55,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -46,13 +68,19 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-# HF model_type -> family name; the class names below are what users see in errors.
-_SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from rlhf.rollout.arch import SUPPORTED_MODEL_TYPES as _SUPPORTED_MODEL_TYPES  # the families, one list
+
+# The class names below are what users see in errors.
+_SEQUENCE_PARALLEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_CLASSES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     # critic / reward heads of the same families (score head kept replicated)
     "LlamaForTokenClassification",
     "Qwen2ForTokenClassification",
@@ -98,6 +126,7 @@ def validate_tp(model: nn.Module, tp: int) -> None:
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
         "intermediate_size": config.intermediate_size,
         "vocab_size": config.vocab_size,
+        **moe_sizes(config),
     }
     for key, value in sizes.items():
         if value % tp != 0:
@@ -105,6 +134,12 @@ def validate_tp(model: nn.Module, tp: int) -> None:
                 f"{name}: {key}={value} is not divisible by parallel.tp={tp} "
                 f"({key} % tp = {value % tp}); choose a tp that divides {value}"
             )
+
+
+def moe_sizes(config) -> dict[str, int]:
+    """Sizes a tp (training or rollout) must divide besides heads / intermediate / vocab: the experts."""
+    experts = getattr(config, "num_experts", None) if config.model_type == "qwen3_moe" else None
+    return {"num_experts": experts} if experts else {}
 
 
 def _decoder_layers(model: nn.Module) -> Iterable[nn.Module]:
@@ -146,6 +181,59 @@ def _layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
+def _family_plan(model_type: str, layer: nn.Module) -> dict[str, ParallelStyle]:
+    """The (non-sequence-parallel) plan of one block of the families in the module docstring."""
+    if model_type == "phi3":
+        return {"self_attn.qkv_proj": ColwiseParallel(output_layouts=Replicate()),
+                "self_attn.o_proj": RowwiseParallel(input_layouts=Replicate()),
+                "mlp.gate_up_proj": ColwiseParallel(output_layouts=Replicate()),
+                "mlp.down_proj": RowwiseParallel(input_layouts=Replicate())}
+    plan = _layer_plan(False)
+    if hasattr(layer.mlp, "experts"):  # a sparse MoE block
+        for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            del plan[name]
+        plan["mlp.experts"] = ExpertsOverTP()
+    return plan
+
+
+class ExpertsOverTP(ParallelStyle):
+    """Experts over the tp mesh: ``gate_up_proj`` / ``down_proj`` (``[E, ...]``) become ``Shard(0)``
+    DTensors and the module runs :func:`rlhf.models.moe.experts` on its local experts.
+
+    The inputs (tokens, routing weights) are replicated over tp; this rank's experts contribute
+    only part of their gradients, so they are declared ``Partial`` (summed over tp in the
+    backward) and the output, a partial sum over experts, is all-reduced in the forward.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            if mod is module:
+                for pname, p in list(mod.named_parameters(recurse=False)):
+                    dt = distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None)
+                    mod.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+        distribute_module(module, device_mesh, partition)
+        module.forward = _experts_over_tp_forward.__get__(module)
+        return module
+
+
+def _replicated_input(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``t`` (identical on every tp rank) whose gradient is summed over tp in the backward."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _experts_over_tp_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    from rlhf.models.moe import experts
+
+    mesh = self.gate_up_proj.device_mesh
+    gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
+    out = experts(_replicated_input(hidden_states, mesh), top_k_index, _replicated_input(top_k_weights, mesh),
+                  gate_up, down, lambda g, u: self.act_fn(g) * u,
+                  expert_offset=mesh.get_local_rank() * gate_up.shape[0])
+    return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
+
+
 def _localize_attention_attrs(attn: nn.Module, tp: int) -> None:
     # transformers 5.x reads head counts from the weight shape (view(..., -1, head_dim));
     # older versions and some forks store them on the module, so keep those consistent.
@@ -180,6 +268,10 @@ def apply_tp(
     """
     tp = tp_mesh.size()
     validate_tp(model, tp)
+    model_type = model.config.model_type
+    if sequence_parallel and model_type not in _SEQUENCE_PARALLEL_TYPES:
+        raise ValueError(f"sequence_parallel: no plan for {model_type}; "
+                         f"supported: {', '.join(_SEQUENCE_PARALLEL_TYPES)}")
     if sequence_parallel and getattr(model, "source_class_name", None) is not None:
         raise ValueError(
             "sequence_parallel is not supported on pipeline stages (stage boundaries carry "
@@ -206,14 +298,16 @@ def apply_tp(
             ),
         )
     for layer in _decoder_layers(model):
-        plan = _layer_plan(sequence_parallel)
-        for norm in ("q_norm", "k_norm"):  # Qwen3: per-head RMSNorm on [b, T, heads, head_dim]
+        plan = _layer_plan(True) if sequence_parallel else _family_plan(model_type, layer)
+        heads_dim = 1 if model_type == "gemma3_text" else 2  # q/k norms see [b, heads, T, hd] / [b, T, heads, hd]
+        for norm in ("q_norm", "k_norm"):  # Qwen3 / Gemma 3: per-head RMSNorm of the local heads
             if getattr(layer.self_attn, norm, None) is not None:
                 # Each rank normalises its own heads: the weight is replicated and its
                 # gradient is summed over tp (input seen as Shard on the heads dim).
-                plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+                plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=heads_dim, use_local_output=True)
         parallelize_module(layer, tp_mesh, plan)
-        _localize_attention_attrs(layer.self_attn, tp)
+        if model_type != "phi3":  # Phi-3's attention runs on all heads (module docstring)
+            _localize_attention_attrs(layer.self_attn, tp)
     if sequence_parallel and getattr(inner, "norm", None) is not None:
         parallelize_module(inner.norm, tp_mesh, SequenceParallel())
 

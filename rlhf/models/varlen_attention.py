@@ -13,6 +13,8 @@ Packed calls (``cu_seq_lens_q`` given), two back ends with the same semantics (c
 inside each sequence, no attention across sequences, GQA, optional sliding window):
 
 * GPU with ``flash_attn`` installed and fp16/bf16 inputs: ``flash_attn_varlen_func``.
+  Attention-logit soft-capping (Gemma 2's ``softcap``) is passed to it; the other paths
+  apply it with :func:`rlhf.models.softcap_attention.attention` (SDPA has no soft-cap).
 * Otherwise (CPU, fp32, no flash-attn): sequences are sorted by length and grouped into
   buckets whose lengths are within ``bucket_ratio`` of the bucket's longest; each bucket is
   gathered into ``[n_b, H, L_b, D]`` (right-padded inside the bucket) and runs one
@@ -38,6 +40,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rlhf.models.softcap_attention import attention as softcap_attention
 
 __all__ = [
     "VARLEN_ATTN_IMPLEMENTATION",
@@ -141,6 +145,27 @@ def _sliding_mask(length: int, window: int, device: torch.device) -> torch.Tenso
     return (k <= q) & (k > q - window)
 
 
+def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """The sliding-window mask of a ``length``-token sequence, None where plain causal is the same."""
+    return _sliding_mask(length, window, device) if window is not None and length > window else None
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
+          dropout: float, softcap: float | None) -> torch.Tensor:
+    """Causal SDPA (``mask`` None) or masked SDPA (bool, True = attend), with GQA; soft-capped
+    logits take the explicit path (SDPA has no soft-cap)."""
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
+                                                  enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                              enable_gqa=True)
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    return softcap_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)
+
+
 def _bucketed_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -149,6 +174,7 @@ def _bucketed_sdpa(
     scaling: float | None,
     dropout: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, H, D]``."""
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
@@ -158,15 +184,7 @@ def _bucketed_sdpa(
         qb = q.index_select(1, idx).view(H, n_b, l_b, D).transpose(0, 1)  # [n_b, H, L_b, D]
         kb = k.index_select(1, idx).view(k.shape[0], n_b, l_b, D).transpose(0, 1)
         vb = v.index_select(1, idx).view(v.shape[0], n_b, l_b, v.shape[-1]).transpose(0, 1)
-        if sliding_window is not None and l_b > sliding_window:
-            mask = _sliding_mask(l_b, sliding_window, q.device)
-            ob = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-            )
-        else:
-            ob = F.scaled_dot_product_attention(
-                qb, kb, vb, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=True
-            )
+        ob = _sdpa(qb, kb, vb, _window_mask(l_b, sliding_window, q.device), scaling, dropout, softcap)
         ob = ob.transpose(1, 2).reshape(n_b * l_b, H, ob.shape[-1])  # [n_b*L_b, H, Dv]
         outs.append(ob[ok])
     out = torch.cat(outs, dim=0)[plan.inverse]  # [T, H, Dv]
@@ -201,20 +219,19 @@ def _unpacked_attention(
     dropout: float,
     sliding_window: int | None,
     kwargs: dict,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """A regular (padded / cached) call: same result as transformers' sdpa."""
+    """A regular (padded / cached) call: same result as transformers' sdpa (or, soft-capped, eager)."""
     if attention_mask is None and query.shape[2] == key.shape[2]:
         # :func:`varlen_attention_mask` dropped a plain causal (or sliding) mask.
-        L = query.shape[2]
-        if sliding_window is not None and L > sliding_window:
-            mask = _sliding_mask(L, sliding_window, query.device)
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-            )
-        else:
-            out = F.scaled_dot_product_attention(
-                query, key, value, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=True
-            )
+        mask = _window_mask(query.shape[2], sliding_window, query.device)
+        return _sdpa(query, key, value, mask, scaling, dropout, softcap).transpose(1, 2).contiguous(), None
+    if softcap is not None:
+        mask = attention_mask
+        if mask is not None:  # sdpa_mask's [B, 1, q, kv] (bool, or additive float)
+            mask = mask[..., : key.shape[-2]]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = softcap_attention(query, key, value, mask, scale=scale, softcap=softcap, dropout=dropout)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -293,18 +310,20 @@ def varlen_attention_forward(
     Returns:
         ``(attn_output [1, total, H, D], None)``.
     """
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("varlen attention does not support attention softcap or sinks")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("varlen attention does not support attention sinks")
+    softcap = kwargs.pop("softcap", None)
     if ulysses_group is not None and cu_seq_lens_q is not None:
         from rlhf.models.ulysses import ulysses_attention
 
         return ulysses_attention(varlen_attention_forward, module, query, key, value, attention_mask, ulysses_group,
-                                 scaling=scaling, dropout=dropout, sliding_window=sliding_window,
+                                 scaling=scaling, dropout=dropout, sliding_window=sliding_window, softcap=softcap,
                                  cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k, max_length_q=max_length_q,
                                  max_length_k=max_length_k, varlen_plan=varlen_plan,
                                  varlen_bucket_ratio=varlen_bucket_ratio, **kwargs)
     if cu_seq_lens_q is None:
-        return _unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, kwargs)
+        return _unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, kwargs,
+                                   softcap)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1 ([1, H, total, D]); got query {tuple(query.shape)}")
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
@@ -313,6 +332,7 @@ def varlen_attention_forward(
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
         max_len = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+        cap = {"softcap": softcap} if softcap is not None else {}  # flash-attn >= 2.6
         out = _flash_varlen()(
             query[0].transpose(0, 1),  # [total, H, D]
             key[0].transpose(0, 1),
@@ -325,11 +345,12 @@ def varlen_attention_forward(
             softmax_scale=scaling,
             causal=True,
             window_size=window,
+            **cap,
         )
         return out.unsqueeze(0), None
 
     plan = varlen_plan if varlen_plan is not None else _get_plan(cu_seq_lens_q, varlen_bucket_ratio)
-    return _bucketed_sdpa(query, key, value, plan, scaling, dropout, sliding_window), None
+    return _bucketed_sdpa(query, key, value, plan, scaling, dropout, sliding_window, softcap), None
 
 
 def register_varlen_attention() -> str:

@@ -27,17 +27,24 @@ def _head_dim(cfg) -> int:
 
 
 def matmul_params(hf_config) -> dict[str, int]:
-    """Weights of the per-token matmuls of a dense decoder: {"layers": ..., "lm_head": ...}.
+    """Weights of the matmuls one token goes through: {"layers": ..., "lm_head": ...}.
 
     `hf_config` is a transformers config of a Llama/Qwen2-style model (hidden_size,
     intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-    optional head_dim, vocab_size). Mixture-of-experts configs are refused (their per-token
-    cost depends on the routing top-k, which this counter does not model).
+    optional head_dim, vocab_size). Qwen3-MoE counts the experts a token is routed to and the
+    router (verl's convention: ``3 * hidden * moe_intermediate * top_k + hidden * num_experts``
+    per sparse layer); other mixture-of-experts configs are refused.
     """
+    if getattr(hf_config, "model_type", None) == "qwen3_moe":
+        return _qwen3_moe_matmul_params(hf_config)
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(hf_config, key, None):
             raise ValueError(f"model_flops_per_token: mixture-of-experts config ({key}="
-                             f"{getattr(hf_config, key)}) is not supported; dense decoders only")
+                             f"{getattr(hf_config, key)}) is not supported; dense decoders and qwen3_moe only")
+    return _dense_matmul_params(hf_config)
+
+
+def _dense_matmul_params(hf_config) -> dict[str, int]:
     h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -45,6 +52,17 @@ def matmul_params(hf_config) -> dict[str, int]:
     attn = h * heads * hd * 2 + h * kv_heads * hd * 2      # q and o; k and v (GQA)
     mlp = 3 * h * hf_config.intermediate_size               # gate, up, down
     return {"layers": layers * (attn + mlp), "lm_head": hf_config.vocab_size * h}
+
+
+def _qwen3_moe_matmul_params(cfg) -> dict[str, int]:
+    from rlhf.models.moe import MoESpec
+
+    dense = _dense_matmul_params(cfg)
+    h = cfg.hidden_size
+    sparse = sum(MoESpec.from_config(cfg).sparse)
+    routed = 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok + h * cfg.num_experts
+    mlp_dense = 3 * h * cfg.intermediate_size
+    return {"layers": dense["layers"] - sparse * (mlp_dense - routed), "lm_head": dense["lm_head"]}
 
 
 def model_flops_per_token(hf_config, seq_len: int, training: bool, *, causal: bool = True) -> float:

@@ -1,4 +1,4 @@
-"""Functional forward of HF decoder-only LMs (Llama / Mistral / Qwen2 / Qwen3) over a weight dict.
+"""Functional forward of HF decoder-only LMs over a weight dict (families: ``rlhf.rollout.arch``).
 
 The rollout gathers the trainer's parameters into ``dict[str, Tensor]`` keyed by HF
 state-dict names and runs this forward on them: no ``nn.Module``, no HF cache objects,
@@ -12,12 +12,16 @@ Per layer (pre-norm transformer, HF numerics):
 RMSNorm(x) = w * (x / sqrt(mean(x^2) + eps)) computed in fp32; rotary embedding
 ``x * cos + rotate_half(x) * sin`` with HF's inverse frequencies (any static rope type HF
 knows, e.g. default / linear / llama3 / yarn). q/k/v and gate/up are fused into one matmul
-each at load time.
+each at load time. Family variants (Gemma's scaled embeddings, ``1 + w`` norms and sandwich
+norms, GeGLU, soft-capping, sliding windows, per-layer rope tables, Phi-3's fused checkpoints
+and partial rotary, Qwen3-MoE's routed experts) come from ``rlhf.rollout.arch`` /
+``rlhf.models.moe`` at a few dispatch points; attention is ``arch.attend``.
 
 Tensor parallel hook: every function takes ``tp_group``. A tensor-parallel rollout passes
 column-sharded q/k/v and gate/up weights, row-sharded o_proj / down_proj weights, a spec
 with the local head counts (``DecoderSpec.shard``) and the group; the partial outputs of
-o_proj and down_proj are all-reduced over it.
+o_proj and down_proj are all-reduced over it. MoE layers split their experts over the group
+instead (``rlhf.models.moe``).
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from rlhf.models import moe
+from rlhf.rollout import arch
+from rlhf.rollout.arch import SUPPORTED_MODEL_TYPES, ArchSpec
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderSpec", "prefill", "prefill_chunk", "decode"]
 
 
 @dataclass(frozen=True)
@@ -51,26 +58,14 @@ class DecoderSpec:
     rms_norm_eps: float
     qk_norm: bool
     tie_word_embeddings: bool
-    sliding_window: int | None
+    arch: ArchSpec  # family variants, per-layer attention settings
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise NotImplementedError(
-                f"rollout sampler: model_type {model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise NotImplementedError(f"rollout sampler: hidden_act {act!r} of {model_type} is not supported (only silu)")
+        model_type = arch.check_model_type(config)
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        window = None
-        layer_types = getattr(config, "layer_types", None) or []
-        if model_type == "mistral" or "sliding_attention" in layer_types:
-            window = getattr(config, "sliding_window", None)
         return cls(
             model_type=model_type,
             num_layers=config.num_hidden_layers,
@@ -81,18 +76,21 @@ class DecoderSpec:
             intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size,
             rms_norm_eps=config.rms_norm_eps,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            sliding_window=window,
+            arch=arch.from_config(config, head_dim),
         )
 
     def shard(self, tp_size: int) -> DecoderSpec:
         """Spec with the per-rank head / MLP sizes of a ``tp_size``-way tensor-parallel rollout."""
-        if self.num_heads % tp_size or self.num_kv_heads % tp_size or self.intermediate_size % tp_size:
-            raise ValueError(
-                f"tp_size={tp_size} must divide num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads} and intermediate_size={self.intermediate_size}"
-            )
+        sizes = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads}
+        m = self.arch.moe
+        if m is None or m.has_dense_layers:
+            sizes["intermediate_size"] = self.intermediate_size
+        if m is not None:  # experts are split over tp, each one whole
+            sizes["num_experts"] = m.num_experts
+        if any(v % tp_size for v in sizes.values()):
+            raise ValueError(f"tp_size={tp_size} must divide " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
         return dataclasses.replace(
             self,
             num_heads=self.num_heads // tp_size,
@@ -101,13 +99,7 @@ class DecoderSpec:
         )
 
     def check_seq_len(self, max_seq_len: int) -> None:
-        """Sliding-window attention is not implemented: refuse lengths where it would matter."""
-        if self.sliding_window is not None and max_seq_len > self.sliding_window:
-            raise NotImplementedError(
-                f"rollout sampler: {self.model_type} uses sliding-window attention "
-                f"(sliding_window={self.sliding_window}) and max_seq_len={max_seq_len} exceeds it; "
-                "sliding windows are not implemented"
-            )
+        arch.check_seq_len(self.arch, self.model_type, max_seq_len)
 
 
 def check_supported(config: Any, max_seq_len: int | None = None) -> DecoderSpec:
@@ -121,59 +113,53 @@ def check_supported(config: Any, max_seq_len: int | None = None) -> DecoderSpec:
     return spec
 
 
-def rope_inv_freq(config: Any, head_dim: int) -> tuple[Tensor, float]:
-    """HF's inverse frequencies ``[head_dim // 2]`` float32 and cos/sin scaling factor."""
-    params = getattr(config, "rope_parameters", None)
-    if params is None:  # transformers < 5
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        base = params["rope_theta"]
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        return inv, 1.0
-    if rope_type not in _STATIC_ROPE_TYPES:
-        raise NotImplementedError(
-            f"rollout sampler: rope_type {rope_type!r} of {config.model_type} is not supported; "
-            f"supported: {', '.join(_STATIC_ROPE_TYPES)}"
-        )
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    return inv.float(), float(scale)
+def rope_inv_freq(config: Any, head_dim: int) -> tuple[Tensor, Tensor]:
+    """HF's inverse frequencies ``[K, rotary_dim // 2]`` float32 and cos/sin scales ``[K]``, one row
+    per rope table (``arch.rope_inv_freq``; K = 1 except Gemma 3)."""
+    return arch.rope_inv_freq(config, arch.rotary_dim(config, head_dim))
 
 
-def rope_tables(inv_freq: Tensor, scale: float, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos and signed sin tables ``[max_seq_len, D]`` (fp32 like HF, then cast).
+def rope_tables(inv_freq: Tensor, scale: Tensor, max_seq_len: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and signed sin tables ``[K, max_seq_len, R]`` (fp32 like HF, then cast; R = rotary dim).
 
-    HF's ``rotate_half(x) * sin`` equals ``roll(x, D/2) * sin_signed`` with
-    ``sin_signed = [-sin[:D/2], sin[D/2:]]`` (both halves of ``sin`` are equal), which
+    HF's ``rotate_half(x) * sin`` equals ``roll(x, R/2) * sin_signed`` with
+    ``sin_signed = [-sin[:R/2], sin[R/2:]]`` (both halves of ``sin`` are equal), which
     saves the negation of half of x at every layer.
     """
     pos = torch.arange(max_seq_len, dtype=torch.int64).float()
-    freqs = pos[:, None] * inv_freq[None, :]
+    freqs = pos[None, :, None] * inv_freq[:, None, :]  # [K, S, R/2]
     emb = torch.cat((freqs, freqs), dim=-1)
+    scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1, 1, 1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
-    half = inv_freq.shape[0]
-    sin[:, :half].neg_()
+    half = inv_freq.shape[-1]
+    sin[..., :half].neg_()
     return cos.to(device, dtype), sin.to(device, dtype)
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer, with fused projections (``[out, in]`` like ``nn.Linear``)."""
+    """One decoder layer, with fused projections (``[out, in]`` like ``nn.Linear``).
+
+    Norm weights are in the form ``rms_norm`` applies (``arch.norm_weight``: Gemma's ``1 + w`` in fp32).
+    """
 
     input_norm: Tensor  # [hidden]
     qkv_w: Tensor  # [(H + 2 Hkv) * D, hidden]
     qkv_b: Tensor | None
-    qk_norm: Tensor | None  # [H + Hkv, D] (qwen3): q_norm weight on q heads, k_norm on k heads
+    qk_norm: Tensor | None  # [H + Hkv, D] (qwen3 / gemma3): q_norm weight on q heads, k_norm on k heads
     o_w: Tensor  # [hidden, H * D]
     o_b: Tensor | None
-    post_norm: Tensor  # [hidden]
-    gate_up_w: Tensor  # [2 * I, hidden]
+    post_norm: Tensor  # [hidden] the norm before the MLP (Gemma: pre_feedforward_layernorm)
+    gate_up_w: Tensor | None  # [2 * I, hidden] (None in a MoE layer)
     gate_up_b: Tensor | None
-    down_w: Tensor  # [hidden, I]
+    down_w: Tensor | None  # [hidden, I]
     down_b: Tensor | None
+    attn_out_norm: Tensor | None = None  # Gemma: post_attention_layernorm on the attention output
+    mlp_out_norm: Tensor | None = None  # Gemma: post_feedforward_layernorm on the MLP output
+    router_w: Tensor | None = None  # MoE: [E, hidden]
+    experts_gate_up: Tensor | None = None  # MoE: [E_local, 2 * I_moe, hidden]
+    experts_down: Tensor | None = None  # MoE: [E_local, hidden, I_moe]
 
 
 @dataclass
@@ -222,30 +208,44 @@ def prepare_weights(
             return None
         return torch.cat(ts, dim=0).contiguous()  # type: ignore[arg-type]
 
+    def norm_w(name: str) -> Tensor | None:
+        t = get(name)
+        return None if t is None else arch.norm_weight(spec.arch, t)
+
+    fused, moe_spec, gemma = spec.arch.fused_qkv, spec.arch.moe, spec.arch.sandwich_norms
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         q_b = get(a + "q_proj.bias", required=False)
+        sparse = moe_spec is not None and moe_spec.sparse[i]
+        dense = not sparse and not fused
         layers.append(
             LayerWeights(
-                input_norm=get(p + "input_layernorm.weight"),
-                qkv_w=cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+                input_norm=norm_w(p + "input_layernorm.weight"),
+                qkv_w=get(a + "qkv_proj.weight") if fused
+                else cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
                 qkv_b=None if q_b is None else cat(q_b, get(a + "k_proj.bias"), get(a + "v_proj.bias")),
-                qk_norm=_qk_norm_table(spec, get(a + "q_norm.weight"), get(a + "k_norm.weight"))
+                qk_norm=_qk_norm_table(spec, norm_w(a + "q_norm.weight"), norm_w(a + "k_norm.weight"))
                 if spec.qk_norm
                 else None,
                 o_w=get(a + "o_proj.weight"),
                 o_b=get(a + "o_proj.bias", required=False),
-                post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up_w=cat(get(m + "gate_proj.weight"), get(m + "up_proj.weight")),
-                gate_up_b=cat(get(m + "gate_proj.bias", False), get(m + "up_proj.bias", False)),
-                down_w=get(m + "down_proj.weight"),
-                down_b=get(m + "down_proj.bias", required=False),
+                post_norm=norm_w(p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"),
+                gate_up_w=get(m + "gate_up_proj.weight") if fused
+                else cat(get(m + "gate_proj.weight"), get(m + "up_proj.weight")) if dense else None,
+                gate_up_b=cat(get(m + "gate_proj.bias", False), get(m + "up_proj.bias", False)) if dense else None,
+                down_w=None if sparse else get(m + "down_proj.weight"),
+                down_b=get(m + "down_proj.bias", required=False) if dense else None,
+                attn_out_norm=norm_w(p + "post_attention_layernorm.weight") if gemma else None,
+                mlp_out_norm=norm_w(p + "post_feedforward_layernorm.weight") if gemma else None,
+                router_w=get(m + "gate.weight") if sparse else None,
+                experts_gate_up=get(m + "experts.gate_up_proj") if sparse else None,
+                experts_down=get(m + "experts.down_proj") if sparse else None,
             )
         )
     embed = get("model.embed_tokens.weight")
-    norm = get("model.norm.weight")
+    norm = norm_w("model.norm.weight")
     lm_head = get("lm_head.weight", required=not spec.tie_word_embeddings)
     if missing:
         shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
@@ -258,12 +258,20 @@ def prepare_weights(
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """HF RMSNorm over the last dim: normalise in fp32, cast back, then scale by ``weight``."""
-    if x.dtype == torch.float32:
+    """HF RMSNorm over the last dim: normalise in fp32, cast back, then scale by ``weight``.
+
+    A float32 ``weight`` on a lower-precision ``x`` is Gemma's ``1 + w``: applied before the
+    cast back, as HF's Gemma norms do. ``weight`` may also be a per-head table ``[Hq + Hk, D]``.
+    """
+    if x.dtype == torch.float32 and (weight is None or weight.dim() == 1):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused op, same fp32 math
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) if weight is None else weight * xf.to(x.dtype)
+    if weight is None:
+        return xf.to(x.dtype)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(x.dtype)
+    return weight * xf.to(x.dtype)
 
 
 def head_rope(cos: Tensor, sin: Tensor, spec: DecoderSpec) -> tuple[Tensor, Tensor]:
@@ -280,18 +288,34 @@ def head_rope(cos: Tensor, sin: Tensor, spec: DecoderSpec) -> tuple[Tensor, Tens
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin = roll(x, D/2) * sin_signed``."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin = roll(x, R/2) * sin_signed``,
+    on the leading ``R = cos.shape[-1]`` dims of each head (partial rotary: the rest pass through)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin_signed), x[..., r:]), dim=-1)
+    return torch.addcmul(x * cos, x.roll(r // 2, dims=-1), sin_signed)
 
 
-def _residual_linear(x: Tensor, a: Tensor, w: Tensor, b: Tensor | None, tp_group: Any) -> Tensor:
-    """``x + a @ w.T (+ b)`` for 2-D ``x`` ``[M, C]``; the partial product is all-reduced under TP."""
-    if tp_group is None and b is None:
+def _residual_linear(x: Tensor, a: Tensor, w: Tensor, b: Tensor | None, tp_group: Any,
+                     out_norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
+    """``x + a @ w.T (+ b)`` for 2-D ``x`` ``[M, C]``; the partial product is all-reduced under TP.
+    With ``out_norm`` (Gemma's sandwich norms): ``x + RMSNorm(a @ w.T (+ b))``."""
+    if tp_group is None and b is None and out_norm is None:
         return torch.addmm(x, a, w.t())  # residual fused into the matmul
-    out = F.linear(a, w)
+    return _residual_add(x, F.linear(a, w), b, tp_group, out_norm, eps)
+
+
+def _residual_add(x: Tensor, out: Tensor, b: Tensor | None, tp_group: Any, out_norm: Tensor | None,
+                  eps: float) -> Tensor:
     if tp_group is not None:
         dist.all_reduce(out, group=tp_group)
-    return x + (out if b is None else out + b)
+    if b is not None:
+        out = out + b
+    return x + (out if out_norm is None else rms_norm(out, out_norm, eps))
+
+
+def _rank(group: Any) -> int:
+    return dist.get_rank(group) if group is not None else 0
 
 
 def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], cos: Tensor, sin: Tensor) -> Tensor:
@@ -304,20 +328,30 @@ def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], 
     qkv = qkv.view(*lead, -1, spec.head_dim)
     if lw.qk_norm is not None:  # per-head RMSNorm of q and k (not v) before rope
         n_qk = spec.num_heads + spec.num_kv_heads
-        normed = rms_norm(qkv[..., :n_qk, :], None, spec.rms_norm_eps) * lw.qk_norm
+        normed = rms_norm(qkv[..., :n_qk, :], lw.qk_norm, spec.rms_norm_eps)
         qkv = torch.cat((normed, qkv[..., n_qk:, :]), dim=-2)
     return apply_rope(qkv, cos, sin)
 
 
 def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any) -> Tensor:
-    """``x + down(silu(gate(g)) * up(g))``, ``g = RMSNorm(x)``; ``x`` ``[M, hidden]``."""
-    gu = F.linear(rms_norm(x, lw.post_norm, spec.rms_norm_eps), lw.gate_up_w, lw.gate_up_b)
+    """``x + down(act(gate(g)) * up(g))``, ``g = RMSNorm(x)``; ``x`` ``[M, hidden]``; routed
+    experts in a MoE layer (``rlhf.models.moe``)."""
+    g = rms_norm(x, lw.post_norm, spec.rms_norm_eps)
+    eps, a = spec.rms_norm_eps, spec.arch
+    if lw.router_w is not None:
+        top_w, top_i = moe.route(a.moe, g, lw.router_w)
+        out = moe.experts(g, top_i, top_w, lw.experts_gate_up, lw.experts_down, lambda u, v: arch.gated_act(a, u, v),
+                          expert_offset=_rank(tp_group) * lw.experts_gate_up.shape[0])
+        return _residual_add(x, out, None, tp_group, lw.mlp_out_norm, eps)
+    gu = F.linear(g, lw.gate_up_w, lw.gate_up_b)
     i = spec.intermediate_size
-    return _residual_linear(x, F.silu(gu[:, :i]) * gu[:, i:], lw.down_w, lw.down_b, tp_group)
+    return _residual_linear(x, arch.gated_act(a, gu[:, :i], gu[:, i:]), lw.down_w, lw.down_b, tp_group,
+                            lw.mlp_out_norm, eps)
 
 
 def _logits(spec: DecoderSpec, w: DecoderWeights, x: Tensor) -> Tensor:
-    return F.linear(rms_norm(x, w.norm, spec.rms_norm_eps), w.lm_head).float()
+    logits = F.linear(rms_norm(x, w.norm, spec.rms_norm_eps), w.lm_head)
+    return arch.softcap_logits(spec.arch, logits).float()
 
 
 def prefill(
@@ -354,23 +388,22 @@ def prefill(
     """
     p, total = last_index.shape[0], input_ids.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    c, s = head_rope(cos[positions], sin[positions], spec)  # [Ttot, Hall, D]
+    c, s = head_rope(cos[:, positions], sin[:, positions], spec)  # [K, Ttot, Hall, R] per rope table
     index = cache.prefill_index(slots, 0, width)  # [M * 2Hkv * width] cache rows, shared by the layers
-    x = F.embedding(input_ids, w.embed)  # [Ttot, hidden]
+    masks = arch.Masks(None, width, input_ids.device)
+    x = arch.embed(spec.arch, w.embed, input_ids)  # [Ttot, hidden]
     for layer, lw in enumerate(w.layers):
-        qkv = _qkv(spec, lw, x, (total,), c, s)  # [Ttot, Hall, D]
+        la = spec.arch.layers[layer]
+        qkv = _qkv(spec, lw, x, (total,), c[la.rope], s[la.rope])  # [Ttot, Hall, D]
         if grid_index is not None:
             qkv = qkv.new_zeros((p * width, h + 2 * hkv, d)).index_copy_(0, grid_index, qkv)
         grid = qkv.view(p, width, -1, d).transpose(1, 2)  # [P, Hall, width, D]
         cache.write(layer, index, grid[:, h:].index_select(0, rows))
-        a = F.scaled_dot_product_attention(
-            grid[:, :h], grid[:, h : h + hkv], grid[:, h + hkv :],
-            is_causal=True, scale=d**-0.5, enable_gqa=h != hkv,
-        )  # [P, H, width, D]
+        a = arch.attend(grid[:, :h], grid[:, h : h + hkv], grid[:, h + hkv :], masks, la)  # [P, H, width, D]
         a = a.transpose(1, 2).reshape(p * width, h * d)
         if grid_index is not None:
             a = a.index_select(0, grid_index)  # [Ttot, H*D]
-        x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group)
+        x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group)
     return _logits(spec, w, x.index_select(0, last_index))
 
@@ -399,20 +432,21 @@ def prefill_chunk(
         ``[1, V]`` float32 logits of the token after the chunk.
     """
     n = input_ids.shape[0]
-    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    h, d = spec.num_heads, spec.head_dim
     positions = torch.arange(start, start + n, device=input_ids.device)
-    c, s = head_rope(cos[positions], sin[positions], spec)  # [c, Hall, D]
+    c, s = head_rope(cos[:, positions], sin[:, positions], spec)  # [K, c, Hall, R]
     index = cache.prefill_index(slots, start, n)
     window = start + n
-    mask = torch.arange(window, device=input_ids.device)[None, :] <= positions[:, None]  # [c, W]
-    x = F.embedding(input_ids, w.embed)  # [c, hidden]
+    masks = arch.Masks(positions, window, input_ids.device)  # [c, W] query position >= key position
+    x = arch.embed(spec.arch, w.embed, input_ids)  # [c, hidden]
     for layer, lw in enumerate(w.layers):
-        qkv = _qkv(spec, lw, x, (n,), c, s).transpose(0, 1)  # [Hall, c, D]
+        la = spec.arch.layers[layer]
+        qkv = _qkv(spec, lw, x, (n,), c[la.rope], s[la.rope]).transpose(0, 1)  # [Hall, c, D]
         cache.write(layer, index, qkv[h:].unsqueeze(0).expand(slots.shape[0], -1, -1, -1))
         k, v = cache.view(layer, slots[:1], window)  # [1, Hkv, W, D]
-        a = F.scaled_dot_product_attention(qkv[None, :h], k, v, attn_mask=mask, scale=d**-0.5,
-                                           enable_gqa=h != hkv)  # [1, H, c, D]
-        x = _residual_linear(x, a[0].transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group)
+        a = arch.attend(qkv[None, :h], k, v, masks, la)  # [1, H, c, D]
+        x = _residual_linear(x, a[0].transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group,
+                             lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group)
     return _logits(spec, w, x[-1:])
 
@@ -442,15 +476,16 @@ def decode(
     """
     b = tokens.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    c, s = head_rope(cos[pos], sin[pos], spec)  # [B, Hall, D]
+    c, s = head_rope(cos[:, pos], sin[:, pos], spec)  # [K, B, Hall, R]
     index = cache.decode_index(pos)  # [B * 2Hkv]
-    mask = (torch.arange(window, device=pos.device) <= pos[:, None])[:, None, None, :]  # [B, 1, 1, W]
-    x = F.embedding(tokens, w.embed)  # [B, hidden]
+    masks = arch.Masks(pos[:, None, None], window, pos.device)  # [B, 1, 1, W]
+    x = arch.embed(spec.arch, w.embed, tokens)  # [B, hidden]
     for layer, lw in enumerate(w.layers):
-        qkv = _qkv(spec, lw, x, (b,), c, s)  # [B, Hall, D]
+        la = spec.arch.layers[layer]
+        qkv = _qkv(spec, lw, x, (b,), c[la.rope], s[la.rope])  # [B, Hall, D]
         cache.write(layer, index, qkv[:, h:])
         k, v = cache.view(layer, b, window)  # [B, Hkv, W, D]
-        a = F.scaled_dot_product_attention(qkv[:, :h].view(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=d**-0.5)
-        x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group)
+        a = arch.attend(qkv[:, :h].view(b, hkv, h // hkv, d), k, v, masks, la)
+        x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group)
     return _logits(spec, w, x)

@@ -8,11 +8,17 @@ rank are a plain dict of HF-named tensors:
 
 =====================================  ===============================================
 q/k/v_proj, gate/up_proj (weight, bias)  rows of this rank's rollout-TP slice (column parallel)
+qkv_proj, gate_up_proj (Phi-3, fused)    the rows of this rank's slice of EACH part (q, k, v /
+                                         gate, up), concatenated: the fused layout of the
+                                         rank's heads / columns
 o_proj, down_proj (weight)               columns of the slice (row parallel; the decoder
                                          all-reduces their outputs)
-everything else                          full (embeddings, LM head, norms, o_proj bias):
-                                         the decoder computes full-vocab logits on every
-                                         rank, so sampling needs no logits gather
+mlp.experts.gate_up_proj / down_proj     whole experts: ``[E, ...]`` split on dim 0 (MoE
+(Qwen3-MoE)                              experts over tp, ``rlhf.models.moe``)
+everything else                          full (embeddings, LM head, norms, o_proj bias, MoE
+                                         router ``mlp.gate``): the decoder computes
+                                         full-vocab logits on every rank, so sampling needs
+                                         no logits gather
 =====================================  ===============================================
 
 How the pass works (:func:`gather_rollout_weights`), parameter by parameter, so that at
@@ -42,8 +48,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 # Prefixes/infixes that wrappers add to parameter names; rollout wants plain HF names.
 _WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_orig_mod\.|_fsdp_wrapped_module\.)")
-_COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
+_COLUMN = re.compile(r"\.(self_attn\.([qkv]|qkv)_proj|mlp\.(gate|up|gate_up)_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
+_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
 def hf_name(name: str) -> str:
@@ -57,18 +65,38 @@ def hf_name(name: str) -> str:
 
 def rollout_shard_dim(name: str) -> Optional[int]:
     """Dim an HF parameter is split on in a tensor-parallel rollout (None: replicated)."""
-    if _COLUMN.search(name):
+    if _COLUMN.search(name) or _EXPERTS.search(name):
         return 0
     if _ROW.search(name):
         return 1
     return None
 
 
-def rollout_slice(full: torch.Tensor, name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The rollout-TP rank's part of a full HF parameter (the full tensor when replicated)."""
+def fused_parts(name: str, rows: int, config=None) -> Optional[list[int]]:
+    """Row counts of the parts of a fused projection, each split over the rollout tp on its own
+    (Phi-3 ``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up); None for other parameters."""
+    if not _FUSED.search(name):
+        return None
+    if ".mlp." in name:
+        return [rows // 2, rows // 2]
+    if config is None:
+        raise ValueError(f"rollout_slice: {name} is a fused q|k|v projection; pass the model config to split it")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    d = rows // (heads + 2 * kv_heads)  # head dim
+    return [heads * d, kv_heads * d, kv_heads * d]
+
+
+def rollout_slice(full: torch.Tensor, name: str, tp_rank: int, tp_size: int, config=None) -> torch.Tensor:
+    """The rollout-TP rank's part of a full HF parameter (the full tensor when replicated);
+    ``config`` (the HF config) is needed for a fused q|k|v projection."""
     dim = rollout_shard_dim(name)
     if tp_size == 1 or dim is None:
         return full
+    parts = fused_parts(name, full.shape[0], config)
+    if parts is not None:
+        chunks = [p.narrow(0, tp_rank * (p.shape[0] // tp_size), p.shape[0] // tp_size) for p in full.split(parts)]
+        return torch.cat(chunks)
     size = full.shape[dim] // tp_size
     return full.narrow(dim, tp_rank * size, size)
 
@@ -163,14 +191,14 @@ def _tp_dim_matches(t: DTensor, dim: int, tp_group: Optional[dist.ProcessGroup],
 
 
 def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
-                    tp_group: Optional[dist.ProcessGroup], dtype: Optional[torch.dtype], do_slice: bool
-                    ) -> tuple[torch.Tensor, int]:
+                    tp_group: Optional[dist.ProcessGroup], dtype: Optional[torch.dtype], do_slice: bool,
+                    config=None) -> tuple[torch.Tensor, int]:
     """One parameter in the rollout layout (steps 1-3 of the module docstring)."""
     t = p if isinstance(p, DTensor) else p.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     dim = rollout_shard_dim(name) if do_slice and tp_size > 1 else None
-    if isinstance(t, DTensor) and dim is not None:
+    if isinstance(t, DTensor) and dim is not None and not _FUSED.search(name):  # a fused one is sliced per part
         keep = _tp_dim_matches(t, dim, tp_group, tp_size)
         if keep is not None:  # training TP shard == rollout TP shard: gather dp only
             local_bytes = _nbytes(t.to_local())
@@ -181,7 +209,7 @@ def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
     full, received = gather_full_tensor(t)
     if dim is None:
         return full, received
-    return rollout_slice(full, name, tp_rank, tp_size).clone(), received
+    return rollout_slice(full, name, tp_rank, tp_size, config).clone(), received
 
 
 def _pp_exchange(local: dict[str, torch.Tensor], pp_group: dist.ProcessGroup, device: torch.device,
@@ -239,13 +267,14 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
         do_slice = len({r % tp_size for r in dist.get_process_group_ranks(pp_group)}) == 1
     weights: dict[str, torch.Tensor] = {}
     received = 0
+    config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "model_type")), None)
     with torch.no_grad():
         for name, p in model.named_parameters():
             name = hf_name(name)
             if name_filter is not None and not name_filter(name):
                 continue
             t, nbytes = _rollout_tensor(p, name, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                                        dtype=dtype, do_slice=do_slice)
+                                        dtype=dtype, do_slice=do_slice, config=config)
             device = t.device
             weights[name] = t
             received += nbytes
@@ -253,7 +282,7 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
             weights, nbytes = _pp_exchange(weights, pp_group, device or torch.device("cpu"))
             received += nbytes
             if not do_slice:
-                weights = {n: rollout_slice(t, n, tp_rank, tp_size).clone() if rollout_shard_dim(n) is not None
+                weights = {n: rollout_slice(t, n, tp_rank, tp_size, config).clone() if rollout_shard_dim(n) is not None
                            else t for n, t in weights.items()}
     numel = sum(t.numel() for t in weights.values())
     return weights, ReshardStats(time.perf_counter() - t0, received, numel)

@@ -105,3 +105,25 @@ def test_rollout_shard_dims():
     w = torch.arange(24.0).view(4, 6)
     assert torch.equal(rollout_slice(w, "model.layers.0.mlp.down_proj.weight", 1, 2), w[:, 3:])
     assert torch.equal(rollout_slice(w, "model.layers.0.mlp.gate_proj.weight", 1, 2), w[2:])
+
+
+def test_rollout_slices_of_fused_and_expert_weights():
+    """Phi-3's fused q|k|v and gate|up are split part by part; MoE experts whole; the router replicated."""
+    from types import SimpleNamespace
+
+    from rlhf.rollout.reshard import rollout_shard_dim, rollout_slice
+
+    cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    qkv = torch.arange(8.0)[:, None].repeat(1, 3)  # head dim 1: rows q0..q3, k0, k1, v0, v1
+    assert torch.equal(rollout_slice(qkv, "model.layers.0.self_attn.qkv_proj.weight", 1, 2, cfg)[:, 0],
+                       torch.tensor([2.0, 3.0, 5.0, 7.0]))  # q2, q3 | k1 | v1
+    gate_up = torch.arange(8.0)[:, None]  # gate rows 0..3, up rows 4..7
+    assert torch.equal(rollout_slice(gate_up, "model.layers.0.mlp.gate_up_proj.weight", 0, 2)[:, 0],
+                       torch.tensor([0.0, 1.0, 4.0, 5.0]))
+    experts = torch.arange(4.0)[:, None, None].expand(4, 6, 2)
+    assert torch.equal(rollout_slice(experts, "model.layers.0.mlp.experts.gate_up_proj", 1, 2)[:, 0, 0],
+                       torch.tensor([2.0, 3.0]))
+    assert rollout_shard_dim("model.layers.0.mlp.experts.down_proj") == 0  # whole experts, not columns
+    assert rollout_shard_dim("model.layers.0.mlp.gate.weight") is None  # the router
+    with pytest.raises(ValueError, match="pass the model config"):
+        rollout_slice(qkv, "model.layers.0.self_attn.qkv_proj.weight", 1, 2)

@@ -1,4 +1,5 @@
-"""Tensor parallel (and TP x FSDP2) against the single-process model, on 4 gloo ranks."""
+"""Tensor parallel (and TP x FSDP2) against the single-process model, on 4 gloo ranks (every supported
+family: Llama / Qwen2 / Qwen3 / Mistral, and Gemma 2 / Gemma 3 / Phi-3 / Qwen3-MoE with experts over tp)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rlhf.models.pipeline import positions_from_mask
 from rlhf.models.tensor_parallel import apply_tp, tp_plan_supported, validate_tp
 from rlhf.models.vocab_parallel import log_probs_from_logits, vocab_parallel_log_probs
 
+from tests._archs import ARCHS, tiny_model
 from tests.dist._dist_utils import run_distributed
 
 ATOL = 1e-5
@@ -90,9 +92,10 @@ def _check_tp_dp(rank: int, world_size: int) -> None:
         ("llama", {"tie_word_embeddings": True}, False),
         ("qwen3", {"head_dim": 8}, False),
         ("mistral", {}, True),  # sequence parallel
+        *((kind, {}, False) for kind in ARCHS),  # tests/_archs.py
     ]
     for arch, overrides, sp in cases:
-        ref = _tiny(arch, **overrides)
+        ref = tiny_model(arch) if arch in ARCHS else _tiny(arch, **overrides)
         model = copy.deepcopy(ref)
         assert tp_plan_supported(model)
         apply_tp(model, mesh["tp"], sequence_parallel=sp, loss_parallel=True)
@@ -120,6 +123,8 @@ def _check_tp_dp(rank: int, world_size: int) -> None:
         ref_params = dict(ref.named_parameters())
         for name, p in model.named_parameters():
             assert p.grad is not None, f"{arch}: no grad for {name}"
+            if ".experts." in name:  # Qwen3-MoE's 8 experts: 4 per tp rank, 2 per (tp, dp) rank
+                assert p.to_local().shape[0] == 2, (name, p.placements)
             torch.testing.assert_close(
                 _full(p.grad), ref_params[name].grad, atol=ATOL, rtol=0, msg=f"{arch} grad {name}"
             )

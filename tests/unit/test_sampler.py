@@ -8,6 +8,7 @@ import transformers
 
 from rlhf.rollout import RolloutOutput, Sampler, SamplingParams
 from rlhf.rollout.sampling import mix32, sample_next, sequence_keys, uniforms, position_keys
+from tests._archs import ARCHS, tiny_model
 
 PAD = 0
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [5], [33, 34, 35, 36]]
@@ -35,6 +36,8 @@ _MODELS: dict[str, torch.nn.Module] = {}
 
 
 def _model(kind: str = "qwen2") -> torch.nn.Module:
+    if kind not in _MODELS and kind in ARCHS:  # Gemma 2 / Gemma 3 / Phi-3 / Qwen3-MoE (tests/_archs.py)
+        _MODELS[kind] = tiny_model(kind)
     if kind not in _MODELS:
         torch.manual_seed(1234)
         cfg = _config(kind)
@@ -65,7 +68,7 @@ def _teacher_forced(model, prompt: list[int], response: list[int], temperature: 
 # --------------------------------------------------------------------------- HF parity
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "llama3_rope", "qwen2_tied"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "llama3_rope", "qwen2_tied", *ARCHS])
 def test_greedy_matches_hf_generate(kind):
     model = _model(kind)
     out = _sampler(kind).generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10))
@@ -73,6 +76,7 @@ def test_greedy_matches_hf_generate(kind):
         ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=PAD,
                              eos_token_id=None)[0, len(p):].tolist()
         assert out.response_ids[i].tolist() == ref, f"prompt {i}"
+        torch.testing.assert_close(out.log_probs[i], _teacher_forced(model, p, ref, 1.0), atol=1e-4, rtol=0)
     assert out.response_mask.all() and out.truncated.all()
 
 

@@ -1,0 +1,133 @@
+"""Mixture-of-experts MLP (Qwen3-MoE), batched: no Python loop over tokens or experts.
+
+Used by the rollout decoder (routing and experts) and by the trainer's tensor-parallel experts
+(``rlhf.models.tensor_parallel``: HF routes, :func:`experts` runs this rank's experts).
+
+Math of one sparse layer (transformers' ``Qwen3MoeSparseMoeBlock``), for ``x [M, hidden]``::
+
+    p = softmax_fp32(x W_router^T)              [M, E]
+    w, e = top_k(p)                             [M, k]   (w / sum(w) when norm_topk_prob)
+    y[m] = sum_j w[m, j] * down_e(act(gate_e(x[m])) * up_e(x[m]))      e = e[m, j]
+
+Dispatch: the ``M * k`` (token, expert) assignments are sorted by expert, so that each expert's
+tokens are a contiguous block, and both projections run as ONE grouped matmul over all experts
+(``torch.nn.functional.grouped_mm`` with the block offsets); the weighted results are put back
+in assignment order and summed over the k experts of each token (the order transformers'
+``grouped_mm`` experts path sums in). Shapes are static (sort, histogram by ``index_add_``,
+offsets by ``cumsum``), so a decode step stays capturable in a CUDA graph. Where grouped_mm
+cannot run (a CUDA GPU older than sm80, sizes whose rows are not 16-byte aligned), the blocks
+are multiplied one expert at a time instead (same result, one host sync: not under CUDA graphs).
+
+Experts over tensor parallelism: a rank holds the experts ``[offset, offset + E_local)`` (the
+weights' dim 0 is split over tp: ``rlhf.rollout.reshard``, ``rlhf.models.tensor_parallel``) and
+every rank sees all tokens (the residual stream is replicated over tp). Assignments to other
+ranks' experts are sorted past the last block, skipped by the grouped matmul and zeroed; the
+partial outputs are summed over tp by the caller (the all-reduce a row-parallel ``down_proj``
+would need anyway).
+
+Router load-balancing (aux) loss: not added. The RL loss is built from per-token log-probs
+only; transformers adds ``router_aux_loss_coef * aux`` only when ``labels`` are passed, which
+the trainer never does, so ``output_router_logits`` changes nothing but memory. RL fine-tuning
+starts from a trained router at a small learning rate; watch ``actor/grad_norm`` and the
+rollout/trainer log-prob gap if a run drifts, rather than paying a balancing term on every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    intermediate_size: int  # per expert (moe_intermediate_size)
+    sparse: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP
+
+    @classmethod
+    def from_config(cls, config: Any) -> MoESpec:
+        skip = set(getattr(config, "mlp_only_layers", None) or [])
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        sparse = tuple(i not in skip and config.num_experts > 0 and (i + 1) % step == 0
+                       for i in range(config.num_hidden_layers))
+        return cls(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                   norm_topk_prob=bool(config.norm_topk_prob), intermediate_size=config.moe_intermediate_size,
+                   sparse=sparse)
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return not all(self.sparse)
+
+
+def route(spec: MoESpec, x: Tensor, router_w: Tensor) -> tuple[Tensor, Tensor]:
+    """Top-k routing ``x [M, hidden]`` -> (weights ``[M, k]`` in x's dtype, expert ids ``[M, k]``)."""
+    logits = F.linear(x, router_w)  # [M, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top_w, top_i = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(logits.dtype), top_i
+
+
+def _grouped_mm_ok(a: Tensor, w: Tensor) -> bool:
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if any(n * a.element_size() % 16 for n in (w.shape[-1], w.shape[-2])):  # the kernel's 16-byte strides
+        return False
+    if a.device.type == "cuda":
+        return torch.cuda.get_device_capability(a.device) >= (8, 0)
+    return a.device.type == "cpu"
+
+
+def grouped_linear(a: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """``a [S, in]`` rows grouped by expert (group g = rows ``[offs[g-1], offs[g])``) times
+    ``w [G, out, in]`` transposed -> ``[S, out]``; rows past ``offs[-1]`` are left undefined."""
+    if _grouped_mm_ok(a, w):
+        return F.grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    if a.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("MoE experts: torch grouped_mm cannot run here (GPU older than sm80 or unaligned sizes) and "
+                           "the per-expert fallback cannot be captured in a CUDA graph; set rollout.compile=false")
+    out = a.new_zeros((a.shape[0], w.shape[1]))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = F.linear(a[start:end], w[g])
+        start = end
+    return out
+
+
+def experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tensor,
+            act: Callable[[Tensor, Tensor], Tensor], expert_offset: int = 0) -> Tensor:
+    """Weighted sum of this rank's experts over each token's assignments (differentiable).
+
+    Args:
+        x: ``[M, hidden]``; top_i, top_w: ``[M, k]`` expert ids (global) and routing weights.
+        gate_up: ``[E_local, 2 * I, hidden]`` (gate rows, then up rows); down: ``[E_local, hidden, I]``.
+        act: ``act(gate, up) -> [S, I]`` (SwiGLU).
+        expert_offset: global id of ``gate_up[0]`` (tensor-parallel rank x E_local).
+    Returns:
+        ``[M, hidden]`` in x's dtype: the contributions of the local experts only.
+    """
+    m, k = top_i.shape
+    n_local, i2 = gate_up.shape[0], gate_up.shape[1]
+    local = top_i.reshape(-1) - expert_offset  # [S]
+    mine = (local >= 0) & (local < n_local)
+    key = torch.where(mine, local, n_local)  # other ranks' experts sort past the last block
+    key_sorted, perm = torch.sort(key, stable=True)  # [S]
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=x.device).index_add_(0, key, torch.ones_like(key))
+    offs = counts[:n_local].cumsum(0).to(torch.int32)
+    keep = (key_sorted < n_local)[:, None]  # [S, 1]
+    # masked before the matmul too: the grouped matmul's backward leaves the skipped rows undefined
+    xs = torch.where(keep, x.index_select(0, perm // k), 0)  # [S, hidden]
+    h = grouped_linear(xs, gate_up, offs)  # [S, 2I]
+    h = act(h[:, : i2 // 2], h[:, i2 // 2:])
+    y = torch.where(keep, grouped_linear(h, down, offs), 0)  # [S, hidden]
+    y = y * top_w.reshape(-1).index_select(0, perm)[:, None]
+    y = torch.zeros_like(y).index_copy(0, perm, y)  # back to assignment order [M * k]
+    return y.view(m, k, -1).sum(dim=1).to(x.dtype)

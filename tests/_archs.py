@@ -1,0 +1,65 @@
+"""Tiny random HF models of the architectures beyond Llama/Qwen2 (no downloads), for the tests.
+
+Each config exercises what makes its family different: Gemma 2 with small soft-caps (so that
+tanh is far from linear), a 4-token sliding window and ``query_pre_attn_scalar != head_dim``;
+Gemma 3 with a local rope base and linear rope scaling on its global layer; Phi-3 with partial
+rotary and a sliding window; Qwen3-MoE with a dense ``mlp_only_layers`` layer and normalised
+top-k routing. Norm weights are randomised (HF initialises Gemma's to 0, i.e. scale 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+ARCHS = ("gemma2", "gemma3", "phi3", "qwen3_moe")
+_COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, initializer_range=0.1, max_position_embeddings=256,
+               pad_token_id=0, eos_token_id=1, bos_token_id=None)
+
+
+def tiny_config(kind: str, **overrides) -> transformers.PretrainedConfig:
+    c = dict(_COMMON)
+    if kind == "gemma2":
+        c.update(query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        c.update(overrides)
+        return transformers.Gemma2Config(**c)
+    if kind == "gemma3":
+        c.update(query_pre_attn_scalar=16, sliding_window=4, rope_local_base_freq=100.0,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                 rope_scaling={"rope_type": "linear", "factor": 2.0})
+        c.update(overrides)
+        return transformers.Gemma3TextConfig(**c)
+    if kind == "phi3":
+        c.pop("head_dim")
+        c.update(partial_rotary_factor=0.5, sliding_window=6)
+        c.update(overrides)
+        return transformers.Phi3Config(**c)
+    if kind == "qwen3_moe":
+        c.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                 mlp_only_layers=[1])
+        c.update(overrides)
+        return transformers.Qwen3MoeConfig(**c)
+    raise KeyError(kind)
+
+
+def tiny_model(kind: str, seed: int = 1234, **overrides) -> torch.nn.Module:
+    """A random fp32 causal LM of ``kind`` in eval mode (eager attention for soft-capped Gemma 2)."""
+    cfg = tiny_config(kind, **overrides)
+    cfg._attn_implementation = "eager" if kind == "gemma2" else "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def write_tiny_model(d: Path, kind: str, seed: int = 0) -> str:
+    """``d`` as an HF directory (config + safetensors) of ``tiny_model(kind)``."""
+    tiny_model(kind, seed).save_pretrained(d, safe_serialization=True)
+    return str(d)
