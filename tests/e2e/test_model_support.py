@@ -15,4 +15,4 @@ def test_unsupported_architecture_one_line(tiny_assets, tmp_path, dry_run):
                              num_attention_heads=4, hidden_act="gelu").save_pretrained(tmp_path / "m")
     args = grpo_args(tiny_assets, tmp_path / "o", **{"model.path": tmp_path / "m"})
     line = _error_line(run_script("train_grpo.py", (["--dry-run"] if dry_run else []) + args))
-    assert line == "error: model.path: rollout sampler: hidden_act 'gelu' of llama is not supported (only silu)"
+    assert line == "error: model.path: rollout sampler: hidden activation 'gelu' of llama is not supported (only silu, swish, gelu_pytorch_tanh, gelu_tanh)"
