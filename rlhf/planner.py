@@ -15,8 +15,10 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   trainable parameters only (LoRA: adapters; the frozen base has neither);
 * ``fsdp unsharded``: the all-gathered root (embeddings, LM head) and two decoder blocks
   (current + prefetched), in the compute dtype; in the update also their gradients;
-* ``load``: the stage's TP slice, whole, before FSDP2 shards it (apply_fsdp moves the
-  model to the device first; on CPU this is host memory);
+* ``load``: the loaded model (its pipeline stage) stays in host memory while TP / FSDP2
+  shard it on the meta device; only this rank's shards reach the device
+  (rlhf/models/shard_init.py). On CUDA it is listed as host memory; on a CPU plan the
+  host is the device;
 * reference (``actor.use_kl_loss`` without LoRA) and critic (``adv_estimator: gae``) copies;
 * rollout copy: the full model over ``rollout.tp``, bf16 on CUDA (else ``model.dtype``);
   with LoRA the base copy is cached between steps (counted in every phase);
@@ -162,7 +164,7 @@ class MemoryPlan:
     layout: dict  # world, dp, tp, pp, rollout_tp, device
     components: dict[str, float]  # name -> bytes per rank
     phases: dict[str, dict[str, float]]  # phase -> {component: bytes} alive together
-    host: dict[str, float] = field(default_factory=dict)  # param_offload: bytes kept in host memory
+    host: dict[str, float] = field(default_factory=dict)  # bytes kept in host memory (loading, param_offload)
     notes: list[str] = field(default_factory=list)
 
     def total(self, phase: str) -> float:
@@ -237,13 +239,15 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     block = s.layer_params() / tp
     unsharded_frozen = (root + 2 * block) * cb
     comp["fsdp unsharded"] = unsharded_frozen
-    comp["load (whole stage before sharding)"] = stage / tp * mb
     host: dict[str, float] = {}
+    on_host = cuda or m.param_offload
+    comp["load (host model before sharding)"] = 0.0 if on_host else stage * mb
+    if on_host:
+        host["load (model before sharding)"] = stage * mb
     if m.param_offload:
         for k in ("parameters", "gradients", "optimizer (AdamW m+v)", "reference"):
             host[k] = comp[k]
             comp[k] = 0.0
-        comp["load (whole stage before sharding)"] = 0.0  # offload keeps the model on the host
         notes.append("model.param_offload: parameters, gradients and optimizer state live in host memory")
 
     # Rollout: full weights over rollout.tp; KV-cache slots for this replica's sequences.
@@ -299,7 +303,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     if lora:
         persistent["lora base rollout cache"] = rollout_copy
     phases = {
-        "load": {"load (whole stage before sharding)": comp["load (whole stage before sharding)"],
+        "load": {"load (host model before sharding)": comp["load (host model before sharding)"],
                  "parameters": comp["parameters"]},
         "rollout": {**persistent, "rollout weights": 0.0 if lora else rollout_copy,
                     "lora merged weights": _lora_merged(s, m, r.tp, rb) if lora else 0.0,

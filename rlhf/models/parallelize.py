@@ -8,6 +8,9 @@ function that is tested alone:
     3. apply_ac         (opt-in)  activation checkpointing per decoder block
     4. apply_fsdp                 FSDP2 on mesh["dp"] per decoder block and per stage root
 
+TP and FSDP2 are applied on the meta device; only this rank's shards are then copied
+from the host model to the device (:mod:`rlhf.models.shard_init`).
+
 The result is a :class:`ParallelModel`: ``module`` is an ``nn.Module`` whose parameter
 names are the HF names of the parameters this rank holds (the FSDP root without pp; the
 stage - or a union of the stages of an interleaved schedule - with pp), so the optimizer,
@@ -34,6 +37,7 @@ from rlhf.models.activation_checkpointing import apply_ac
 from rlhf.models.fsdp import apply_fsdp
 from rlhf.models.loading import decoder_layers
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
+from rlhf.models.shard_init import params_to_meta
 from rlhf.models.tensor_parallel import apply_tp
 from rlhf.models.ulysses import check_sp
 from rlhf.parallel import ParallelDims, fsdp_mesh
@@ -135,16 +139,18 @@ def parallelize_model(
     tied_lm_head = None
     if pp > 1:
         pipeline = PipelineModel(model, mesh["pp"], n_microbatches=cfg.pp_microbatches,
-                                 schedule=cfg.pp_schedule, device=device, output=pp_output)
+                                 schedule=cfg.pp_schedule, device=device, output=pp_output, place_stages=False)
         parts: list[nn.Module] = list(pipeline.stages)
     else:
         parts = [model]
     for part in parts:
+        host = params_to_meta(part)  # TP and FSDP2 shard on meta; only this rank's shards reach the device
         if tp > 1:
             apply_tp(part, mesh["tp"], loss_parallel=loss_parallel)
         if activation_checkpointing:
             apply_ac(part, blocks=decoder_layers(part))
-        apply_fsdp(part, fsdp_mesh(mesh), device=device, mixed_precision=mixed_precision, param_offload=param_offload)
+        apply_fsdp(part, fsdp_mesh(mesh), device=device, mixed_precision=mixed_precision, param_offload=param_offload,
+                   host=host)
     if pipeline is None:
         module: nn.Module = model
     else:

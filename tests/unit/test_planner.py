@@ -100,7 +100,10 @@ def test_mixed_precision_on_cuda_halves_rollout_and_compute_copies():
     tp2 = plan_memory(s, _cfg("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "parallel.tp=2"),
                       world_size=16, device="cuda")
     assert tp2.layout["dp"] == 8 and tp2.components["parameters"] == s.num_params() / 16 * 4
-    assert tp2.components["load (whole stage before sharding)"] == s.num_params() / 2 * 4
+    # Only shards reach the GPU: the loaded model stays in host memory.
+    assert tp2.components["load (host model before sharding)"] == 0
+    assert tp2.host["load (model before sharding)"] == s.num_params() * 4
+    assert cpu.components["load (host model before sharding)"] == s.num_params() * 4
 
 
 def test_fit_decision_and_bytes_parsing():
