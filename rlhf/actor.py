@@ -351,7 +351,7 @@ class PolicyWorker:
         micro_list = self._micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for k, rows in enumerate(micro_list):
-            self._grad_sync(k == len(micro_list) - 1)
+            set_grad_sync(self.model, self.cfg, last=k == len(micro_list) - 1)
             if len(rows) == 0:
                 # This rank has fewer rows than the agreed micro-batch count: a zero-weight
                 # pass keeps its FSDP collectives in step with the other ranks.
@@ -429,10 +429,14 @@ class PolicyWorker:
             parts["actor/kl_loss"] = _masked_mean(kl.detach(), mask)
         return loss, parts
 
-    def _grad_sync(self, last: bool) -> None:
-        # Reduce-scatter gradients only on the last micro-batch of a mini-batch.
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            self.model.set_requires_gradient_sync(last)
+
+
+def set_grad_sync(model: torch.nn.Module, model_cfg: ModelConfig, *, last: bool) -> None:
+    """Before a micro-batch's backward: FSDP2 reduce-scatters its gradients into the sharded
+    ``.grad`` at once (default), or, with ``model.unsharded_grad_accumulation``, only on the
+    ``last`` micro-batch of the mini-batch, holding unsharded gradients until then."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last or not model_cfg.unsharded_grad_accumulation)
 
 
 def _needs_entropy(cfg: ActorConfig) -> bool:

@@ -45,6 +45,10 @@ class ModelConfig:
     lora_alpha: int = _f(16, "LoRA alpha (scale = alpha / rank).")
     target_modules: Union[str, list] = _f("all-linear", "LoRA target modules: 'all-linear' or a list of names.")
     param_offload: bool = _f(False, "FSDP2 CPU offload of parameters, gradients and optimizer state.")
+    unsharded_grad_accumulation: bool = _f(
+        False, "Reduce-scatter gradients once per mini-batch instead of after every micro-batch (FSDP2 no-sync): "
+               "fewer collectives, but each rank holds the unsharded fp32 gradients of its whole model between "
+               "micro-batches (+4 bytes per parameter; the planner counts them). Actor and critic.")
 
 
 @dataclass

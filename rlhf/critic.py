@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from rlhf.actor import MetricSums, adopt_layout, check_features, run_ppo_epochs, sp_size
+from rlhf.actor import MetricSums, adopt_layout, check_features, run_ppo_epochs, set_grad_sync, sp_size
 from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.value_loss import compute_value_loss
 from rlhf.batch import RolloutBatch, split_rows
@@ -237,7 +237,7 @@ class CriticWorker:
         micro_list = self._micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for k, rows in enumerate(micro_list):
-            self._grad_sync(k == len(micro_list) - 1)
+            set_grad_sync(self.model, self.model_cfg, last=k == len(micro_list) - 1)
             if len(rows) == 0:
                 # Fewer rows than the agreed micro-batch count: a zero-weight pass keeps this
                 # rank's FSDP collectives in step with the other dp ranks.
@@ -271,9 +271,4 @@ class CriticWorker:
             for name, value in parts.items():
                 metrics.add(name, value, w)
         return total.double() / self.grad_scale
-
-    def _grad_sync(self, last: bool) -> None:
-        # Reduce-scatter gradients only on the last micro-batch of a mini-batch.
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            self.model.set_requires_gradient_sync(last)
 

@@ -13,6 +13,9 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   all-gathered copies (``fsdp unsharded``), so no separate fp32 master copy exists;
 * gradients and AdamW state (``exp_avg`` + ``exp_avg_sq``) in the parameter dtype, for the
   trainable parameters only (LoRA: adapters; the frozen base has neither);
+* ``unsharded gradients``: with ``model.unsharded_grad_accumulation`` (and always with
+  pp > 1, where the pipeline schedule accumulates without sync) each rank holds the
+  unsharded gradients of its stage between micro-batches (fp32 under mixed precision);
 * ``fsdp unsharded``: the all-gathered root (embeddings, LM head) and two decoder blocks
   (current + prefetched), in the compute dtype; in the update also their gradients;
 * ``load``: the loaded model (its pipeline stage) stays in host memory while TP / FSDP2
@@ -228,6 +231,11 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     comp: dict[str, float] = {}
     comp["parameters"] = (params_rank + adapters / tp / dp) * mb
     comp["gradients"] = trainable_rank * mb
+    # No-sync accumulation keeps the stage's unsharded gradients (fp32 reduce dtype under mixed
+    # precision) from the first micro-batch to the last: opt-in, or always inside a pipeline schedule.
+    no_sync = m.unsharded_grad_accumulation or pp > 1
+    grad_bytes = 4 if cuda and m.mixed_precision else mb
+    comp["unsharded gradients (no-sync accumulation)"] = (trainable_rank * dp) * grad_bytes if no_sync else 0.0
     comp["optimizer (AdamW m+v)"] = 2 * trainable_rank * mb
     need_ref = (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora
     comp["reference"] = params_rank * mb if need_ref else 0.0
@@ -312,6 +320,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
                       "forward activations (log-prob pass)": comp["forward activations (log-prob pass)"],
                       "logits (log-prob pass)": comp["logits (log-prob pass)"]},
         "update": {**persistent, "gradients": comp["gradients"],
+                   "unsharded gradients (no-sync accumulation)": comp["unsharded gradients (no-sync accumulation)"],
                    "fsdp unsharded (+grads)": unsharded_frozen + (0 if lora else (root + block) * cb),
                    "activations": acts + act_work, "logits (update)": comp["logits (update)"]},
     }

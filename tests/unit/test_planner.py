@@ -138,3 +138,17 @@ def test_cli_plans_7b_on_8_gpus(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["model.path=" + str(bad), "data.train_files=x"])
     assert e.value.code == 2 and "does not know architecture BertModel" in capsys.readouterr().err
+
+
+def test_no_sync_accumulation_counts_unsharded_fp32_gradients():
+    s = ModelShape.from_model_dir(str(REPO / "configs" / "models" / "Qwen2.5-7B"))
+    base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    key = "unsharded gradients (no-sync accumulation)"
+    default = plan_memory(s, _cfg(*base), world_size=8, device="cuda")
+    opted = plan_memory(s, _cfg(*base, "model.unsharded_grad_accumulation=true"), world_size=8, device="cuda")
+    assert default.components[key] == 0
+    # The whole model's gradients in fp32 on every rank (~28 GiB at 7B), in the update phase.
+    assert opted.components[key] == s.num_params() * 4
+    assert opted.total("update") - default.total("update") == s.num_params() * 4
+    pp2 = plan_memory(s, _cfg(*base, "parallel.pp=2"), world_size=8, device="cuda")  # the schedule never syncs early
+    assert pp2.components[key] > 0
