@@ -51,7 +51,7 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
     if mp is not None:
         kwargs["mp_policy"] = mp
     if param_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs a GPU
     for block in decoder_layers(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

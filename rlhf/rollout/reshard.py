@@ -18,7 +18,9 @@ everything else                          full (embeddings, LM head, norms, o_pro
 How the pass works (:func:`gather_rollout_weights`), parameter by parameter, so that at
 most one gathered full parameter exists at a time next to the rollout copy:
 
-1. cast the local shard to the rollout dtype (halves the bytes for bf16 rollouts);
+1. cast the local shard to the rollout dtype (halves the bytes for bf16 rollouts), and
+   move it to the mesh's device if it is not there (FSDP2 CPU offload keeps shards in
+   host memory, which NCCL cannot read; :func:`rlhf.parallel.collective_device`);
 2. DTensor ``redistribute``: dp (and tp) dims -> ``Replicate`` (an all-gather). When the
    training TP group *is* the rollout TP group and the parameter is already sharded on
    the rollout's dim, the tp dim is kept ``Shard`` and only dp is gathered;
@@ -39,6 +41,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from rlhf.parallel import to_mesh_device
 
 # Prefixes/infixes that wrappers add to parameter names; rollout wants plain HF names.
 _WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_orig_mod\.|_fsdp_wrapped_module\.)")
@@ -144,6 +148,7 @@ def gather_full_tensor(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """DTensor -> full local tensor via redistribute to Replicate; returns (tensor, bytes received)."""
     if not isinstance(t, DTensor):
         return t.detach(), 0
+    t = to_mesh_device(t)
     local_bytes = _nbytes(t.to_local())
     full = t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim).to_local()
     return full, _nbytes(full) - local_bytes
@@ -169,6 +174,7 @@ def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
     t = p if isinstance(p, DTensor) else p.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
+    t = to_mesh_device(t)  # after the cast: fewer bytes leave the host under param_offload
     dim = rollout_shard_dim(name) if do_slice and tp_size > 1 else None
     if isinstance(t, DTensor) and dim is not None:
         keep = _tp_dim_matches(t, dim, tp_group, tp_size)

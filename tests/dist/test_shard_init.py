@@ -3,8 +3,8 @@
 Every byte that reaches the rank's device goes through ``shard_init.place``; the test
 counts them. Before the fix the whole model was moved to the device before ``fully_shard``
 (one full copy per rank); now each rank places only its shards (FSDP2 over dp = 2, or TP
-over tp = 2), never a whole parameter that is sharded, and the sharded model holds the
-loaded weights exactly.
+over tp = 2, or FSDP2 with CPU offload), never a whole parameter that is sharded, and the
+sharded model holds the loaded weights exactly.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from tests.dist._dist_utils import run_distributed
+from tests.dist._dist_utils import dist_device, dist_device_type, run_distributed
 
 
 def _model(vocab: int) -> torch.nn.Module:
@@ -34,6 +34,8 @@ def _check(rank: int, world: int) -> None:
     import rlhf.models.shard_init as shard_init
     from rlhf.config import ParallelConfig
     from rlhf.models.parallelize import parallelize_model
+    from rlhf.parallel import to_mesh_device
+    from rlhf.rollout.reshard import gather_rollout_weights
 
     calls: list[int] = []
     real_place = shard_init.place
@@ -43,14 +45,15 @@ def _check(rank: int, world: int) -> None:
         return real_place(piece, device)
 
     shard_init.place = counting_place
-    for dims, vocab in (((1, 2, 1), 37), ((1, 1, 2), 38)):  # FSDP2 over dp=2; TP over tp=2 (FSDP2 over dp=1)
+    # FSDP2 over dp=2; TP over tp=2 (FSDP2 over dp=1); FSDP2 with CPU offload
+    for dims, vocab, offload in (((1, 2, 1), 37, False), ((1, 1, 2), 38, False), ((1, 2, 1), 37, True)):
         calls.clear()
         model = _model(vocab)
         ref = copy.deepcopy(model)
         full = {n: p.detach().clone() for n, p in model.named_parameters()}
         total = sum(t.numel() * t.element_size() for t in full.values())
-        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("pp", "dp", "tp"))
-        pm = parallelize_model(model, mesh, ParallelConfig(), torch.device("cpu"))
+        mesh = init_device_mesh(dist_device_type(), dims, mesh_dim_names=("pp", "dp", "tp"))
+        pm = parallelize_model(model, mesh, ParallelConfig(), dist_device(), param_offload=offload)
         params = dict(pm.module.named_parameters())
         local = sum(p.to_local().numel() * p.element_size() for p in params.values())
         assert sum(calls) == local, (dims, sum(calls), local)
@@ -60,16 +63,21 @@ def _check(rank: int, world: int) -> None:
         assert max(calls) < max(t.numel() * 4 for t in full.values()), "a whole sharded parameter was placed"
         for n, p in params.items():
             assert isinstance(p, DTensor) and not p.is_meta, n
-            torch.testing.assert_close(p.full_tensor(), full[n], rtol=0, atol=0, msg=n)
+            assert p.device.type == ("cpu" if offload else dist_device_type()), (n, p.device)
+            torch.testing.assert_close(to_mesh_device(p).full_tensor().cpu(), full[n], rtol=0, atol=0, msg=n)
         # Tied embedding / LM head: still one parameter.
         assert pm.module.lm_head.weight is pm.module.model.embed_tokens.weight
         ids = torch.randint(2, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
-            out = pm.module(input_ids=ids).logits
+            out = pm.module(input_ids=ids.to(dist_device())).logits
             out = out.full_tensor() if isinstance(out, DTensor) else out
-            torch.testing.assert_close(out, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.cpu(), ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        # The rollout reshard gathers them (under offload: moved to the mesh's device first).
+        weights, _ = gather_rollout_weights(pm.module)
+        for n, t in weights.items():
+            torch.testing.assert_close(t.cpu(), full[n], rtol=0, atol=0, msg=n)
         # Training works on the placed shards (FSDP2 lazy init re-reads them).
-        pm.module(input_ids=ids).logits.float().pow(2).mean().backward()
+        pm.module(input_ids=ids.to(dist_device())).logits.float().pow(2).mean().backward()
         assert all(p.grad is not None for p in params.values())
 
 
