@@ -43,7 +43,7 @@ from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import reward_components
 from rlhf.rewards.streaming import StreamingScores
-from rlhf.rollout.engine import RolloutEngine
+from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.rollout.reshard import RolloutLayout
 
 
@@ -106,9 +106,10 @@ class RLTrainer:
             self.reward_model = RewardModelScorer(cfg.reward.reward_model, self.mesh, self.device, self.tokenizer)
         self.rollout = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                      max_response_length=cfg.data.max_response_length, device=self.device,
-                                     dtype=torch.bfloat16 if self.device.type == "cuda" else None,
+                                     dtype=rollout_dtype(cfg.rollout.dtype, self.device.type, cfg.model.dtype),
                                      layout=roles.layout if roles is not None else
-                                     RolloutLayout.build(cfg.rollout.tp, self.device.type),
+                                     RolloutLayout.build(cfg.rollout.tp, self.device.type,
+                                                         exchange_timeout_s=cfg.trainer.exchange_timeout_s),
                                      lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None)
         self.timer = PhaseTimer(self.device, listeners=self.ops.listeners)
         self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,

@@ -46,6 +46,13 @@ class PromptBatch:
                            extra_infos=[self.extra_infos[i] for i in rows])
 
 
+def rollout_dtype(name: str, device_type: str, model_dtype: str) -> torch.dtype:
+    """``rollout.dtype`` resolved: "auto" = bfloat16 on CUDA, else the master dtype (``model.dtype``)."""
+    if name == "auto":
+        name = "bfloat16" if device_type == "cuda" else model_dtype
+    return getattr(torch, name)
+
+
 def chunk_bounds(num_prompts: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, balanced [start, end) chunks of ``num_prompts`` over ``parts`` replicas."""
     base, extra = divmod(num_prompts, parts)

@@ -143,7 +143,7 @@ def test_cli_plans_7b_on_8_gpus(tmp_path, capsys):
 def test_no_sync_accumulation_counts_unsharded_fp32_gradients():
     s = ModelShape.from_model_dir(str(REPO / "configs" / "models" / "Qwen2.5-7B"))
     base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
-    key = "unsharded gradients (no-sync accumulation)"
+    key = "unsharded grads (no-sync accumulation)"
     default = plan_memory(s, _cfg(*base), world_size=8, device="cuda")
     opted = plan_memory(s, _cfg(*base, "model.unsharded_grad_accumulation=true"), world_size=8, device="cuda")
     assert default.components[key] == 0
@@ -152,3 +152,29 @@ def test_no_sync_accumulation_counts_unsharded_fp32_gradients():
     assert opted.total("update") - default.total("update") == s.num_params() * 4
     pp2 = plan_memory(s, _cfg(*base, "parallel.pp=2"), world_size=8, device="cuda")  # the schedule never syncs early
     assert pp2.components[key] > 0
+
+
+def test_rollout_copies_fusing_send_buffer_and_kept_sampler():
+    from rlhf.async_rl.transfer import SEND_BUCKET_BYTES
+
+    s = ModelShape.from_model_dir(str(REPO / "configs" / "models" / "Qwen2.5-7B"))
+    base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    colo = plan_memory(s, _cfg(*base), world_size=8, device="cuda")
+    fused = (s.q_dim + 2 * s.kv_dim + 2 * s.intermediate_size) * s.hidden_size * 2  # one layer, bf16
+    assert colo.components["rollout fusing (q|k|v, gate|up)"] == fused
+    assert colo.phases["rollout"]["rollout weights"] == s.num_params() * 2
+    # rollout.dtype: a float32 rollout on CUDA doubles the copy
+    fp32 = plan_memory(s, _cfg(*base, "rollout.dtype=float32"), world_size=8, device="cuda")
+    assert fp32.components["rollout weights"] == s.num_params() * 4
+    # CUDA graphs keep the sampler (weights + KV cache) through the training phases
+    kept = plan_memory(s, _cfg(*base, "rollout.compile=true"), world_size=8, device="cuda")
+    extra = s.num_params() * 2 + kept.components["kv cache"]
+    assert kept.total("update") - colo.total("update") == extra
+    assert kept.total("rollout") - colo.total("rollout") == s.num_params() * 2
+    # one_step_off: 4 training ranks gather their partners' weights and send them through one buffer
+    off = plan_memory(s, _cfg(*base, "trainer.mode=one_step_off", "actor.tis_imp_ratio_cap=2"), world_size=8,
+                      device="cuda")
+    assert off.layout["dp"] == 4 and "rollout" not in off.phases
+    assert off.phases["weight send"]["send buffer"] == SEND_BUCKET_BYTES
+    assert off.phases["weight send"]["rollout weights (for the partner)"] == s.num_params() * 2
+    assert "parameters" not in off.phases["rollout (rollout ranks)"]
