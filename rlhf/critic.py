@@ -223,13 +223,14 @@ class CriticWorker:
                               mini_step=self._pp_mini_step if self.pipeline is not None else self._mini_step)
 
     def _loss(self, vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-              norm: AggNorm) -> tuple[torch.Tensor, dict[str, float], float]:
-        """Value loss of one micro-batch (``[b, R]`` tensors) and its metric terms with their weight."""
+              norm: AggNorm) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """Value loss of one micro-batch (``[b, R]`` tensors) and its metric terms with their weight
+        (device tensors: no host sync per micro-batch)."""
         loss, clipfrac = compute_value_loss(vpreds, old_values, returns, mask, cliprange_value=self.cfg.cliprange_value,
                                             loss_agg_mode=self.cfg.loss_agg_mode, norm=norm)
-        w = float(mask.sum())
-        vsum = float((vpreds.detach() * mask).sum())
-        return loss, {"critic/vf_clipfrac": float(clipfrac), "critic/vpred_mean": vsum / max(w, 1.0)}, w
+        w = mask.sum()
+        vsum = (vpreds.detach() * mask).sum()
+        return loss, {"critic/vf_clipfrac": clipfrac.detach(), "critic/vpred_mean": vsum / w.clamp(min=1.0)}, w
 
     def _mini_step(self, mini: RolloutBatch, norm: AggNorm, metrics: MetricSums) -> torch.Tensor:
         """Gradient accumulation over micro-batches; returns this rank's loss sum (float64)."""

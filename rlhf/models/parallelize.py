@@ -215,11 +215,13 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, stage_ranks:
     """
     norm = global_grad_norm(params if norm_params is None else norm_params, stage_ranks=stage_ranks, group=group,
                             device=device)
-    coef = float(max_norm) / (float(norm) + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    # On the device, applied to every gradient (x1 when under the bound): no host sync.
+    coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
+    on_device: dict[torch.device, torch.Tensor] = {}
+    for p in params:
+        if p.grad is not None:
+            dev = p.grad.device  # CPU under param_offload
+            p.grad.mul_(on_device.setdefault(dev, coef.to(dev)))
     return norm
 
 
