@@ -43,7 +43,8 @@ from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import reward_components
 from rlhf.rewards.streaming import StreamingScores
-from rlhf.rollout.engine import RolloutEngine, rollout_dtype
+from rlhf.regroup import regroup_rows
+from rlhf.rollout.engine import RolloutEngine, decode_responses, rollout_dtype
 from rlhf.rollout.reshard import RolloutLayout
 
 
@@ -236,15 +237,16 @@ class RLTrainer:
         return batch, metrics
 
     def rebalance_groups(self, batch: RolloutBatch) -> RolloutBatch:
-        """Exactly train_batch_size kept groups, dealt to dp ranks mini-batch-major (like fresh prompts)."""
-        pieces = all_gather_object(batch.to(torch.device("cpu")), self.dp_group)
-        merged = RolloutBatch.concat(pieces)
-        groups = list(dict.fromkeys(merged.index.tolist()))[: self.cfg.data.train_batch_size]
-        mine = set(minibatch_major_shard(groups, self.dp_rank, self.dims.dp, self.cfg.actor.ppo_mini_batch_size))
-        order = {g: k for k, g in enumerate(groups)}
-        rows = sorted((i for i, g in enumerate(merged.index.tolist()) if g in mine),
-                      key=lambda i: (order[merged.index[i].item()], i))
-        return merged.select(rows).to(self.device)
+        """Exactly train_batch_size kept groups, dealt to dp ranks mini-batch-major (like fresh prompts).
+        Rows move with tensor collectives (rlhf/regroup.py); the per-row lists are rebuilt here."""
+        out = regroup_rows(batch, keep_groups=self.cfg.data.train_batch_size, dp_rank=self.dp_rank, dp=self.dims.dp,
+                           mini_batch_size=self.cfg.actor.ppo_mini_batch_size, group=self.dp_group)
+        examples = [self.train_data.examples[k] for k in out.index.tolist()]  # the group id is the dataset index
+        out.ground_truths = [e.ground_truth for e in examples]
+        out.data_sources = [e.data_source for e in examples]
+        out.extra_infos = [e.extra_info for e in examples]
+        out.response_texts = decode_responses(self.tokenizer, out.responses, out.response_mask)
+        return out
 
     def remax_baseline(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """ReMax: reward of the greedy response to each prompt is the baseline of its samples."""

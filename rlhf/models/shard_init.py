@@ -73,12 +73,14 @@ def materialize_shards(model: nn.Module, host: dict[str, torch.Tensor], device: 
     """
     placed = 0
     for name, p in model.named_parameters(remove_duplicate=False):
-        if not p.is_meta:  # a tied alias already filled
-            continue
         name = _plain_name(name)
+        if not p.is_meta:  # a tied alias already filled
+            host.pop(name, None)
+            continue
         if name not in host:
             raise KeyError(f"no host tensor for meta parameter {name}")
-        local = place(local_piece(host[name], p), device)
+        # Dropped as soon as its shard is placed: host memory holds the model, not model + shards.
+        local = place(local_piece(host.pop(name), p), device)
         placed += local.numel() * local.element_size()
         if isinstance(p, DTensor):
             local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
