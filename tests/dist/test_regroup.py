@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from tests.dist._batches import random_rollout_batch
-from tests.dist._dist_utils import run_distributed
+from tests.dist._dist_utils import dist_device, run_distributed
 
 KEEP, MINI, N = 6, 2, 2  # groups trained on, groups per mini-batch, samples per group
 
@@ -59,8 +59,9 @@ def _check(rank: int, world: int, out: str) -> None:
     from rlhf.regroup import regroup_rows
 
     pieces = [_rank_batch(r) for r in range(world)]
-    got = regroup_rows(pieces[rank], keep_groups=KEEP, dp_rank=rank, dp=world, mini_batch_size=MINI,
+    got = regroup_rows(pieces[rank].to(dist_device()), keep_groups=KEEP, dp_rank=rank, dp=world, mini_batch_size=MINI,
                        group=dist.group.WORLD)
+    got = got.to(torch.device("cpu"))
     _same(got, _reference(pieces, rank, world))
     assert got.response_texts == []  # lists are the caller's to rebuild
     # The ranks' k-th mini-batches together are the 1-rank batch's k-th mini-batch.

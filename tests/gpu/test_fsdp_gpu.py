@@ -64,3 +64,27 @@ def test_cpu_offload_update_equals_on_device(model_dir, tmp_path, monkeypatch):
     off = _run(model_dir, tmp_path, monkeypatch, "off", mixed=False, offload=True)
     for n, d in ref["delta"].items():
         torch.testing.assert_close(off["delta"][n], d, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def _load_peak(rank: int, world: int, model_dir: str, out: str) -> None:
+    from rlhf.actor import PolicyWorker
+    from rlhf.parallel import ParallelDims
+
+    mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh("cuda")
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    worker = PolicyWorker(ModelConfig(path=model_dir), mesh, torch.device("cuda", 0), trainable=False)
+    model_bytes = sum(p.to_local().numel() * p.element_size() for p in worker.model.parameters())
+    torch.save({"peak": torch.cuda.max_memory_allocated() - base, "model": model_bytes}, out)
+
+
+def test_load_places_only_the_shards(model_dir, tmp_path, monkeypatch):
+    """rlhf/models/shard_init.py: the loaded model stays on the host and only this rank's shards
+    are copied to the GPU. Before, the whole model was moved to the GPU and then FSDP2 made its
+    padded shard copies there: a peak of two models at load."""
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    out = str(tmp_path / "peak.pt")
+    run_distributed(_load_peak, 1, model_dir, out)
+    r = torch.load(out)
+    print(f"load peak {r['peak'] / 2**20:.1f} MiB for {r['model'] / 2**20:.1f} MiB of shards")
+    assert r["peak"] <= 1.1 * r["model"] + 2**20, r
