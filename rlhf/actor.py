@@ -438,7 +438,6 @@ class PolicyWorker:
         return loss, parts
 
 
-
 def set_grad_sync(model: torch.nn.Module, model_cfg: ModelConfig, *, last: bool) -> None:
     """Before a micro-batch's backward: FSDP2 reduce-scatters its gradients into the sharded
     ``.grad`` at once (default), or, with ``model.unsharded_grad_accumulation``, only on the

@@ -272,4 +272,3 @@ class CriticWorker:
             for name, value in parts.items():
                 metrics.add(name, value, w)
         return total.double() / self.grad_scale
-

@@ -39,11 +39,11 @@ from rlhf.models.parallelize import validate_layout
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
 from rlhf.ops.oom import apply_oom_records, record_oom
 from rlhf.ops.runtime import StepOps
+from rlhf.regroup import regroup_rows
 from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import reward_components
 from rlhf.rewards.streaming import StreamingScores
-from rlhf.regroup import regroup_rows
 from rlhf.rollout.engine import RolloutEngine, decode_responses, rollout_dtype
 from rlhf.rollout.reshard import RolloutLayout
 
