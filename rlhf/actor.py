@@ -48,28 +48,33 @@ from rlhf.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 
 @dataclass
 class MetricSums:
-    """Sums of (value x weight) and weights, reduced over dp before averaging."""
+    """Sums of (value x weight) and weights per metric, kept on the device: adding a micro-batch's
+    metrics never waits for the device; :meth:`reduce` does one all-reduce and one ``.tolist()``."""
 
-    sums: dict
+    sums: dict  # name -> float64 [2] tensor (sum of value x weight, sum of weights)
     device: torch.device
 
     @classmethod
     def new(cls, device):
         return cls({}, device)
 
-    def add(self, name: str, value: torch.Tensor | float, weight: float = 1.0) -> None:
-        v = float(value) * weight
-        s, w = self.sums.get(name, (0.0, 0.0))
-        self.sums[name] = (s + v, w + weight)
+    def _scalar(self, x: torch.Tensor | float) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to(self.device, torch.float64)
+        return torch.full((), float(x), dtype=torch.float64, device=self.device)  # a fill, not a host copy
+
+    def add(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
+        w = self._scalar(weight)
+        pair = torch.stack([self._scalar(value) * w, w])
+        old = self.sums.get(name)
+        self.sums[name] = pair if old is None else old + pair
 
     def reduce(self, group=None) -> dict[str, float]:
         if not self.sums:
             return {}
         names = sorted(self.sums)
-        t = torch.tensor([[self.sums[n][0], self.sums[n][1]] for n in names], dtype=torch.float64,
-                         device=self.device)
-        all_reduce_sum(t, group)
-        return {n: (t[i, 0] / t[i, 1]).item() if t[i, 1] > 0 else 0.0 for i, n in enumerate(names)}
+        t = all_reduce_sum(torch.stack([self.sums[n] for n in names]), group)  # [metrics, 2]
+        return {n: s / w if w > 0 else 0.0 for n, (s, w) in zip(names, t.tolist())}
 
 
 def run_ppo_epochs(worker, batch: RolloutBatch, *, mini_batch_rows: int, epochs: int, shuffle: bool,
@@ -91,22 +96,24 @@ def run_ppo_epochs(worker, batch: RolloutBatch, *, mini_batch_rows: int, epochs:
     n_rows = len(batch)
     for _ in range(epochs):
         order = torch.randperm(n_rows, generator=gen) if shuffle else torch.arange(n_rows)
-        for rows in split_rows(n_rows, mini_batch_rows):
-            mini = batch.select(order[rows])
-            mask = mini.response_mask
-            counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).double()
-            all_reduce_sum(counts, worker.dp_group)
-            norm = AggNorm(global_tokens=counts[0].item(), global_seqs=counts[1].item(),
-                           max_response_len=max_response_len)
+        minis = [batch.select(order[rows]) for rows in split_rows(n_rows, mini_batch_rows)]
+        # Every mini-batch's global counts: one all-reduce and one host read per epoch.
+        counts = torch.stack([torch.stack([m.response_mask.sum(), (m.response_mask.sum(-1) > 0).sum()]).double()
+                              for m in minis]) if minis else torch.zeros(0, 2, dtype=torch.float64)
+        counts = all_reduce_sum(counts.to(worker.device), worker.dp_group).tolist()
+        for mini, (tokens, seqs) in zip(minis, counts):
+            norm = AggNorm(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
             worker.optimizer.zero_grad(set_to_none=True)
             step_loss = mini_step(mini, norm, metrics)
             all_reduce_sum(step_loss, worker.dp_group)
             grad_norm = clip_grad_norm_(params, grad_clip, stage_ranks=worker.stage_ranks, norm_params=norm_params,
                                         device=worker.device, group=worker.mesh_group)
-            if worker.nonfinite.ok(step_loss.item(), float(grad_norm), worker.optimizer):
+            # The one host read per mini-batch: whether the step may be taken.
+            loss_value, norm_value = torch.stack([step_loss.double(), grad_norm.double()]).tolist()
+            if worker.nonfinite.ok(loss_value, norm_value, worker.optimizer):
                 worker.optimizer.step()
-                metrics.add(f"{prefix}/{loss_name}", step_loss.item())
-                metrics.add(f"{prefix}/grad_norm", float(grad_norm))
+                metrics.add(f"{prefix}/{loss_name}", loss_value)
+                metrics.add(f"{prefix}/grad_norm", norm_value)
     worker.optimizer.zero_grad(set_to_none=True)
     out = metrics.reduce(worker.dp_group)
     if worker.pipeline is not None:
@@ -325,12 +332,12 @@ class PolicyWorker:
         self.entropy_coeff = entropy_coeff_at(self.scheduler.last_epoch, self.total_steps, cfg.entropy_coeff,
                                               cfg.entropy_coeff_final, cfg.entropy_coeff_schedule)
         self.model.train()
-        covs: list[float] = []
+        cov_sums: list[torch.Tensor] = []  # read on the host once, after the update
 
         def mini_step(mini: RolloutBatch, norm: AggNorm, metrics: MetricSums) -> torch.Tensor:
             sums = all_reduce_sum(covariance_sums(mini.old_log_probs, mini.advantages, mini.response_mask),
                                   self.dp_group)
-            covs.append(covariance_from_sums(sums))
+            cov_sums.append(sums)
             if cfg.policy_loss in COV_LOSSES:  # one selection per mini-batch over all its tokens
                 mini.cov_select = select_cov_tokens(cfg.policy_loss, mini.old_log_probs, mini.advantages,
                                                     mini.response_mask, params, sums, self.dp_group)
@@ -342,6 +349,7 @@ class PolicyWorker:
                              max_response_len=max_response_length, grad_clip=cfg.grad_clip, prefix="actor",
                              loss_name="loss", mini_step=mini_step)
         out["actor/entropy_coeff"] = self.entropy_coeff
+        covs = [covariance_from_sums(row) for row in torch.stack(cov_sums).tolist()] if cov_sums else []
         out["actor/cov_logp_adv"] = sum(covs) / max(len(covs), 1)
         return out
 
@@ -351,7 +359,7 @@ class PolicyWorker:
         micro_list = self._micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for k, rows in enumerate(micro_list):
-            self._grad_sync(k == len(micro_list) - 1)
+            set_grad_sync(self.model, self.cfg, last=k == len(micro_list) - 1)
             if len(rows) == 0:
                 # This rank has fewer rows than the agreed micro-batch count: a zero-weight
                 # pass keeps its FSDP collectives in step with the other ranks.
@@ -367,7 +375,7 @@ class PolicyWorker:
                                      mb.rollout_log_probs, mb.ref_log_probs, cov_select=mb.cov_select, **terms)
             (loss * self.grad_scale).backward()
             step_loss += loss.detach().double()
-            w = float(mb.response_mask.sum())
+            w = mb.response_mask.sum()
             for name, value in parts.items():
                 metrics.add(name, value, w)
         return step_loss
@@ -394,7 +402,7 @@ class PolicyWorker:
             loss, parts = self._loss(log_probs[:, -R:], None if entropy is None else entropy[:, -R:], response_mask,
                                      old_log_probs, advantages, rollout_log_probs, ref_log_probs,
                                      cov_select=cov_select, **terms)
-            calls.append(({k: float(v) for k, v in parts.items()}, float(response_mask.sum())))
+            calls.append(({k: v.detach() for k, v in parts.items()}, response_mask.sum()))  # no host sync
             return loss * self.grad_scale
 
         total = self.pipeline.forward_backward(mini.input_ids, mini.attention_mask, stage_loss, inputs)
@@ -429,10 +437,13 @@ class PolicyWorker:
             parts["actor/kl_loss"] = _masked_mean(kl.detach(), mask)
         return loss, parts
 
-    def _grad_sync(self, last: bool) -> None:
-        # Reduce-scatter gradients only on the last micro-batch of a mini-batch.
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            self.model.set_requires_gradient_sync(last)
+
+def set_grad_sync(model: torch.nn.Module, model_cfg: ModelConfig, *, last: bool) -> None:
+    """Before a micro-batch's backward: FSDP2 reduce-scatters its gradients into the sharded
+    ``.grad`` at once (default), or, with ``model.unsharded_grad_accumulation``, only on the
+    ``last`` micro-batch of the mini-batch, holding unsharded gradients until then."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last or not model_cfg.unsharded_grad_accumulation)
 
 
 def _needs_entropy(cfg: ActorConfig) -> bool:

@@ -61,13 +61,14 @@ class RolloutBatch:
     def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
         """Rows `idx` of every per-row field (tensors and lists)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
-        idx_l = idx_t.tolist()
+        idx_l = None  # read on the host only when there are per-row lists
         kw = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
                 kw[f.name] = v[idx_t.to(v.device)]
             elif isinstance(v, list) and v:
+                idx_l = idx_t.tolist() if idx_l is None else idx_l
                 kw[f.name] = [v[i] for i in idx_l]
             else:
                 kw[f.name] = v

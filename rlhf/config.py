@@ -46,6 +46,10 @@ class ModelConfig:
     lora_alpha: int = _f(16, "LoRA alpha (scale = alpha / rank).")
     target_modules: Union[str, list] = _f("all-linear", "LoRA target modules: 'all-linear' or a list of names.")
     param_offload: bool = _f(False, "FSDP2 CPU offload of parameters, gradients and optimizer state.")
+    unsharded_grad_accumulation: bool = _f(
+        False, "Reduce-scatter gradients once per mini-batch instead of after every micro-batch (FSDP2 no-sync): "
+               "fewer collectives, but each rank holds the unsharded fp32 gradients of its whole model between "
+               "micro-batches (+4 bytes per parameter; the planner counts them). Actor and critic.")
 
 
 @dataclass
@@ -81,6 +85,10 @@ class RolloutConfig:
     prefill_tokens: int = _f(8192, "Tokens per prefill forward; longer prompts are prefilled in chunks of this size.")
     val_temperature: float = _f(0.0, "Validation sampling temperature (0 = greedy, like verl val_kwargs.do_sample=False).")
     seed: int = _f(0, "Sampling seed; samples are keyed by (seed, step, prompt index, sample index).")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
+        "auto", "Dtype of the rollout weights and KV cache (verl rollout.dtype); auto = bfloat16 on CUDA, "
+                "model.dtype on CPU. A rollout dtype other than the trainer's makes the sampler's log-probs "
+                "differ from the trainer's: correct with actor.tis_imp_ratio_cap.")
     compile: bool = _f(False, "On CUDA: capture decode steps as CUDA graphs (static shapes); ignored on CPU. "
                               "The sampler, its KV cache and graphs then stay allocated for the whole run.")
     gpu_memory_utilization: float = _f(0.5, "On CUDA with kv_cache_tokens and kv_cache_memory 0: the KV cache takes at most this "
@@ -251,6 +259,11 @@ class TrainerConfig:
                                  "abort after this many in a row.")
     collective_timeout_s: float = _f(600.0, "Seconds a collective waits for the slowest rank (every process group); "
                                             "a rank the others have waited on this long ends the job, named.")
+    exchange_timeout_s: float = _f(10800.0, "Seconds a rank may wait in an exchange whose length is other ranks' "
+                                             "work, not a stuck collective: rollout replicas waiting for the "
+                                             "slowest replica's rows; under trainer.mode one_step_off each role "
+                                             "waiting for its partner's weights or batch (through model loading, "
+                                             "validation, a whole update). Separate groups with this timeout.")
     heartbeat_timeout_s: float = _f(60.0, "A rank silent this long (stopped, its node lost) ends the job with a line "
                                           "naming it; 0 disables the watchdog.")
     alerts: dict = _f({"kl_to_ref": 1.0, "entropy_collapse": 0.01, "logprob_diff": 10.0, "grad_norm_spike": 10.0,
@@ -507,6 +520,8 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.total_epochs >= 1, "trainer.total_epochs", "must be >= 1")
     need(cfg.trainer.collective_timeout_s > 0, "trainer.collective_timeout_s",
          f"must be > 0 seconds, got {cfg.trainer.collective_timeout_s}")
+    need(cfg.trainer.exchange_timeout_s > 0, "trainer.exchange_timeout_s",
+         f"must be > 0 seconds, got {cfg.trainer.exchange_timeout_s}")
     need(cfg.trainer.heartbeat_timeout_s >= 0, "trainer.heartbeat_timeout_s",
          f"must be >= 0 seconds (0 disables the watchdog), got {cfg.trainer.heartbeat_timeout_s}")
     need(all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in cfg.trainer.profile_steps),

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from rlhf.actor import MetricSums, adopt_layout, check_features, run_ppo_epochs, sp_size
+from rlhf.actor import MetricSums, adopt_layout, check_features, run_ppo_epochs, set_grad_sync, sp_size
 from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.value_loss import compute_value_loss
 from rlhf.batch import RolloutBatch, split_rows
@@ -224,13 +224,14 @@ class CriticWorker:
                               mini_step=self._pp_mini_step if self.pipeline is not None else self._mini_step)
 
     def _loss(self, vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-              norm: AggNorm) -> tuple[torch.Tensor, dict[str, float], float]:
-        """Value loss of one micro-batch (``[b, R]`` tensors) and its metric terms with their weight."""
+              norm: AggNorm) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """Value loss of one micro-batch (``[b, R]`` tensors) and its metric terms with their weight
+        (device tensors: no host sync per micro-batch)."""
         loss, clipfrac = compute_value_loss(vpreds, old_values, returns, mask, cliprange_value=self.cfg.cliprange_value,
                                             loss_agg_mode=self.cfg.loss_agg_mode, norm=norm)
-        w = float(mask.sum())
-        vsum = float((vpreds.detach() * mask).sum())
-        return loss, {"critic/vf_clipfrac": float(clipfrac), "critic/vpred_mean": vsum / max(w, 1.0)}, w
+        w = mask.sum()
+        vsum = (vpreds.detach() * mask).sum()
+        return loss, {"critic/vf_clipfrac": clipfrac.detach(), "critic/vpred_mean": vsum / w.clamp(min=1.0)}, w
 
     def _mini_step(self, mini: RolloutBatch, norm: AggNorm, metrics: MetricSums) -> torch.Tensor:
         """Gradient accumulation over micro-batches; returns this rank's loss sum (float64)."""
@@ -238,7 +239,7 @@ class CriticWorker:
         micro_list = self._micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for k, rows in enumerate(micro_list):
-            self._grad_sync(k == len(micro_list) - 1)
+            set_grad_sync(self.model, self.model_cfg, last=k == len(micro_list) - 1)
             if len(rows) == 0:
                 # Fewer rows than the agreed micro-batch count: a zero-weight pass keeps this
                 # rank's FSDP collectives in step with the other dp ranks.
@@ -272,9 +273,3 @@ class CriticWorker:
             for name, value in parts.items():
                 metrics.add(name, value, w)
         return total.double() / self.grad_scale
-
-    def _grad_sync(self, last: bool) -> None:
-        # Reduce-scatter gradients only on the last micro-batch of a mini-batch.
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            self.model.set_requires_gradient_sync(last)
-

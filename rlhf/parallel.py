@@ -174,6 +174,26 @@ def sp_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
     return None
 
 
+def collective_device(tensor_device: torch.device, mesh_device_type: str) -> Optional[torch.device]:
+    """Where a tensor must be before a collective on a mesh of ``mesh_device_type``: None when
+    it already is, else that device type ("cuda" = the current device, as the mesh's own
+    collectives use). NCCL reads device memory only, while FSDP2 CPU offload
+    (``model.param_offload``) keeps the shards in host memory."""
+    if tensor_device.type == mesh_device_type:
+        return None
+    return torch.device(mesh_device_type)
+
+
+def to_mesh_device(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor moved where its mesh's collectives can read it (see :func:`collective_device`);
+    the same tensor when it is there already or is not a DTensor."""
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return t
+    target = collective_device(t.device, mesh.device_type)
+    return t if target is None else t.to(target)
+
+
 def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)

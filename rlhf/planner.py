@@ -13,13 +13,23 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   all-gathered copies (``fsdp unsharded``), so no separate fp32 master copy exists;
 * gradients and AdamW state (``exp_avg`` + ``exp_avg_sq``) in the parameter dtype, for the
   trainable parameters only (LoRA: adapters; the frozen base has neither);
+* ``unsharded gradients``: with ``model.unsharded_grad_accumulation`` (and always with
+  pp > 1, where the pipeline schedule accumulates without sync) each rank holds the
+  unsharded gradients of its stage between micro-batches (fp32 under mixed precision);
 * ``fsdp unsharded``: the all-gathered root (embeddings, LM head) and two decoder blocks
   (current + prefetched), in the compute dtype; in the update also their gradients;
-* ``load``: the stage's TP slice, whole, before FSDP2 shards it (apply_fsdp moves the
-  model to the device first; on CPU this is host memory);
+* ``load``: the loaded model (its pipeline stage) stays in host memory while TP / FSDP2
+  shard it on the meta device; only this rank's shards reach the device
+  (rlhf/models/shard_init.py). On CUDA it is listed as host memory; on a CPU plan the
+  host is the device;
 * reference (``actor.use_kl_loss`` without LoRA) and critic (``adv_estimator: gae``) copies;
-* rollout copy: the full model over ``rollout.tp``, bf16 on CUDA (else ``model.dtype``);
-  with LoRA the base copy is cached between steps (counted in every phase);
+* rollout copy: the full model over ``rollout.tp`` in ``rollout.dtype`` (auto: bf16 on
+  CUDA, else ``model.dtype``); with LoRA the base copy is cached between steps (counted in
+  every phase); while the sampler fuses q|k|v and gate|up, one layer's fused tensors next
+  to the unfused ones (all layers' with pp, whose exchange hands out views of one buffer);
+  with ``rollout.compile`` on CUDA the sampler's weights and KV cache for the whole run;
+* trainer.mode one_step_off: the training layout on half the world; the rollout ranks'
+  own phase; on training ranks the partner's gathered rollout weights and the send buffer;
 * KV cache ``[layers, slots, 2, kv_heads / rollout.tp, prompt + response, head_dim]``;
   slots = min(rollout.max_num_seqs, budget, sequences this rollout replica generates);
 * activations of one training micro-batch, with and without activation checkpointing
@@ -217,7 +227,7 @@ class MemoryPlan:
     layout: dict  # world, dp, tp, pp, rollout_tp, device
     components: dict[str, float]  # name -> bytes per rank
     phases: dict[str, dict[str, float]]  # phase -> {component: bytes} alive together
-    host: dict[str, float] = field(default_factory=dict)  # param_offload: bytes kept in host memory
+    host: dict[str, float] = field(default_factory=dict)  # bytes kept in host memory (loading, param_offload)
     notes: list[str] = field(default_factory=list)
 
     def total(self, phase: str) -> float:
@@ -259,18 +269,23 @@ def activation_elems_per_token_layer(s: ModelShape, tp: int, compute_bytes: int)
 
 def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str = "cuda") -> MemoryPlan:
     """The memory plan of `cfg` for `shape` on `world_size` ranks of `device` ("cuda" or "cpu")."""
+    from rlhf.async_rl.transfer import SEND_BUCKET_BYTES
     from rlhf.models.parallelize import validate_layout
     from rlhf.parallel import ParallelDims
+    from rlhf.rollout.engine import rollout_dtype
 
     s, m, d, r, a = shape, cfg.model, cfg.data, cfg.rollout, cfg.actor
-    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world_size)
-    validate_layout(cfg.parallel, _HFLike(s), world_size, rollout_tp=r.tp, train_batch_size=d.train_batch_size,
+    # trainer.mode one_step_off: half the world trains, the other half generates.
+    one_step_off = cfg.trainer.mode == "one_step_off"
+    role_world = world_size // 2 if one_step_off else world_size
+    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, role_world)
+    validate_layout(cfg.parallel, _HFLike(s), role_world, rollout_tp=r.tp, train_batch_size=d.train_batch_size,
                     mini_batch_size=a.ppo_mini_batch_size, n=r.n)
     dp, tp, pp = dims.dp, dims.tp, dims.pp
     cuda = device == "cuda"
     mb = DTYPE_BYTES[m.dtype]  # master (parameter / grad / optimizer) bytes
     cb = 2 if cuda and m.mixed_precision else mb  # compute bytes
-    rb = 2 if cuda else mb  # rollout bytes
+    rb = DTYPE_BYTES[str(rollout_dtype(r.dtype, device, m.dtype)).removeprefix("torch.")]  # rollout bytes
     notes: list[str] = []
 
     stage = _stage_params(s, pp)
@@ -281,6 +296,11 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     comp: dict[str, float] = {}
     comp["parameters"] = (params_rank + adapters / tp / dp) * mb
     comp["gradients"] = trainable_rank * mb
+    # No-sync accumulation keeps the stage's unsharded gradients (fp32 reduce dtype under mixed
+    # precision) from the first micro-batch to the last: opt-in, or always inside a pipeline schedule.
+    no_sync = m.unsharded_grad_accumulation or pp > 1
+    grad_bytes = 4 if cuda and m.mixed_precision else mb
+    comp["unsharded grads (no-sync accumulation)"] = (trainable_rank * dp) * grad_bytes if no_sync else 0.0
     comp["optimizer (AdamW m+v)"] = 2 * trainable_rank * mb
     need_ref = (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora
     comp["reference"] = params_rank * mb if need_ref else 0.0
@@ -292,20 +312,22 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     block = s.layer_params() / tp
     unsharded_frozen = (root + 2 * block) * cb
     comp["fsdp unsharded"] = unsharded_frozen
-    comp["load (whole stage before sharding)"] = stage / tp * mb
     host: dict[str, float] = {}
+    on_host = cuda or m.param_offload
+    comp["load (host model before sharding)"] = 0.0 if on_host else stage * mb
+    if on_host:
+        host["load (model before sharding)"] = stage * mb
     if m.param_offload:
         for k in ("parameters", "gradients", "optimizer (AdamW m+v)", "reference"):
             host[k] = comp[k]
             comp[k] = 0.0
-        comp["load (whole stage before sharding)"] = 0.0  # offload keeps the model on the host
         notes.append("model.param_offload: parameters, gradients and optimizer state live in host memory")
 
     # Rollout: full weights over rollout.tp; KV-cache slots for this replica's sequences.
     rollout_copy = s.num_params() / r.tp * rb
     comp["rollout weights"] = rollout_copy
     seq_len = d.max_prompt_length + d.max_response_length
-    replicas = world_size // r.tp
+    replicas = role_world // r.tp
     gen_bs = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size > 0 else d.train_batch_size
     seqs = math.ceil(gen_bs / replicas) * r.n
     slots = min(r.max_num_seqs, seqs)
@@ -318,6 +340,16 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         notes.append(f"rollout.kv_cache_tokens is 0: the sampler caps the KV cache at rollout.gpu_memory_utilization="
                      f"{r.gpu_memory_utilization} of the memory free after the weights (fewer slots than planned "
                      "here when it does not fit); set kv_cache_tokens to plan a fixed budget")
+    # The sampler fuses q|k|v and gate|up: one layer's fused copy exists next to its unfused
+    # tensors (freed as they are fused), all layers' when pp hands them out as views of one
+    # flat buffer per stage, which no single fusion can free.
+    fused_layer = (s.q_dim + 2 * s.kv_dim + 2 * s.intermediate_size) * s.hidden_size / r.tp * rb
+    comp["rollout fusing (q|k|v, gate|up)"] = fused_layer * (s.num_layers if pp > 1 and not one_step_off else 1)
+    # rollout.compile on CUDA: the sampler (its weights and KV cache) lives for the whole run.
+    kept = cuda and r.compile
+    # one_step_off: each training rank gathers its partner's rollout weights and sends them
+    # through one reusable buffer.
+    comp["send buffer"] = float(SEND_BUCKET_BYTES) if one_step_off else 0.0
     prefill_tokens = min(r.prefill_tokens, seqs // r.n * d.max_prompt_length)
     comp["rollout activations"] = (prefill_tokens * (s.hidden_size * 3 + (s.q_dim + 2 * s.kv_dim
                                    + 2 * s.mlp_width) / r.tp) * rb
@@ -350,26 +382,41 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     comp["forward activations (log-prob pass)"] = lp_tokens * per_tok * cb
 
     acts = ckpt_acts if m.enable_gradient_checkpointing else full_acts
-    persistent = {k: comp[k] for k in ("parameters", "optimizer (AdamW m+v)", "reference", "critic (params+grads+adam)")}
-    if lora:
-        persistent["lora base rollout cache"] = rollout_copy
+    training_state = {k: comp[k] for k in ("parameters", "optimizer (AdamW m+v)", "reference",
+                                           "critic (params+grads+adam)")}
+    # What generation holds next to the training state.
+    rollout_state = {"rollout weights": 0.0 if lora else rollout_copy,
+                     "lora merged weights": _lora_merged(s, m, r.tp, rb) if lora else 0.0,
+                     "rollout fusing (q|k|v, gate|up)": comp["rollout fusing (q|k|v, gate|up)"],
+                     "kv cache": comp["kv cache"], "rollout activations": comp["rollout activations"]}
+    carried = {}  # rollout state that stays allocated through the training phases (colocated)
+    if lora:  # the base is resharded once and cached
+        rollout_state["lora base rollout cache"] = carried["lora base rollout cache"] = rollout_copy
+    if kept:  # the kept sampler's weights and KV cache, and the new weights while they are copied in
+        rollout_state["sampler kept for CUDA graphs (weights)"] = rollout_copy
+        carried["sampler kept for CUDA graphs (weights + kv cache)"] = rollout_copy + comp["kv cache"]
+    persistent = {**training_state, **({} if one_step_off else carried)}
     phases = {
-        "load": {"load (whole stage before sharding)": comp["load (whole stage before sharding)"],
+        "load": {"load (host model before sharding)": comp["load (host model before sharding)"],
                  "parameters": comp["parameters"]},
-        "rollout": {**persistent, "rollout weights": 0.0 if lora else rollout_copy,
-                    "lora merged weights": _lora_merged(s, m, r.tp, rb) if lora else 0.0,
-                    "kv cache": comp["kv cache"], "rollout activations": comp["rollout activations"]},
+        "rollout": {**training_state, **rollout_state},
         "log-probs": {**persistent, "fsdp unsharded": unsharded_frozen,
                       "forward activations (log-prob pass)": comp["forward activations (log-prob pass)"],
                       "logits (log-prob pass)": comp["logits (log-prob pass)"]},
         "update": {**persistent, "gradients": comp["gradients"],
+                   "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
                    "fsdp unsharded (+grads)": unsharded_frozen + (0 if lora else (root + block) * cb),
                    "activations": acts + act_work, "logits (update)": comp["logits (update)"]},
     }
+    if one_step_off:  # rollout ranks hold only the rollout state; training ranks send weights instead
+        del phases["rollout"]
+        phases["rollout (rollout ranks)"] = rollout_state
+        phases["weight send"] = {**persistent, "rollout weights (for the partner)": rollout_copy,
+                                 "send buffer": comp["send buffer"]}
     if m.param_offload:
         del phases["load"]
     layout = {"world": world_size, "dp": dp, "tp": tp, "pp": pp, "rollout_tp": r.tp, "device": device,
-              "slots": slots, "seq_len": seq_len}
+              "slots": slots, "seq_len": seq_len, "mode": cfg.trainer.mode}
     return MemoryPlan(shape=s, layout=layout, components=comp, phases=phases, host=host, notes=notes)
 
 

@@ -39,11 +39,12 @@ from rlhf.models.parallelize import validate_layout
 from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
 from rlhf.ops.oom import apply_oom_records, record_oom
 from rlhf.ops.runtime import StepOps
+from rlhf.regroup import regroup_rows
 from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import mean_of_sums, reward_components
 from rlhf.rewards.streaming import StreamingScores
-from rlhf.rollout.engine import RolloutEngine
+from rlhf.rollout.engine import RolloutEngine, decode_responses, rollout_dtype
 from rlhf.rollout.reshard import RolloutLayout
 
 
@@ -108,9 +109,10 @@ class RLTrainer:
             self.reward_model = RewardModelScorer(cfg.reward.reward_model, self.mesh, self.device, self.tokenizer)
         self.rollout = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                      max_response_length=cfg.data.max_response_length, device=self.device,
-                                     dtype=torch.bfloat16 if self.device.type == "cuda" else None,
+                                     dtype=rollout_dtype(cfg.rollout.dtype, self.device.type, cfg.model.dtype),
                                      layout=roles.layout if roles is not None else
-                                     RolloutLayout.build(cfg.rollout.tp, self.device.type),
+                                     RolloutLayout.build(cfg.rollout.tp, self.device.type,
+                                                         exchange_timeout_s=cfg.trainer.exchange_timeout_s),
                                      lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None)
         self.timer = PhaseTimer(self.device, listeners=self.ops.listeners)
         self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,
@@ -237,15 +239,16 @@ class RLTrainer:
         return batch, metrics
 
     def rebalance_groups(self, batch: RolloutBatch) -> RolloutBatch:
-        """Exactly train_batch_size kept groups, dealt to dp ranks mini-batch-major (like fresh prompts)."""
-        pieces = all_gather_object(batch.to(torch.device("cpu")), self.dp_group)
-        merged = RolloutBatch.concat(pieces)
-        groups = list(dict.fromkeys(merged.index.tolist()))[: self.cfg.data.train_batch_size]
-        mine = set(minibatch_major_shard(groups, self.dp_rank, self.dims.dp, self.cfg.actor.ppo_mini_batch_size))
-        order = {g: k for k, g in enumerate(groups)}
-        rows = sorted((i for i, g in enumerate(merged.index.tolist()) if g in mine),
-                      key=lambda i: (order[merged.index[i].item()], i))
-        return merged.select(rows).to(self.device)
+        """Exactly train_batch_size kept groups, dealt to dp ranks mini-batch-major (like fresh prompts).
+        Rows move with tensor collectives (rlhf/regroup.py); the per-row lists are rebuilt here."""
+        out = regroup_rows(batch, keep_groups=self.cfg.data.train_batch_size, dp_rank=self.dp_rank, dp=self.dims.dp,
+                           mini_batch_size=self.cfg.actor.ppo_mini_batch_size, group=self.dp_group)
+        examples = [self.train_data.examples[k] for k in out.index.tolist()]  # the group id is the dataset index
+        out.ground_truths = [e.ground_truth for e in examples]
+        out.data_sources = [e.data_source for e in examples]
+        out.extra_infos = [e.extra_info for e in examples]
+        out.response_texts = decode_responses(self.tokenizer, out.responses, out.response_mask)
+        return out
 
     def remax_baseline(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """ReMax: reward of the greedy response to each prompt is the baseline of its samples."""

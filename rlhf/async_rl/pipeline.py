@@ -94,7 +94,7 @@ class OneStepOff:
         self.total_steps, self.stop_after_steps, self.tis_cap = total_steps, stop_after_steps, tis_cap
         self.dp_group = dp_group
         self.sender = WeightSender(roles.partner, device, dtype=dtype, rollout_tp=rollout_tp,
-                                   rollout_tp_rank=roles.env.rank % rollout_tp, lora=lora)
+                                   rollout_tp_rank=roles.env.rank % rollout_tp, lora=lora, group=roles.pair_group)
         self.schedule: Optional[Schedule] = None
         self.held: Optional[dict] = None  # the next batch's message (see RolloutWorker.generate)
 
@@ -109,7 +109,7 @@ class OneStepOff:
 
     def _receive(self, loader) -> float:
         t0 = time.perf_counter()
-        msg = recv_object(self.roles.partner, self.device)
+        msg = recv_object(self.roles.partner, self.device, self.roles.pair_group)
         wait = time.perf_counter() - t0
         expected = loader.next_batch()  # the loader is mirrored here so that checkpoints hold its position
         if msg["global_idx"] != expected:

@@ -9,14 +9,18 @@ training) point to point, so all pairs transfer at once and no rank handles more
 its own share. The training leader is global rank 0, so logging, checkpoint and export
 code that means "rank 0" keeps meaning the training leader.
 
-Every rank builds the whole mesh before the roles part ways (group creation is a world
-collective); groups created later (rollout layout, reward sharing) synchronise among
-their members only.
+Every rank builds the whole mesh and the partner groups before the roles part ways (group
+creation is a world collective); groups created later (rollout layout, reward sharing)
+synchronise among their members only. Waiting on the partner is by design as long as the
+other role's work, so the pair groups (and the rollout role's row exchange) time out after
+``trainer.exchange_timeout_s``, not ``trainer.collective_timeout_s``.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -64,6 +68,7 @@ class Roles:
     layout: RolloutLayout  # the rollout layout over this role's ranks
     partner: int  # global rank of the same coordinates in the other role
     size: int  # ranks per role
+    pair_group: Optional[dist.ProcessGroup] = None  # {this rank, partner}: weights and batches cross here
 
     @property
     def is_rollout(self) -> bool:
@@ -83,9 +88,17 @@ class Roles:
         world = dims.build_mesh(env.device.type, roles=2)
         in_rollout = env.rank >= half
         ranks = list(range(half, 2 * half)) if in_rollout else list(range(half))
-        layout = RolloutLayout.build(cfg.rollout.tp, env.device.type, ranks=ranks)
+        # The partners' exchanges wait through the other role's work (model loading, validation, a
+        # whole update or generation): a group per pair with trainer.exchange_timeout_s, not the
+        # collective timeout. Created by every rank, before the roles part ways.
+        pair_group = dist.new_subgroups_by_enumeration(
+            [[r, r + half] for r in range(half)],
+            timeout=datetime.timedelta(seconds=cfg.trainer.exchange_timeout_s))[0]
+        layout = RolloutLayout.build(cfg.rollout.tp, env.device.type, ranks=ranks,
+                                     exchange_timeout_s=cfg.trainer.exchange_timeout_s)
         if layout.group is None:  # one rank per role: a group of one still names the role's ranks
             layout.group = dist.new_group(ranks, use_local_synchronization=True)
         partner = env.rank - half if in_rollout else env.rank + half
         return cls(role="rollout" if in_rollout else "train", env=replace(env, world_size=half, group=layout.group),
-                   mesh=world["pp", "dp", "sp", "tp"], layout=layout, partner=partner, size=half)
+                   mesh=world["pp", "dp", "sp", "tp"], layout=layout, partner=partner, size=half,
+                   pair_group=pair_group)

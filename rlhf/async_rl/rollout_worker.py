@@ -25,7 +25,7 @@ from rlhf.async_rl.transfer import WeightReceiver, send_object
 from rlhf.batch import minibatch_major_shard
 from rlhf.config import Config
 from rlhf.models.loading import load_tokenizer, model_config
-from rlhf.rollout.engine import RolloutEngine
+from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.data.prompts import load_data, make_loader, prompt_batch
 
 
@@ -45,12 +45,12 @@ class RolloutWorker:
             state = json.loads((Path(resume) / "trainer_state.json").read_text())
             self.start = int(state["global_step"])
             self.loader.load_state_dict(state["loader"])  # already past B_{start+1}, which the checkpoint holds
-        dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        dtype = rollout_dtype(cfg.rollout.dtype, self.device.type, m.dtype)
         self.engine = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                     max_response_length=cfg.data.max_response_length, device=self.device, dtype=dtype,
                                     layout=roles.layout)
         self.weights = WeightReceiver(roles.partner, self.device,
-                                      (m.lora_alpha, m.lora_rank) if m.lora_rank else None)
+                                      (m.lora_alpha, m.lora_rank) if m.lora_rank else None, roles.pair_group)
         self.dp_rank, self.dp = roles.mesh["dp"].get_local_rank(), roles.mesh["dp"].size()
         self.idle_s = 0.0  # time spent waiting on the partner since the last batch was sent
 
@@ -74,7 +74,8 @@ class RolloutWorker:
         stats["async/rollout_idle_s"] = self.idle_s
         t1 = time.perf_counter()
         send_object({"step": step, "version": Schedule.version_of(step), "global_idx": global_idx,
-                     "batch": batch.to(torch.device("cpu")), "stats": stats}, self.roles.partner, self.device)
+                     "batch": batch.to(torch.device("cpu")), "stats": stats}, self.roles.partner, self.device,
+                    self.roles.pair_group)
         self.idle_s = time.perf_counter() - t1
 
     def run(self) -> None:

@@ -3,7 +3,9 @@
 Weights. The training rank gathers its partner's rollout weights out of the training
 layout (:func:`rlhf.rollout.reshard.gather_rollout_weights`: DTensor redistribute over
 dp / tp, pp stages exchanged; sliced for the partner's rollout-TP rank) and sends them
-as one flat buffer per dtype. With LoRA the first transfer carries the frozen base and
+tensor by tensor, small ones packed into one reusable buffer (:func:`send_tensors`); the
+partner receives each into its own tensor (:func:`recv_tensors`). All of it goes over the
+pair's own group (``Roles.pair_group``, timeout ``trainer.exchange_timeout_s``). With LoRA the first transfer carries the frozen base and
 later ones only the adapters; the rollout rank keeps the base and merges
 ``W + (alpha / r) B A`` itself.
 
@@ -30,40 +32,104 @@ def _object_device(device: torch.device) -> Optional[torch.device]:
     return device if device.type == "cuda" else None
 
 
-def send_object(obj: Any, dst: int, device: torch.device) -> None:
-    dist.send_object_list([obj], dst=dst, device=_object_device(device))
+def send_object(obj: Any, dst: int, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
+    dist.send_object_list([obj], dst=dst, device=_object_device(device), group=group)
 
 
-def recv_object(src: int, device: torch.device) -> Any:
+def recv_object(src: int, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> Any:
     box = [None]
-    dist.recv_object_list(box, src=src, device=_object_device(device))
+    dist.recv_object_list(box, src=src, device=_object_device(device), group=group)
     return box[0]
 
 
-def send_tensors(tensors: dict[str, torch.Tensor], dst: int, device: torch.device) -> int:
-    """Names / shapes / dtypes as an object, then one flat buffer per dtype; returns bytes sent."""
+# Bytes of the one reusable buffer the sender packs small tensors into (the planner counts it).
+SEND_BUCKET_BYTES = 256 * 2**20
+
+
+def message_groups(sizes: list[int], bucket: int) -> list[list[int]]:
+    """The tensors (indices into ``sizes``, element counts of one dtype's tensors in order) of
+    each message: consecutive tensors packed up to ``bucket`` elements; a tensor of ``bucket``
+    elements or more travels alone (sent from its own memory, no copy); empty tensors are not
+    sent. Both sides compute the same groups from the sizes."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    fill = 0
+    for i, n in enumerate(sizes):
+        if n == 0:
+            continue
+        if current and (n >= bucket or fill + n > bucket):
+            groups.append(current)
+            current, fill = [], 0
+        if n >= bucket:
+            groups.append([i])
+        else:
+            current.append(i)
+            fill += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _bucket_numel(bucket_bytes: int, dtype: torch.dtype) -> int:
+    return max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+
+
+def send_tensors(tensors: dict[str, torch.Tensor], dst: int, device: torch.device,
+                 group: Optional[dist.ProcessGroup] = None, bucket_bytes: int = SEND_BUCKET_BYTES) -> int:
+    """Names / shapes / dtypes as an object, then the tensors of each dtype as the messages of
+    :func:`message_groups`; returns bytes sent. Consumes ``tensors``: each is dropped once
+    sent, and small ones are packed into one reusable buffer filled in place, so the sender
+    never holds a second copy of the weights (``torch.cat`` of everything did)."""
     meta = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
-    send_object(meta, dst, device)
+    send_object((meta, bucket_bytes), dst, device, group)
     sent = 0
     for dtype in sorted({m[2] for m in meta}, key=str):
-        flat = torch.cat([tensors[n].reshape(-1) for n, _, d in meta if d == dtype]).to(device)
-        dist.send(flat, dst=dst)
-        sent += flat.numel() * flat.element_size()
+        names = [n for n, _, d in meta if d == dtype]
+        sizes = [tensors[n].numel() for n in names]
+        bucket = _bucket_numel(bucket_bytes, dtype)
+        buffer: Optional[torch.Tensor] = None
+        for members in message_groups(sizes, bucket):
+            parts = [tensors.pop(names[i]).reshape(-1) for i in members]
+            if sizes[members[0]] >= bucket:
+                msg = parts[0].to(device).contiguous()
+            else:
+                if buffer is None:
+                    buffer = torch.empty(min(bucket, sum(sizes)), dtype=dtype, device=device)
+                msg, offset = buffer[:sum(sizes[i] for i in members)], 0
+                for t in parts:  # filled in place (copy_ also brings a host tensor to the device)
+                    msg[offset:offset + t.numel()].copy_(t)
+                    offset += t.numel()
+            del parts
+            dist.send(msg, dst=dst, group=group)
+            sent += msg.numel() * msg.element_size()
+        for n in names:  # the empty ones
+            tensors.pop(n, None)
     return sent
 
 
-def recv_tensors(src: int, device: torch.device) -> dict[str, torch.Tensor]:
-    meta = recv_object(src, device)
-    out: dict[str, torch.Tensor] = {}
+def recv_tensors(src: int, device: torch.device, group: Optional[dist.ProcessGroup] = None
+                 ) -> dict[str, torch.Tensor]:
+    """The tensors of :func:`send_tensors`, each in its own memory (a large one received in
+    place, small ones through one reusable buffer), so whoever consumes them (the sampler
+    fusing q|k|v) can free each one: views of one flat buffer would keep them all alive."""
+    meta, bucket_bytes = recv_object(src, device, group)
+    out = {n: torch.empty(shape, dtype=dtype, device=device) for n, shape, dtype in meta}
     for dtype in sorted({m[2] for m in meta}, key=str):
-        entries = [m for m in meta if m[2] == dtype]
-        flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in entries), dtype=dtype, device=device)
-        dist.recv(flat, src=src)
-        offset = 0
-        for n, shape, _ in entries:
-            size = torch.Size(shape).numel()
-            out[n] = flat[offset:offset + size].view(shape)
-            offset += size
+        names = [n for n, _, d in meta if d == dtype]
+        sizes = [out[n].numel() for n in names]
+        bucket = _bucket_numel(bucket_bytes, dtype)
+        buffer: Optional[torch.Tensor] = None
+        for members in message_groups(sizes, bucket):
+            if sizes[members[0]] >= bucket:
+                dist.recv(out[names[members[0]]].view(-1), src=src, group=group)
+                continue
+            if buffer is None:
+                buffer = torch.empty(min(bucket, sum(sizes)), dtype=dtype, device=device)
+            msg, offset = buffer[:sum(sizes[i] for i in members)], 0
+            dist.recv(msg, src=src, group=group)
+            for i in members:
+                out[names[i]].view(-1).copy_(msg[offset:offset + sizes[i]])
+                offset += sizes[i]
     return out
 
 
@@ -71,8 +137,8 @@ class WeightSender:
     """Training side: this rank's partner's rollout weights out of the training layout."""
 
     def __init__(self, partner: int, device: torch.device, *, dtype: Optional[torch.dtype], rollout_tp_rank: int,
-                 rollout_tp: int, lora: bool):
-        self.partner, self.device, self.dtype, self.lora = partner, device, dtype, lora
+                 rollout_tp: int, lora: bool, group: Optional[dist.ProcessGroup] = None):
+        self.partner, self.device, self.dtype, self.lora, self.group = partner, device, dtype, lora, group
         self.tp_rank, self.tp = rollout_tp_rank, rollout_tp
         self.base_sent = False
 
@@ -84,7 +150,7 @@ class WeightSender:
                                             name_filter=(lambda n: _LORA in n) if only_adapters else None,
                                             tp_rank=self.tp_rank, tp_size=self.tp)
         t1 = time.perf_counter()
-        sent = send_tensors(weights, self.partner, self.device)
+        sent = send_tensors(weights, self.partner, self.device, self.group)  # consumes weights
         self.base_sent = True
         return {"async/weight_gather_s": t1 - t0, "async/weight_send_s": time.perf_counter() - t1,
                 "async/weight_bytes": float(sent)}
@@ -93,12 +159,13 @@ class WeightSender:
 class WeightReceiver:
     """Rollout side: the latest rollout weights (LoRA: the kept base merged with new adapters)."""
 
-    def __init__(self, partner: int, device: torch.device, lora: Optional[tuple[float, int]]):
-        self.partner, self.device, self.lora = partner, device, lora
+    def __init__(self, partner: int, device: torch.device, lora: Optional[tuple[float, int]],
+                 group: Optional[dist.ProcessGroup] = None):
+        self.partner, self.device, self.lora, self.group = partner, device, lora, group
         self.base: Optional[dict[str, torch.Tensor]] = None
 
     def recv(self) -> dict[str, torch.Tensor]:
-        got = recv_tensors(self.partner, self.device)
+        got = recv_tensors(self.partner, self.device, self.group)
         if self.lora is None:
             return got
         if self.base is None:

@@ -1,42 +1,61 @@
 """FSDP2 (`fully_shard`) per decoder block and root, with mixed precision on GPU.
 
 Applied after TP (when enabled) and activation checkpointing, so the order is the
-torchtitan one: apply_tp -> apply_ac -> apply_fsdp.
+torchtitan one: apply_tp -> apply_ac -> apply_fsdp. The model is sharded on the meta
+device and only this rank's shards are then placed (:mod:`rlhf.models.shard_init`).
 """
 
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from rlhf.models.loading import decoder_layers
+from rlhf.models.shard_init import materialize_shards, params_to_meta
+
+# Device types on which ``mixed_precision=True`` takes effect (bf16 compute, fp32 reduce).
+# CUDA only in runs; a test adds "cpu" to drive the mixed-precision path over gloo.
+MIXED_PRECISION_DEVICES = {"cuda"}
+
+
+def mixed_precision_policy(enabled: bool, device: torch.device) -> Optional[MixedPrecisionPolicy]:
+    """bf16 parameters in forward / backward, fp32 gradient reduce; None where it does not apply."""
+    if not enabled or device.type not in MIXED_PRECISION_DEVICES:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
                mixed_precision: bool = True, param_offload: bool = False,
-               reshard_after_forward: bool = True) -> torch.nn.Module:
-    """Shard each decoder block and the root over `dp_mesh`.
+               reshard_after_forward: bool = True, host: Optional[dict[str, torch.Tensor]] = None
+               ) -> torch.nn.Module:
+    """Shard each decoder block and the root over `dp_mesh`, then place this rank's shards.
+
+    ``host``: the host tensors of a model whose parameters :func:`params_to_meta` already
+    moved to the meta device (``parallelize_model`` does so before TP); None = done here.
+    The device never holds more than this rank's shards (CPU offload: the shards stay in
+    host memory).
 
     FSDP2 averages gradients over dp. Every loss in this project is already normalised
     by global token/sequence counts, so callers multiply the loss by `grad_scale(dp_mesh)`
     before backward to turn that average into the sum they need. (Setting the divide
     factor to 1 would do the same but uses PREMUL_SUM, which gloo lacks.)
     """
-    mp = None
-    if mixed_precision and device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if host is None:
+        host = params_to_meta(model)
     kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    mp = mixed_precision_policy(mixed_precision, device)
     if mp is not None:
         kwargs["mp_policy"] = mp
-    if param_offload and device.type != "cpu":  # on CPU the parameters already live in host memory
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    elif device.type != "cpu":
-        model.to(device)
+    if param_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs a GPU
     for block in decoder_layers(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    materialize_shards(model, host, torch.device("cpu") if param_offload else device)
     return model
 
 

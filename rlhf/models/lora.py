@@ -29,6 +29,9 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from rlhf.parallel import to_mesh_device
 
 __all__ = [
     "apply_lora",
@@ -102,8 +105,7 @@ def hf_param_name(name: str) -> str:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """Materialise a DTensor (FSDP2 shard) as a full tensor; plain tensors pass through."""
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else t
+    return to_mesh_device(t).full_tensor() if isinstance(t, DTensor) else t
 
 
 def lora_adapter_state_dict(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from torch import nn
 from rlhf.data.packing import PackedBatch, unpad
 from rlhf.models.ulysses import SpShard, gather_token_values, shard_packed
 from rlhf.models.vocab_parallel import log_probs_from_logits
-from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention, flash_attn_available
+from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention, varlen_kernel
 
 __all__ = [
     "ResponsePositions",
@@ -96,7 +96,7 @@ def _packed_call(model: nn.Module, packed: PackedBatch, shard: Optional[SpShard]
         ids, pos, kwargs = shard.input_ids, shard.position_ids, dict(shard.attention_kwargs)
     # The SDPA fallback needs a plan; build it once per forward, not once per layer (each
     # build reads cu_seqlens on the host: a device sync per layer on a GPU without flash-attn).
-    if not (ids.is_cuda and flash_attn_available()):
+    if varlen_kernel(ids.device) is None:
         kwargs["varlen_plan"] = build_varlen_plan(kwargs["cu_seq_lens_q"])
     enable_varlen_attention(model)
     return model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs, **extra)

@@ -8,6 +8,9 @@ function that is tested alone:
     3. apply_ac         (opt-in)  activation checkpointing per decoder block
     4. apply_fsdp                 FSDP2 on mesh["dp"] per decoder block and per stage root
 
+TP and FSDP2 are applied on the meta device; only this rank's shards are then copied
+from the host model to the device (:mod:`rlhf.models.shard_init`).
+
 The result is a :class:`ParallelModel`: ``module`` is an ``nn.Module`` whose parameter
 names are the HF names of the parameters this rank holds (the FSDP root without pp; the
 stage - or a union of the stages of an interleaved schedule - with pp), so the optimizer,
@@ -34,6 +37,7 @@ from rlhf.models.activation_checkpointing import apply_ac
 from rlhf.models.fsdp import apply_fsdp
 from rlhf.models.loading import decoder_layers
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
+from rlhf.models.shard_init import params_to_meta
 from rlhf.models.tensor_parallel import apply_tp, moe_sizes
 from rlhf.models.ulysses import check_sp
 from rlhf.parallel import ParallelDims, fsdp_mesh
@@ -135,16 +139,18 @@ def parallelize_model(
     tied_lm_head = None
     if pp > 1:
         pipeline = PipelineModel(model, mesh["pp"], n_microbatches=cfg.pp_microbatches,
-                                 schedule=cfg.pp_schedule, device=device, output=pp_output)
+                                 schedule=cfg.pp_schedule, device=device, output=pp_output, place_stages=False)
         parts: list[nn.Module] = list(pipeline.stages)
     else:
         parts = [model]
     for part in parts:
+        host = params_to_meta(part)  # TP and FSDP2 shard on meta; only this rank's shards reach the device
         if tp > 1:
             apply_tp(part, mesh["tp"], loss_parallel=loss_parallel)
         if activation_checkpointing:
             apply_ac(part, blocks=decoder_layers(part))
-        apply_fsdp(part, fsdp_mesh(mesh), device=device, mixed_precision=mixed_precision, param_offload=param_offload)
+        apply_fsdp(part, fsdp_mesh(mesh), device=device, mixed_precision=mixed_precision, param_offload=param_offload,
+                   host=host)
     if pipeline is None:
         module: nn.Module = model
     else:
@@ -209,11 +215,13 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, stage_ranks:
     """
     norm = global_grad_norm(params if norm_params is None else norm_params, stage_ranks=stage_ranks, group=group,
                             device=device)
-    coef = float(max_norm) / (float(norm) + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    # On the device, applied to every gradient (x1 when under the bound): no host sync.
+    coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
+    on_device: dict[torch.device, torch.Tensor] = {}
+    for p in params:
+        if p.grad is not None:
+            dev = p.grad.device  # CPU under param_offload
+            p.grad.mul_(on_device.setdefault(dev, coef.to(dev)))
     return norm
 
 

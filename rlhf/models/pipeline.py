@@ -229,6 +229,8 @@ class PipelineModel:
             docstring), ``"logits"`` (``[B, L, V]`` float32, gathered) or ``"values"``
             (``[B, L]`` from a ``score`` head).
         temperature / compute_entropy: for ``output="logprobs"``.
+        place_stages: move the stages to ``device`` here; ``parallelize_model`` passes False
+            and places only this rank's shards after TP / FSDP2.
 
     Attributes:
         stages: this rank's :class:`PipelineStageModule` s (one unless interleaved); apply
@@ -248,6 +250,7 @@ class PipelineModel:
         temperature: float = 1.0,
         compute_entropy: bool = False,
         virtual_stages: int | None = None,
+        place_stages: bool = True,
     ) -> None:
         _check_pp_supported(model)
         if schedule not in SCHEDULES:
@@ -280,7 +283,7 @@ class PipelineModel:
                 model, layer_split[stage_index], stage_index=stage_index, num_stages=num_stages
             )
             stage.output, stage.temperature, stage.compute_entropy = output, temperature, compute_entropy
-            self.stages.append(stage.to(self.device))
+            self.stages.append(stage.to(self.device) if place_stages else stage)
         self.num_stages = num_stages
         self._last_rank_global = dist.get_global_rank(self.pp_group, self.pp - 1)
         # Tied embedding split across ranks: first and last stage hold separate copies

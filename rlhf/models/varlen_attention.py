@@ -12,9 +12,12 @@ which is always the case for a packed row: nothing of size ``[total, total]`` is
 Packed calls (``cu_seq_lens_q`` given), two back ends with the same semantics (causal
 inside each sequence, no attention across sequences, GQA, optional sliding window):
 
-* GPU with ``flash_attn`` installed and fp16/bf16 inputs: ``flash_attn_varlen_func``.
-  Attention-logit soft-capping (Gemma 2's ``softcap``) is passed to it; the other paths
-  apply it with :func:`rlhf.models.softcap_attention.attention` (SDPA has no soft-cap).
+* GPU with ``flash_attn`` importable and fp16/bf16 inputs: ``flash_attn_varlen_func``
+  (imported once; a build that fails to import logs one warning and falls back), or a
+  kernel with its calling convention injected by :func:`use_varlen_kernel` (tests drive
+  that code path on CPU with :func:`reference_varlen_attention`). Attention-logit
+  soft-capping (Gemma 2's ``softcap``) is passed to it; the other paths apply it with
+  :func:`rlhf.models.softcap_attention.attention` (SDPA has no soft-cap).
 * Otherwise (CPU, fp32, no flash-attn): sequences are sorted by length and grouped into
   buckets whose lengths are within ``bucket_ratio`` of the bucket's longest; each bucket is
   gathered into ``[n_b, H, L_b, D]`` (right-padded inside the bucket) and runs one
@@ -34,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -53,6 +58,10 @@ __all__ = [
     "enable_varlen_attention",
     "varlen_attention_enabled",
     "flash_attn_available",
+    "flash_attn_varlen_kernel",
+    "reference_varlen_attention",
+    "use_varlen_kernel",
+    "varlen_kernel",
 ]
 
 VARLEN_ATTN_IMPLEMENTATION = "rlhf_varlen"
@@ -191,22 +200,110 @@ def _bucketed_sdpa(
     return out.unsqueeze(0)
 
 
-_FLASH: dict[str, Any] = {}
+_FLASH: dict[str, Any] = {}  # "fn": flash-attn's varlen kernel, or None, after the one import attempt
+_INJECTED: dict[str, Any] = {"fn": None}  # a kernel set by use_varlen_kernel (tests, other back ends)
+_LOGGED: set = set()
+
+
+def _log_once(line: str, *, warning: bool = False) -> None:
+    """One line per process and node (local rank 0): every rank imports the same build."""
+    if line in _LOGGED or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    _LOGGED.add(line)
+    print(f"[rlhf] {'warning: ' if warning else ''}{line}", file=sys.stderr if warning else sys.stdout, flush=True)
+
+
+def flash_attn_varlen_kernel() -> Callable | None:
+    """``flash_attn.flash_attn_varlen_func``, imported once per process; None when flash-attn is
+    not installed, or installed but its build does not import (a CUDA / torch ABI mismatch
+    shows up as ImportError or OSError): then one warning line, and packed attention uses
+    the bucketed SDPA path instead of failing at the first forward."""
+    if "fn" not in _FLASH:
+        fn = None
+        if importlib.util.find_spec("flash_attn") is not None:
+            try:
+                from flash_attn import flash_attn_varlen_func as fn  # optional GPU dependency
+            except (ImportError, OSError, RuntimeError) as e:
+                fn = None
+                _log_once(f"flash-attn is installed but does not import ({type(e).__name__}: {e}); packed "
+                          f"attention uses SDPA. Reinstall it for this torch / CUDA: pip install flash-attn "
+                          f"--no-build-isolation", warning=True)
+        _FLASH["fn"] = fn
+    return _FLASH["fn"]
 
 
 def flash_attn_available() -> bool:
-    """True when the optional ``flash_attn`` package can be imported (not imported here)."""
-    if "available" not in _FLASH:
-        _FLASH["available"] = importlib.util.find_spec("flash_attn") is not None
-    return _FLASH["available"]
+    """True when flash-attn's varlen kernel imports (see :func:`flash_attn_varlen_kernel`)."""
+    return flash_attn_varlen_kernel() is not None
 
 
-def _flash_varlen() -> Callable:
-    if "fn" not in _FLASH:
-        from flash_attn import flash_attn_varlen_func  # optional GPU dependency
+@contextlib.contextmanager
+def use_varlen_kernel(fn: Callable) -> Iterator[Callable]:
+    """Inside: packed attention calls ``fn`` on every device and dtype, with flash-attn's varlen
+    calling convention ``fn(q, k, v, cu_seqlens_q=, cu_seqlens_k=, max_seqlen_q=, max_seqlen_k=,
+    dropout_p=, softmax_scale=, causal=, window_size=)`` on ``[total, heads, head_dim]`` tensors
+    (e.g. :func:`reference_varlen_attention`, so CPU tests drive the flash-attn code path)."""
+    previous, _INJECTED["fn"] = _INJECTED["fn"], fn
+    try:
+        yield fn
+    finally:
+        _INJECTED["fn"] = previous
 
-        _FLASH["fn"] = flash_attn_varlen_func
-    return _FLASH["fn"]
+
+def varlen_kernel(device: torch.device, dtype: torch.dtype | None = None) -> Callable | None:
+    """The flash-attn-convention kernel packed attention uses for inputs on ``device`` in
+    ``dtype`` (None: any half precision): an injected one, else flash-attn on CUDA in
+    fp16 / bf16 when it imports; None = the bucketed SDPA path."""
+    if _INJECTED["fn"] is not None:
+        return _INJECTED["fn"]
+    if device.type != "cuda" or dtype not in (None, torch.float16, torch.bfloat16):
+        return None
+    fn = flash_attn_varlen_kernel()
+    _log_once("packed attention: flash-attn varlen kernel" if fn is not None else
+              "packed attention: bucketed SDPA (flash-attn not available)")
+    return fn
+
+
+def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                               dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+    """flash-attn's ``flash_attn_varlen_func`` semantics in plain PyTorch, one SDPA per sequence
+    (``softcap > 0``: tanh-capped logits, the explicit form of ``rlhf.models.softcap_attention``).
+
+    ``q [total, H, D]``, ``k / v [total, Hkv, D]`` (``H % Hkv == 0``); sequence ``i`` is rows
+    ``cu_seqlens[i]:cu_seqlens[i+1]``; ``window_size = (left, right)``, -1 = unbounded (with
+    ``causal`` a query sees keys ``q - left .. q``). Returns ``[total, H, D]``. A reference
+    for tests, not a fast path.
+    """
+    if dropout_p:
+        raise NotImplementedError("reference_varlen_attention: dropout is not supported")
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    if cu_seqlens_k.tolist() != bounds:
+        raise ValueError("reference_varlen_attention: self-attention only (cu_seqlens_k must equal cu_seqlens_q)")
+    left, right = window_size
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        L = end - start
+        if L == 0:
+            continue
+        pos = torch.arange(L, device=q.device)
+        dist_ = pos[:, None] - pos[None, :]  # query - key
+        allowed = torch.ones(L, L, dtype=torch.bool, device=q.device)
+        if causal:
+            allowed &= dist_ >= 0
+        if left >= 0:
+            allowed &= dist_ <= left
+        if right >= 0:
+            allowed &= -dist_ <= right
+        qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, L, D]
+        if softcap > 0:
+            scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+            o = softcap_attention(qs, ks, vs, allowed, scale=scale, softcap=softcap)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=softmax_scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
 
 
 def _unpacked_attention(
@@ -329,11 +426,12 @@ def varlen_attention_forward(
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
         raise ValueError("varlen attention supports self-attention only (cu_seq_lens_k must equal cu_seq_lens_q)")
 
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
+    kernel = varlen_kernel(query.device, query.dtype)
+    if kernel is not None:
         max_len = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
         cap = {"softcap": softcap} if softcap is not None else {}  # flash-attn >= 2.6
-        out = _flash_varlen()(
+        out = kernel(
             query[0].transpose(0, 1),  # [total, H, D]
             key[0].transpose(0, 1),
             value[0].transpose(0, 1),

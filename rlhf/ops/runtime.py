@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -21,6 +22,26 @@ from rlhf.ops.memory import PeakMemory
 from rlhf.ops.oom import InjectedOom
 from rlhf.ops.profiler import PhaseRanges, StepProfiler
 from rlhf.ops.watchdog import EXIT_CODE, start_watchdog
+
+
+class InjectedDelay:
+    """Test hook, a PhaseTimer listener added only when ``RLHF_TEST_SLOW_PHASES=<phase>:<seconds>[,...]``
+    is set: entering one of those phases sleeps that long on every rank (a deliberately slow
+    trainer, e.g. validation or the update outlasting ``trainer.collective_timeout_s``)."""
+
+    def __init__(self, spec: str) -> None:
+        self.delays = {phase: float(seconds) for phase, seconds in (item.split(":") for item in spec.split(","))}
+
+    @classmethod
+    def from_env(cls) -> "InjectedDelay | None":
+        spec = os.environ.get("RLHF_TEST_SLOW_PHASES")
+        return cls(spec) if spec else None
+
+    def enter(self, phase: str, step: int) -> None:
+        time.sleep(self.delays.get(phase, 0.0))
+
+    def exit(self, phase: str, step: int) -> None:
+        pass
 
 
 class StepOps:
@@ -41,7 +62,7 @@ class StepOps:
         # Metrics are global, so every rank reaches the same verdict; rank 0 prints it.
         self.health = HealthMonitor(t.alerts, warn=(lambda line: print(line, flush=True)) if env.is_main else None)
         parts = (self.watchdog, self.memory, PhaseRanges(device.type == "cuda", self.profiler),
-                 InjectedOom.from_env(env.rank))
+                 InjectedOom.from_env(env.rank), InjectedDelay.from_env())
         self.listeners = [p for p in parts if p is not None]
 
     def begin_step(self, step: int) -> None:

@@ -46,6 +46,19 @@ class PromptBatch:
                            extra_infos=[self.extra_infos[i] for i in rows])
 
 
+def rollout_dtype(name: str, device_type: str, model_dtype: str) -> torch.dtype:
+    """``rollout.dtype`` resolved: "auto" = bfloat16 on CUDA, else the master dtype (``model.dtype``)."""
+    if name == "auto":
+        name = "bfloat16" if device_type == "cuda" else model_dtype
+    return getattr(torch, name)
+
+
+def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """The text of each response row ``[N, R]``: its tokens under ``response_mask``, special tokens skipped."""
+    return tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(responses.cpu(), response_mask.cpu())],
+                                  skip_special_tokens=True)
+
+
 def chunk_bounds(num_prompts: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, balanced [start, end) chunks of ``num_prompts`` over ``parts`` replicas."""
     base, extra = divmod(num_prompts, parts)
@@ -291,8 +304,7 @@ class RolloutEngine:
         responses = torch.where(resp_mask.bool(), responses, torch.full_like(responses, self.pad_id))
         input_ids = torch.cat([prompt_tensor, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, resp_mask.long()], dim=1)
-        texts = self.tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(responses, resp_mask)],
-                                            skip_special_tokens=True)
+        texts = decode_responses(self.tokenizer, responses, resp_mask)
         pick = prompt_idx.tolist()
         batch = RolloutBatch(
             input_ids=input_ids, attention_mask=attention_mask, responses=responses, response_mask=resp_mask,

@@ -24,7 +24,9 @@ everything else                          full (embeddings, LM head, norms, o_pro
 How the pass works (:func:`gather_rollout_weights`), parameter by parameter, so that at
 most one gathered full parameter exists at a time next to the rollout copy:
 
-1. cast the local shard to the rollout dtype (halves the bytes for bf16 rollouts);
+1. cast the local shard to the rollout dtype (halves the bytes for bf16 rollouts), and
+   move it to the mesh's device if it is not there (FSDP2 CPU offload keeps shards in
+   host memory, which NCCL cannot read; :func:`rlhf.parallel.collective_device`);
 2. DTensor ``redistribute``: dp (and tp) dims -> ``Replicate`` (an all-gather). When the
    training TP group *is* the rollout TP group and the parameter is already sharded on
    the rollout's dim, the tp dim is kept ``Shard`` and only dp is gathered;
@@ -37,6 +39,7 @@ Nothing is kept after the rollout window: the caller drops the dict after genera
 
 from __future__ import annotations
 
+import datetime
 import re
 import time
 from dataclasses import dataclass
@@ -45,6 +48,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from rlhf.parallel import to_mesh_device
 
 # Prefixes/infixes that wrappers add to parameter names; rollout wants plain HF names.
 _WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_orig_mod\.|_fsdp_wrapped_module\.)")
@@ -124,37 +129,46 @@ class RolloutLayout:
         return self.tp * self.dp
 
     @classmethod
-    def build(cls, tp: int, device_type: str, ranks: Optional[list[int]] = None) -> "RolloutLayout":
+    def build(cls, tp: int, device_type: str, ranks: Optional[list[int]] = None,
+              exchange_timeout_s: Optional[float] = None) -> "RolloutLayout":
         """Create the groups: over the world (a collective: every rank calls it with the same ``tp``),
-        or over ``ranks`` (one role of trainer.mode one_step_off; only those ranks call it)."""
+        or over ``ranks`` (one role of trainer.mode one_step_off; only those ranks call it).
+
+        ``exchange_timeout_s``: the timeout of ``dp_group`` (None: the default). Rollout replicas
+        that finish early wait in its row exchange for the slowest one, a wait as long as the
+        difference in generation time rather than a stuck collective (trainer.exchange_timeout_s).
+        ``device_type`` is kept for the callers; groups take the default backend.
+        """
+        timeout = datetime.timedelta(seconds=exchange_timeout_s) if exchange_timeout_s else None
         if ranks is not None:
-            return cls._over(tp, ranks)
+            return cls._over(tp, ranks, timeout)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if tp < 1 or world % tp:
             raise ValueError(f"rollout.tp={tp} does not divide the world size {world}")
         if world == 1:
             return cls()
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("rollout_dp", "rollout_tp"))
-        return cls(tp=tp, tp_rank=mesh["rollout_tp"].get_local_rank(),
-                   tp_group=mesh["rollout_tp"].get_group() if tp > 1 else None,
-                   dp=world // tp, dp_rank=mesh["rollout_dp"].get_local_rank(),
-                   dp_group=mesh["rollout_dp"].get_group() if world // tp > 1 else None)
+        rank, dp = dist.get_rank(), world // tp
+        # Every rank creates every group (a world collective), tp-minor like the training mesh.
+        tp_group = dist.new_subgroups_by_enumeration([list(range(k * tp, k * tp + tp)) for k in range(dp)])[0] \
+            if tp > 1 else None
+        dp_group = dist.new_subgroups_by_enumeration([list(range(j, world, tp)) for j in range(tp)],
+                                                     timeout=timeout)[0] if dp > 1 else None
+        return cls(tp=tp, tp_rank=rank % tp, tp_group=tp_group, dp=dp, dp_rank=rank // tp, dp_group=dp_group)
 
     @classmethod
-    def _over(cls, tp: int, ranks: list[int]) -> "RolloutLayout":
+    def _over(cls, tp: int, ranks: list[int], timeout: Optional[datetime.timedelta] = None) -> "RolloutLayout":
         """Blocks of ``tp`` consecutive entries of ``ranks``; groups synchronise among their members only."""
         if tp < 1 or len(ranks) % tp:
             raise ValueError(f"rollout.tp={tp} does not divide the {len(ranks)} ranks of the layout")
         me = ranks.index(dist.get_rank())
         dp = len(ranks) // tp
 
-        def group(members: list[int]) -> Optional[dist.ProcessGroup]:
-            return dist.new_group(members, use_local_synchronization=True) if len(members) > 1 else None
+        def group(members: list[int], timeout=None) -> Optional[dist.ProcessGroup]:
+            return dist.new_group(members, use_local_synchronization=True, timeout=timeout) \
+                if len(members) > 1 else None
 
         return cls(tp=tp, tp_rank=me % tp, tp_group=group(ranks[me - me % tp: me - me % tp + tp]),
-                   dp=dp, dp_rank=me // tp, dp_group=group(ranks[me % tp::tp]), group=group(ranks))
+                   dp=dp, dp_rank=me // tp, dp_group=group(ranks[me % tp::tp], timeout), group=group(ranks))
 
 
 @dataclass
@@ -172,6 +186,7 @@ def gather_full_tensor(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """DTensor -> full local tensor via redistribute to Replicate; returns (tensor, bytes received)."""
     if not isinstance(t, DTensor):
         return t.detach(), 0
+    t = to_mesh_device(t)
     local_bytes = _nbytes(t.to_local())
     full = t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim).to_local()
     return full, _nbytes(full) - local_bytes
@@ -197,6 +212,7 @@ def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
     t = p if isinstance(p, DTensor) else p.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
+    t = to_mesh_device(t)  # after the cast: fewer bytes leave the host under param_offload
     dim = rollout_shard_dim(name) if do_slice and tp_size > 1 else None
     if isinstance(t, DTensor) and dim is not None and not _FUSED.search(name):  # a fused one is sliced per part
         keep = _tp_dim_matches(t, dim, tp_group, tp_size)

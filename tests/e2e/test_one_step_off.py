@@ -98,3 +98,18 @@ def test_lora_ships_the_base_once_then_only_adapters(tiny_assets, reward, async_
     assert [lora[s]["async/policy_lag"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert 0 < lora[1]["async/weight_bytes"] < async_run[1]["async/weight_bytes"] / 2
     assert lora[1]["actor/grad_norm"] > 0 and lora[3]["async/is_weight_max"] > 1.0 + 1e-4
+
+
+def test_slow_trainer_outlasting_the_collective_timeout_completes(tiny_assets, reward, tmp_path, monkeypatch):
+    """1 training + 1 rollout rank, collective timeout 2 s, validation sleeping 4 s on the training
+    rank: the rollout rank waits for theta_0 through model loading and the first validation - a
+    designed wait, on the pair's own group (trainer.exchange_timeout_s), which the collective
+    timeout no longer bounds (with exchange_timeout_s = 2 this run fails in that recv)."""
+    args = _args(tiny_assets, tmp_path, reward, **{
+        "trainer.mode": "one_step_off", "trainer.total_training_steps": 2, "checkpoint.save_freq": -1,
+        "data.val_files": tiny_assets / "data" / "val.parquet", "trainer.collective_timeout_s": 2})
+    monkeypatch.setenv("RLHF_TEST_SLOW_PHASES", "validate:4")
+    r = run_script("train_grpo.py", args, nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = train_steps(tmp_path / "metrics.jsonl")
+    assert sorted(steps) == [1, 2] and steps[2]["async/policy_lag"] == 1.0

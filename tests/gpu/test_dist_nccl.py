@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
     "tests/dist/test_grpo_equivalence.py",   # dp2 update == dp1
     "tests/dist/test_global_whiten.py",
     "tests/dist/test_reshard_layouts.py",    # rollout tp != train tp
+    "tests/dist/test_shard_init.py",         # only shards reach the GPU; param_offload shards reshard over nccl
+    "tests/dist/test_regroup.py",            # dynamic sampling rows through all_to_all on nccl
 ])
 def test_dist_tier_on_nccl(target):
     env = dict(os.environ, RLHF_DIST_DEVICE="cuda")

@@ -37,3 +37,22 @@ def test_flash_varlen_forward_backward_matches_sdpa():
     (ref * g).sum().backward()
     for a, b in ((q, qf), (k, kf), (v, vf)):
         torch.testing.assert_close(a.grad.float(), b.grad, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (7, 0)])
+def test_cpu_reference_kernel_has_flash_attn_semantics(window):
+    """The CPU tests drive the flash-attn code path with reference_varlen_attention
+    (tests/unit/test_varlen_kernel.py); here it must agree with the real kernel."""
+    from flash_attn import flash_attn_varlen_func
+
+    from rlhf.models.varlen_attention import reference_varlen_attention
+
+    torch.manual_seed(1)
+    lens = [9, 1, 33, 16]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens), 8, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True,
+              window_size=window, softmax_scale=64 ** -0.5)
+    ref = reference_varlen_attention(q.float(), k.float(), v.float(), **kw)
+    torch.testing.assert_close(flash_attn_varlen_func(q, k, v, **kw).float(), ref, atol=2e-2, rtol=2e-2)

@@ -100,7 +100,10 @@ def test_mixed_precision_on_cuda_halves_rollout_and_compute_copies():
     tp2 = plan_memory(s, _cfg("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "parallel.tp=2"),
                       world_size=16, device="cuda")
     assert tp2.layout["dp"] == 8 and tp2.components["parameters"] == s.num_params() / 16 * 4
-    assert tp2.components["load (whole stage before sharding)"] == s.num_params() / 2 * 4
+    # Only shards reach the GPU: the loaded model stays in host memory.
+    assert tp2.components["load (host model before sharding)"] == 0
+    assert tp2.host["load (model before sharding)"] == s.num_params() * 4
+    assert cpu.components["load (host model before sharding)"] == s.num_params() * 4
 
 
 def test_fit_decision_and_bytes_parsing():
@@ -135,3 +138,43 @@ def test_cli_plans_7b_on_8_gpus(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["model.path=" + str(bad), "data.train_files=x"])
     assert e.value.code == 2 and "does not know architecture BertModel" in capsys.readouterr().err
+
+
+def test_no_sync_accumulation_counts_unsharded_fp32_gradients():
+    s = ModelShape.from_model_dir(str(REPO / "configs" / "models" / "Qwen2.5-7B"))
+    base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    key = "unsharded grads (no-sync accumulation)"
+    default = plan_memory(s, _cfg(*base), world_size=8, device="cuda")
+    opted = plan_memory(s, _cfg(*base, "model.unsharded_grad_accumulation=true"), world_size=8, device="cuda")
+    assert default.components[key] == 0
+    # The whole model's gradients in fp32 on every rank (~28 GiB at 7B), in the update phase.
+    assert opted.components[key] == s.num_params() * 4
+    assert opted.total("update") - default.total("update") == s.num_params() * 4
+    pp2 = plan_memory(s, _cfg(*base, "parallel.pp=2"), world_size=8, device="cuda")  # the schedule never syncs early
+    assert pp2.components[key] > 0
+
+
+def test_rollout_copies_fusing_send_buffer_and_kept_sampler():
+    from rlhf.async_rl.transfer import SEND_BUCKET_BYTES
+
+    s = ModelShape.from_model_dir(str(REPO / "configs" / "models" / "Qwen2.5-7B"))
+    base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    colo = plan_memory(s, _cfg(*base), world_size=8, device="cuda")
+    fused = (s.q_dim + 2 * s.kv_dim + 2 * s.intermediate_size) * s.hidden_size * 2  # one layer, bf16
+    assert colo.components["rollout fusing (q|k|v, gate|up)"] == fused
+    assert colo.phases["rollout"]["rollout weights"] == s.num_params() * 2
+    # rollout.dtype: a float32 rollout on CUDA doubles the copy
+    fp32 = plan_memory(s, _cfg(*base, "rollout.dtype=float32"), world_size=8, device="cuda")
+    assert fp32.components["rollout weights"] == s.num_params() * 4
+    # CUDA graphs keep the sampler (weights + KV cache) through the training phases
+    kept = plan_memory(s, _cfg(*base, "rollout.compile=true"), world_size=8, device="cuda")
+    extra = s.num_params() * 2 + kept.components["kv cache"]
+    assert kept.total("update") - colo.total("update") == extra
+    assert kept.total("rollout") - colo.total("rollout") == s.num_params() * 2
+    # one_step_off: 4 training ranks gather their partners' weights and send them through one buffer
+    off = plan_memory(s, _cfg(*base, "trainer.mode=one_step_off", "actor.tis_imp_ratio_cap=2"), world_size=8,
+                      device="cuda")
+    assert off.layout["dp"] == 4 and "rollout" not in off.phases
+    assert off.phases["weight send"]["send buffer"] == SEND_BUCKET_BYTES
+    assert off.phases["weight send"]["rollout weights (for the partner)"] == s.num_params() * 2
+    assert "parameters" not in off.phases["rollout (rollout ranks)"]

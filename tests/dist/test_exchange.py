@@ -1,0 +1,61 @@
+"""Designed waits and the weight transfer of trainer.mode one_step_off, on 2 gloo ranks.
+
+* The rollout layout's row exchange (``RolloutLayout.dp_group``) waits for the slowest
+  replica: it has its own timeout (``trainer.exchange_timeout_s``), so a replica that
+  finishes generating long before the other does not hit the collective timeout.
+* ``send_tensors`` / ``recv_tensors``: small tensors packed into one reusable buffer, large
+  ones sent from their own memory; the sender's dict is consumed as it goes (no
+  ``torch.cat`` of all weights next to them), the receiver gets the same tensors, each in
+  its own memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+
+from tests.dist._dist_utils import run_distributed
+
+COLLECTIVE_S = 2.0
+
+
+def _check(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from rlhf.async_rl.transfer import message_groups, recv_tensors, send_tensors
+    from rlhf.rollout.reshard import RolloutLayout
+
+    # As init_distributed does: every new group gets the collective timeout unless told otherwise.
+    c10d.default_pg_timeout = datetime.timedelta(seconds=COLLECTIVE_S)
+    layout = RolloutLayout.build(1, "cpu", exchange_timeout_s=60)
+    if rank == 1:
+        time.sleep(2 * COLLECTIVE_S)  # the slow replica, still generating
+    rows = [torch.zeros(3) for _ in range(world)]
+    dist.all_gather(rows, torch.full((3,), float(rank)), group=layout.dp_group)
+    assert [r[0].item() for r in rows] == [0.0, 1.0]
+
+    pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
+    g = torch.Generator().manual_seed(0)
+    sent = {"a": torch.randn(3, 5, generator=g), "empty": torch.zeros(0), "big": torch.randn(40, generator=g),
+            "b": torch.randn(7, generator=g), "h": torch.randn(4, 4, generator=g).bfloat16(),
+            "c": torch.randn(2, 2, generator=g)}
+    bucket = 24 * 4  # 24 fp32 elements: a | b + c | big alone; bf16: h
+    assert message_groups([t.numel() for n, t in sent.items() if t.dtype == torch.float32], 24) == [[0], [2], [3, 4]]
+    if rank == 0:
+        mine = dict(sent)
+        n = send_tensors(mine, 1, torch.device("cpu"), pair, bucket_bytes=bucket)
+        assert mine == {} and n == sum(t.numel() * t.element_size() for t in sent.values())
+    else:
+        got = recv_tensors(0, torch.device("cpu"), pair)
+        assert set(got) == set(sent)
+        for name, t in sent.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+            # its own memory: the consumer (the sampler fusing q|k|v) can free it alone
+            assert got[name].untyped_storage().nbytes() == t.numel() * t.element_size(), name
+
+
+def test_replica_exchange_outlasts_the_collective_timeout_and_weights_cross_in_buckets():
+    run_distributed(_check, 2, timeout_s=COLLECTIVE_S)
