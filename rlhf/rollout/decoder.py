@@ -433,13 +433,12 @@ def decode(
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     c, s = head_rope(cos[pos], sin[pos], spec)  # [B, Hall, D]
     index = cache.decode_index(pos)  # [B * 2Hkv]
-    mask = (torch.arange(window, device=pos.device) <= pos[:, None])[:, None, None, :]  # [B, 1, 1, W]
     x = F.embedding(tokens, w.embed)  # [B, hidden]
+    plan = cache.decode_plan(b, pos, window, x.dtype)  # the attention kernel's per-step data
     for layer, lw in enumerate(w.layers):
         qkv = _qkv(spec, lw, x, (b,), c, s)  # [B, Hall, D]
         cache.write(layer, index, qkv[:, h:])
-        k, v = cache.view(layer, b, window)  # [B, Hkv, W, D]
-        a = F.scaled_dot_product_attention(qkv[:, :h].view(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=d**-0.5)
+        a = cache.attend(layer, qkv[:, :h].view(b, hkv, h // hkv, d), plan, d**-0.5)  # [B, Hkv, G, D]
         x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group)
         x = _mlp(spec, lw, x, tp_group)
     return _logits(spec, w, x)

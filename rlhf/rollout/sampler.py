@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.rollout import decoder
+from rlhf.rollout import decoder, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
 from rlhf.rollout.scheduler import GenerateRun
@@ -77,6 +77,15 @@ class Sampler:
             fraction of the device memory free when it is allocated (after the weights), so a
             large ``max_num_seqs`` x ``max_seq_len`` shrinks to what fits (preempting when
             needed) instead of running out of memory. None: no cap.
+        slot_regions: when the budget holds every slot at ``max_seq_len`` and the decode kernel
+            reads a gathered copy of the K/V (CPU, or CUDA without flash-attn), give each slot a
+            fixed region of the cache so decode attention reads the K/V in place (compaction copies
+            a finished slot's successor instead). Multi-turn calls always page. False: always page.
+        prefix_sharing: when paging, the samples of a prompt admitted together share the prompt's
+            full KV blocks (ref-counted) instead of holding ``n`` copies.
+        decode_attention: decode attention kernel (``rlhf.rollout.paged_attention``); default:
+            flash-attn's paged kernel on CUDA (fp16 / bf16) when installed, else the gather reference.
+            A kernel's ``block_multiple`` rounds ``block_size`` up.
     """
 
     def __init__(
@@ -97,6 +106,9 @@ class Sampler:
         use_cuda_graph: bool = False,
         tp_group: Any = None,
         gpu_memory_utilization: float | None = None,
+        slot_regions: bool = True,
+        prefix_sharing: bool = True,
+        decode_attention: Any = None,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -115,7 +127,11 @@ class Sampler:
         self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_bytes = kv_cache_bytes
-        self.block_size = block_size
+        self.decode_attention = decode_attention or paged_attention.decode_attention(self.device, self.dtype)
+        mult = self.decode_attention.block_multiple
+        self.block_size = -(-block_size // mult) * mult
+        self.slot_regions = slot_regions
+        self.prefix_sharing = prefix_sharing
         self.gpu_memory_utilization = gpu_memory_utilization
         self.refill_fraction = refill_fraction
         self.prefill_tokens = prefill_tokens
@@ -167,7 +183,8 @@ class Sampler:
                 budget = int(t)
         budget = full if budget is None else min(full, budget)
         self.cache = PagedKVCache(self.spec.num_layers, budget // bs, self.max_num_seqs, self.spec.num_kv_heads,
-                                  max_seq_len, self.spec.head_dim, block_size=bs, dtype=self.dtype, device=self.device)
+                                  max_seq_len, self.spec.head_dim, block_size=bs, dtype=self.dtype, device=self.device,
+                                  attention=self.decode_attention)
         self.max_seq_len = max_seq_len
         self.cos, self.sin = decoder.rope_tables(self._inv_freq, self._rope_scale, max_seq_len, self.dtype, self.device)
         # decode inputs live at fixed addresses (CUDA graphs read them in place)
