@@ -45,6 +45,14 @@ class RolloutOutput:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def cuda_free_memory(device: torch.device) -> int:
+    """Bytes free on a CUDA device for a new allocation. ``mem_get_info`` counts the caching
+    allocator's reserved-but-unused blocks as used, so they are handed back first."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
 class Sampler:
     """KV-cache generation engine over a plain HF-named weight dict (see module docstring).
 
@@ -86,6 +94,14 @@ class Sampler:
         decode_attention: decode attention kernel (``rlhf.rollout.paged_attention``); default:
             flash-attn's paged kernel on CUDA (fp16 / bf16) when installed, else the gather reference.
             A kernel's ``block_multiple`` rounds ``block_size`` up.
+        reload_in_place: ``load_weights`` copies new weights into this sampler's tensors, layer by
+            layer (their addresses kept, what captured CUDA graphs read; no second full copy). The
+            sampler then holds copies of its own, never the caller's tensors. Implied by
+            ``use_cuda_graph``; for a sampler kept across training steps.
+        consume_weights: ``weights`` is a dict handed over to the sampler: its tensors are popped as
+            they are fused, so the unfused ones die on the way (peak ~1x + one layer).
+        free_memory: ``device -> free bytes`` for ``gpu_memory_utilization`` (default on CUDA: empty
+            the caching allocator's cache, then ``torch.cuda.mem_get_info``).
     """
 
     def __init__(
@@ -109,6 +125,9 @@ class Sampler:
         slot_regions: bool = True,
         prefix_sharing: bool = True,
         decode_attention: Any = None,
+        reload_in_place: bool = False,
+        consume_weights: bool = False,
+        free_memory: Callable[[torch.device], int] | None = None,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -136,12 +155,15 @@ class Sampler:
         self.refill_fraction = refill_fraction
         self.prefill_tokens = prefill_tokens
         self.use_cuda_graph = use_cuda_graph
+        self.reload_in_place = reload_in_place or use_cuda_graph
+        self.free_memory = free_memory or (cuda_free_memory if self.device.type == "cuda" else None)
         # static decode shapes: all slots, bucketed windows (what a CUDA graph needs; also
         # runnable on CPU, which is how the static path is tested without a GPU)
         self.static_shapes = use_cuda_graph
         self.tp_group = tp_group
         self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
-        self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype)
+        self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype,
+                                               consume=consume_weights, copy=self.reload_in_place)
         self.cache: PagedKVCache | None = None
         self.max_seq_len = 0
         self._graphs: dict[int, tuple[Any, Tensor]] = {}  # window -> (CUDAGraph, logits buffer)
@@ -152,18 +174,21 @@ class Sampler:
 
     # ------------------------------------------------------------------ setup
 
-    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
-        """Swap in new weights (e.g. after a training step); the KV cache is kept.
+    def load_weights(self, weights: Mapping[str, Tensor], consume: bool = False) -> None:
+        """New weights (e.g. after a training step); the KV cache is kept. ``consume``: as
+        ``consume_weights``.
 
-        Captured CUDA graphs read the weights at fixed addresses, so when there are any the
-        new values are copied into the old tensors and the graphs (and their memory pool)
-        are replayed as they are: no re-capture per training step.
+        With ``reload_in_place`` (CUDA graphs read the weights at fixed addresses) the new values
+        are copied into the old tensors layer by layer and captured graphs (and their memory
+        pool) are replayed as they are: no re-capture per training step. Otherwise the old
+        weights are dropped before the new ones are prepared.
         """
-        new = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype)
-        if self._graphs:
-            decoder.copy_weights_(self.weights, new)
-        else:
-            self.weights = new
+        kw = dict(device=self.device, dtype=self.dtype, consume=consume)
+        if self.reload_in_place:
+            decoder.prepare_weights(self.spec, weights, into=self.weights, **kw)
+            return
+        self.weights = None
+        self.weights = decoder.prepare_weights(self.spec, weights, **kw)
 
     def _allocate(self, max_seq_len: int) -> None:
         self.spec.check_seq_len(max_seq_len)
@@ -174,9 +199,8 @@ class Sampler:
         budget = self.kv_cache_tokens
         if budget is None and self.kv_cache_bytes is not None:
             budget = self.kv_cache_bytes // per_token
-        if budget is None and self.gpu_memory_utilization is not None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = kv_tokens_for_memory(free, self.gpu_memory_utilization, per_token)
+        if budget is None and self.gpu_memory_utilization is not None and self.free_memory is not None:
+            budget = kv_tokens_for_memory(self.free_memory(self.device), self.gpu_memory_utilization, per_token)
             if self.tp_group is not None:  # TP peers schedule in lockstep: the same blocks on each
                 t = torch.tensor([budget], dtype=torch.int64, device=self.device)
                 dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
