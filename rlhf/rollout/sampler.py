@@ -166,7 +166,9 @@ class Sampler:
                                                consume=consume_weights, copy=self.reload_in_place)
         self.cache: PagedKVCache | None = None
         self.max_seq_len = 0
-        self._graphs: dict[int, tuple[Any, Tensor]] = {}  # window -> (CUDAGraph, logits buffer)
+        # (window, contiguous cache mode) -> (CUDAGraph, logits buffer): the two modes read the K/V
+        # differently (views of slot regions vs the block table), so each has its own graphs
+        self._graphs: dict[tuple[int, bool], tuple[Any, Tensor]] = {}
         self._graph_pool: Any = None
         self._fixed_len = max_seq_len is not None
         if max_seq_len is not None:
@@ -270,9 +272,10 @@ class Sampler:
         if not self.use_cuda_graph:
             return decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
                                   window, self.cos, self.sin, self.tp_group)[:live]
-        if window not in self._graphs:
+        key = (window, self.cache.contiguous)
+        if key not in self._graphs:
             self._capture(window)
-        graph, logits = self._graphs[window]
+        graph, logits = self._graphs[key]
         graph.replay()
         return logits[:live]
 
@@ -294,4 +297,4 @@ class Sampler:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             logits = decoder.decode(*args)
-        self._graphs[window] = (graph, logits)
+        self._graphs[(window, self.cache.contiguous)] = (graph, logits)

@@ -412,7 +412,7 @@ class GenerateRun:
         t0 = time.perf_counter()
         s, b = self.s, self.live
         need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
-        window = min(self.cache.max_seq_len, -(-need // 8) * 8)
+        window = min(self.cache.max_seq_len, need)
         logits = s.decode_logits(b, window)
         self.stats["decode_steps"] += 1  # advances every live slot's host position by one
         self.stats["slot_steps"] += b
