@@ -86,7 +86,7 @@ def test_default_kernel_per_device():
 LONG = [[(7 * i + 3 * k) % 60 + 2 for i in range(n)] for k, n in enumerate((37, 16, 5, 50))]
 
 
-@pytest.mark.parametrize("kw", [{}, {"max_num_seqs": 5}, {"kv_cache_tokens": 200}])
+@pytest.mark.parametrize("kw", [{}, {"max_num_seqs": 5}, {"kv_cache_tokens": 200}, {"prefill_tokens": 16}])
 def test_prefix_sharing_same_tokens_fewer_blocks_all_freed(kw):
     """The n samples share their prompt's full blocks: same tokens and log-probs as unshared
     blocks, fewer blocks at the peak, every block free (refcounts 0) afterwards; also under
@@ -101,7 +101,7 @@ def test_prefix_sharing_same_tokens_fewer_blocks_all_freed(kw):
     assert torch.equal(on.response_ids, off.response_ids)
     torch.testing.assert_close(on.log_probs, off.log_probs, atol=1e-5, rtol=0)
     assert on.stats["kv_shared_blocks"] > 0 and off.stats["kv_shared_blocks"] == 0
-    if not kw:  # everything admitted at once: 3 of 4 samples share each prompt's full blocks
+    if not kw or "prefill_tokens" in kw:  # all admitted at once: 3 of 4 samples share each prompt's full blocks
         assert on.stats["kv_shared_blocks"] == 3 * sum(len(p) // 8 for p in LONG)
         assert off.stats["kv_peak_tokens"] - on.stats["kv_peak_tokens"] >= 8 * on.stats["kv_shared_blocks"] * 0.5
     if "kv_cache_tokens" in kw:
