@@ -91,6 +91,10 @@ class RolloutConfig:
                 "differ from the trainer's: correct with actor.tis_imp_ratio_cap.")
     compile: bool = _f(False, "On CUDA: capture decode steps as CUDA graphs (static shapes); ignored on CPU. "
                               "The sampler, its KV cache and graphs then stay allocated for the whole run.")
+    free_cache_engine: bool = _f(True, "Free the sampler (KV cache, rollout weights) after each rollout (verl name). "
+                                       "False: keep one sampler for the run, new weights copied into its buffers each "
+                                       "step (no reallocation; more memory held during training). compile on CUDA "
+                                       "always keeps it.")
     gpu_memory_utilization: float = _f(0.5, "On CUDA with kv_cache_tokens and kv_cache_memory 0: the KV cache takes at most this "
                                             "fraction of the device memory free after the rollout weights (verl name).")
 

@@ -247,7 +247,7 @@ class RLTrainer:
         out.ground_truths = [e.ground_truth for e in examples]
         out.data_sources = [e.data_source for e in examples]
         out.extra_infos = [e.extra_info for e in examples]
-        out.response_texts = decode_responses(self.tokenizer, out.responses, out.response_mask)
+        out.response_texts = decode_responses(self.tokenizer, out.responses, out.attention_mask[:, -out.responses.shape[1]:])
         return out
 
     def remax_baseline(self, batch: RolloutBatch, step: int) -> dict[str, float]:

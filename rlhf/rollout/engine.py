@@ -27,6 +27,7 @@ from rlhf.config import RolloutConfig
 from rlhf.models.lora import merged_weights_for_rollout
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
+from rlhf.rollout.turns import TurnHandler
 
 
 @dataclass
@@ -53,9 +54,10 @@ def rollout_dtype(name: str, device_type: str, model_dtype: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """The text of each response row ``[N, R]``: its tokens under ``response_mask``, special tokens skipped."""
-    return tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(responses.cpu(), response_mask.cpu())],
+def decode_responses(tokenizer, responses: torch.Tensor, in_trajectory: torch.Tensor) -> list[str]:
+    """The text of each response row ``[N, R]``: its tokens under ``in_trajectory`` (the whole trajectory,
+    tool outputs included, as the reward function sees it), special tokens skipped."""
+    return tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(responses.cpu(), in_trajectory.cpu())],
                                   skip_special_tokens=True)
 
 
@@ -101,7 +103,7 @@ class RolloutEngine:
         self.cfg = cfg
         self.lora = lora
         self._lora_base: Optional[dict[str, torch.Tensor]] = None
-        self._kept: Optional[Sampler] = None  # the run-long sampler under CUDA graphs
+        self._kept: Optional[Sampler] = None  # the run-long sampler (free_cache_engine=False or CUDA graphs)
         self.layout = layout or RolloutLayout()
         self.tokenizer = tokenizer
         self.P = max_prompt_length
@@ -136,22 +138,25 @@ class RolloutEngine:
         alpha, rank = self.lora
         return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank), rs
 
-    def _sampler(self, hf_config, weights: dict[str, torch.Tensor]) -> Sampler:
-        """A sampler holding ``weights``. With CUDA graphs (``rollout.compile`` on CUDA) one sampler
-        lives for the whole run: its KV cache, graphs and graph memory pool are reused each step
-        and new weights are copied into the captured addresses. Otherwise a fresh one per step,
-        so nothing of the rollout outlives its window."""
+    def _sampler(self, hf_config, weights: dict[str, torch.Tensor], consume: bool) -> Sampler:
+        """A sampler holding ``weights`` (``consume``: the dict is handed over and emptied). With
+        ``rollout.free_cache_engine=False`` or CUDA graphs (``rollout.compile`` on CUDA) one sampler
+        lives for the whole run: its KV cache (and graphs, graph memory pool) are reused each step
+        and new weights are copied into its tensors. Otherwise a fresh one per step, so nothing of
+        the rollout outlives its window."""
         if self._kept is not None:
-            self._kept.load_weights(weights)
+            self._kept.load_weights(weights, consume=consume)
             return self._kept
         graphs = self.cfg.compile and self.device.type == "cuda"
+        keep = graphs or not self.cfg.free_cache_engine
         sampler = Sampler(hf_config, weights, pad_token_id=self.pad_id, device=self.device, dtype=self.dtype,
                           max_num_seqs=self.cfg.max_num_seqs, max_seq_len=self.P + self.R,
                           kv_cache_tokens=self.cfg.kv_cache_tokens or None,
                           kv_cache_bytes=int(self.cfg.kv_cache_memory * 2**30) or None,
                           prefill_tokens=self.cfg.prefill_tokens, tp_group=self.layout.tp_group,
-                          use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization)
-        if graphs:
+                          use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                          reload_in_place=keep, consume_weights=consume)
+        if keep:
             self._kept = sampler
         return sampler
 
@@ -159,7 +164,7 @@ class RolloutEngine:
                  temperature: float, local_rows: Optional[list[int]] = None,
                  pp_group: Optional[dist.ProcessGroup] = None, top_p: Optional[float] = None,
                  top_k: Optional[int] = None, on_finished: Optional[OnFinished] = None,
-                 ) -> tuple[RolloutBatch, dict[str, float]]:
+                 turns: Optional[TurnHandler] = None) -> tuple[RolloutBatch, dict[str, float]]:
         """Reshard `model` (training layout) -> rollout weights -> sample -> RolloutBatch.
 
         Args:
@@ -174,14 +179,18 @@ class RolloutEngine:
             top_p, top_k: override ``rollout.top_p`` / ``rollout.top_k`` for this call.
             on_finished: called as this rank's replica finishes sequences, with their
                 ``(prompt position in the global batch, sample)`` pairs and response token ids.
+            turns: multi-turn handler of this rank's replica (``rlhf.rollout.turns``); its row
+                numbers are the sampler's rows of the replica's chunk (``prompt * n + sample``).
+                The batch's ``response_mask`` is then 0 on observation tokens.
         """
         pp_group = pp_group if pp_group is not None else getattr(model, "pp_group", None)
         t0 = time.perf_counter()
         weights, rs = self._rollout_weights(model, pp_group)
         reshard_s = time.perf_counter() - t0
         batch, stats = self.sample(weights, hf_config, prompts, step=step, n=n, temperature=temperature,
-                                   local_rows=local_rows, top_p=top_p, top_k=top_k, on_finished=on_finished)
-        del weights  # the rollout weights live only for this window (unless kept for CUDA graphs)
+                                   local_rows=local_rows, top_p=top_p, top_k=top_k, on_finished=on_finished,
+                                   turns=turns, consume_weights=True)
+        del weights  # handed over: the sampler took (and dropped) its tensors while fusing them
         if self.device.type == "cuda" and self._kept is None:
             torch.cuda.empty_cache()  # hand the rollout copy and KV cache back before the update
         stats.update({"timing/reshard": reshard_s, "reshard/bytes_received": float(rs.bytes_received),
@@ -191,18 +200,20 @@ class RolloutEngine:
     def sample(self, weights: dict[str, torch.Tensor], hf_config, prompts: PromptBatch, *, step: int, n: int,
                temperature: float, local_rows: Optional[list[int]] = None, top_p: Optional[float] = None,
                top_k: Optional[int] = None, on_finished: Optional[OnFinished] = None,
+               turns: Optional[TurnHandler] = None, consume_weights: bool = False,
                ) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample with rollout ``weights`` already in this rank's rollout layout (the arguments are
-        :meth:`generate`'s); the rollout role of trainer.mode one_step_off calls it with received weights."""
+        :meth:`generate`'s); the rollout role of trainer.mode one_step_off calls it with received weights.
+        ``consume_weights``: the dict is handed over (emptied as the sampler fuses it: lower peak memory)."""
         lay = self.layout
         t1 = time.perf_counter()
-        sampler = self._sampler(hf_config, weights)
+        sampler = self._sampler(hf_config, weights, consume_weights)
         params = self.sampling_params(n=n, temperature=temperature, seed=self.cfg.seed, top_p=top_p, top_k=top_k)
         if local_rows is None and dist.is_initialized() and lay.size > 1:
             prompts, local_rows = self._global_prompts(prompts, lay.group)
         if local_rows is None:
             out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys,
-                                   on_finished=_rows_to_samples(on_finished, 0, n))
+                                   on_finished=_rows_to_samples(on_finished, 0, n), turns=turns)
             mine = prompts
         else:
             start, end = chunk_bounds(len(prompts.prompt_ids), lay.dp)[lay.dp_rank]
@@ -210,7 +221,7 @@ class RolloutEngine:
             if end > start:
                 out = sampler.generate(prompts.prompt_ids[start:end], params, step=step,
                                        prompt_keys=prompts.keys[start:end],
-                                       on_finished=_rows_to_samples(on_finished, start, n))
+                                       on_finished=_rows_to_samples(on_finished, start, n), turns=turns)
             stats_local = dict(out.stats) if out is not None else {}
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
             out.stats = stats_local
@@ -251,13 +262,15 @@ class RolloutEngine:
         lay, R, dev = self.layout, self.R, self.device
         bounds = chunk_bounds(num_prompts, lay.dp)
         width = max(e - s for s, e in bounds) * n  # rows of the largest chunk
-        ints = torch.zeros((width, R + 2), dtype=torch.long, device=dev)  # ids | length | truncated
+        # ids | response mask (0 on observation tokens) | length | truncated
+        ints = torch.zeros((width, 2 * R + 2), dtype=torch.long, device=dev)
         floats = torch.zeros((width, R), dtype=torch.float32, device=dev)  # sampler log-probs
         if out is not None:
             rows, r = out.response_ids.shape[0], min(R, out.response_ids.shape[1])
             ints[:rows, :r] = out.response_ids[:, :r]
-            ints[:rows, R] = out.response_lengths
-            ints[:rows, R + 1] = out.truncated.long()
+            ints[:rows, R:R + r] = out.response_mask[:, :r].long()
+            ints[:rows, 2 * R] = out.response_lengths
+            ints[:rows, 2 * R + 1] = out.truncated.long()
             floats[:rows, :r] = out.log_probs[:, :r]
         if lay.dp > 1:
             all_ints = [torch.empty_like(ints) for _ in range(lay.dp)]
@@ -276,10 +289,9 @@ class RolloutEngine:
         flat = (q * width + off).to(dev)
         ints = torch.cat(all_ints).index_select(0, flat)
         floats = torch.cat(all_floats).index_select(0, flat)
-        lengths = ints[:, R]
         return RolloutOutput(
-            response_ids=ints[:, :R], response_mask=torch.arange(R, device=dev)[None, :] < lengths[:, None],
-            log_probs=floats, response_lengths=lengths, truncated=ints[:, R + 1].bool(),
+            response_ids=ints[:, :R], response_mask=ints[:, R:2 * R].bool(), log_probs=floats,
+            response_lengths=ints[:, 2 * R], truncated=ints[:, 2 * R + 1].bool(),
             prompt_index=torch.arange(len(local_rows), device=dev).repeat_interleave(n))
 
     def to_batch(self, prompts: PromptBatch, out: RolloutOutput, n: int) -> RolloutBatch:
@@ -297,14 +309,16 @@ class RolloutEngine:
         r = min(R, out.response_ids.shape[1])
         responses = torch.full((N, R), self.pad_id, dtype=torch.long)
         responses[:, :r] = out.response_ids[:, :r].cpu()
+        # the loss mask has holes on observation tokens; attention covers the whole trajectory
         resp_mask = torch.zeros((N, R), dtype=torch.float32)
         resp_mask[:, :r] = out.response_mask[:, :r].cpu().float()
+        in_traj = torch.arange(R)[None, :] < out.response_lengths.cpu()[:, None]  # [N, R]
         rollout_lp = torch.zeros((N, R), dtype=torch.float32)
         rollout_lp[:, :r] = out.log_probs[:, :r].cpu().float()
-        responses = torch.where(resp_mask.bool(), responses, torch.full_like(responses, self.pad_id))
+        responses = torch.where(in_traj, responses, torch.full_like(responses, self.pad_id))
         input_ids = torch.cat([prompt_tensor, responses], dim=1)
-        attention_mask = torch.cat([prompt_mask, resp_mask.long()], dim=1)
-        texts = decode_responses(self.tokenizer, responses, resp_mask)
+        attention_mask = torch.cat([prompt_mask, in_traj.long()], dim=1)
+        texts = decode_responses(self.tokenizer, responses, in_traj)
         pick = prompt_idx.tolist()
         batch = RolloutBatch(
             input_ids=input_ids, attention_mask=attention_mask, responses=responses, response_mask=resp_mask,

@@ -60,21 +60,37 @@ def _tp_slice(name: str, t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return t.narrow(dim, rank * part, part).clone()
 
 
+def _tp_weights(cfg, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """This rank's TP slice of the weights ``_sampler`` uses (same seed)."""
+    torch.manual_seed(0)
+    weights = transformers.Qwen2ForCausalLM(cfg).eval().state_dict()
+    return {k: _tp_slice(k, v, rank, world_size) for k, v in weights.items()}
+
+
 def _generate_tensor_parallel(rank: int, world_size: int) -> None:
     full = _sampler(max_num_seqs=64)  # same seed on every rank: same weights
     ref = full.generate(PROMPTS, PARAMS, step=STEP)  # the 1-process result, no TP
-    torch.manual_seed(0)
     cfg = full.config
-    weights = transformers.Qwen2ForCausalLM(cfg).eval().state_dict()
-    sharded = {k: _tp_slice(k, v, rank, world_size) for k, v in weights.items()}
+    sharded = _tp_weights(cfg, rank, world_size)
     s = Sampler(cfg, sharded, pad_token_id=0, max_num_seqs=5, tp_group=dist.group.WORLD, device=dist_device())
     assert s.spec.num_heads == 2 and s.spec.num_kv_heads == 1
     out = s.generate(PROMPTS, PARAMS, step=STEP)
     assert torch.equal(out.response_ids, ref.response_ids)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-4, rtol=0)
+    # a KV budget from free memory that differs per rank: the group's minimum (MIN all-reduce),
+    # or the peers would schedule differently and their all-reduces would not match
+    per_token = 2 * 2 * 1 * 16 * 4  # layers x (K, V) x local kv heads x head dim x fp32 bytes
+    free = (1 + 5 * rank) * 64 * per_token  # rank 0 has room for 1 sequence of 64 tokens, rank 1 for 6
+    s = Sampler(cfg, sharded, pad_token_id=0, max_num_seqs=8, max_seq_len=64, tp_group=dist.group.WORLD,
+                device=dist_device(), gpu_memory_utilization=1.0, free_memory=lambda device: free)
+    assert s.cache.capacity_tokens == 64
+    out = s.generate(PROMPTS, PARAMS, step=STEP)
+    assert out.stats["preemptions"] > 0
+    assert torch.equal(out.response_ids, ref.response_ids)
     dist.barrier()
 
 
 def test_tensor_parallel_rollout_matches_single_process():
-    """2-way TP over gloo (sharded q/k/v/o/MLP, all-reduce after o_proj and down_proj)."""
+    """2-way TP over gloo (sharded q/k/v/o/MLP, all-reduce after o_proj and down_proj); the KV
+    budget from per-rank free memory is the group's minimum."""
     run_distributed(_generate_tensor_parallel, 2)

@@ -33,6 +33,18 @@ def test_sampled_chunked_and_static_decode_match_teacher_forced(kind):
         torch.testing.assert_close(out.log_probs[row, : len(r)], ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ARCHS)
+def test_paged_cache_with_preemption_gives_the_same_tokens(kind):
+    """The block-table (paged) decode path, with a budget small enough to preempt, reads sliding
+    windows and soft-caps like the contiguous one: same tokens and log-probs."""
+    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=12, seed=3)
+    free = _sampler(kind, max_num_seqs=4).generate(PROMPTS, params)
+    tight = _sampler(kind, max_num_seqs=4, kv_cache_tokens=64, block_size=8).generate(PROMPTS, params)
+    assert tight.stats["preemptions"] > 0
+    assert torch.equal(tight.response_ids, free.response_ids)
+    torch.testing.assert_close(tight.log_probs, free.log_probs, atol=1e-5, rtol=0)
+
+
 def _longrope_phi3() -> torch.nn.Module:
     half = 4  # rotary dim 8 (partial_rotary_factor 0.5 of head dim 16) -> 4 frequencies
     rope = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0][:half],
