@@ -20,7 +20,7 @@ class RolloutBatch:
     input_ids: torch.Tensor            # [N, P+R] left-padded prompt | right-padded response
     attention_mask: torch.Tensor       # [N, P+R]
     responses: torch.Tensor            # [N, R]
-    response_mask: torch.Tensor        # [N, R] float, 1 on generated tokens
+    response_mask: torch.Tensor        # [N, R] float, 1 on generated tokens, 0 on padding and tool observations
     index: torch.Tensor                # [N] global prompt id (group id)
     rollout_log_probs: torch.Tensor    # [N, R] sampler log-probs
     truncated: torch.Tensor            # [N] bool, hit max_response_length

@@ -27,6 +27,7 @@ from rlhf.config import RolloutConfig
 from rlhf.models.lora import merged_weights_for_rollout
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
+from rlhf.rollout.turns import TurnHandler
 
 
 @dataclass
@@ -146,7 +147,7 @@ class RolloutEngine:
                  temperature: float, local_rows: Optional[list[int]] = None,
                  pp_group: Optional[dist.ProcessGroup] = None, top_p: Optional[float] = None,
                  top_k: Optional[int] = None, on_finished: Optional[OnFinished] = None,
-                 ) -> tuple[RolloutBatch, dict[str, float]]:
+                 turns: Optional[TurnHandler] = None) -> tuple[RolloutBatch, dict[str, float]]:
         """Reshard `model` (training layout) -> rollout weights -> sample -> RolloutBatch.
 
         Args:
@@ -161,13 +162,17 @@ class RolloutEngine:
             top_p, top_k: override ``rollout.top_p`` / ``rollout.top_k`` for this call.
             on_finished: called as this rank's replica finishes sequences, with their
                 ``(prompt position in the global batch, sample)`` pairs and response token ids.
+            turns: multi-turn handler of this rank's replica (``rlhf.rollout.turns``); its row
+                numbers are the sampler's rows of the replica's chunk (``prompt * n + sample``).
+                The batch's ``response_mask`` is then 0 on observation tokens.
         """
         pp_group = pp_group if pp_group is not None else getattr(model, "pp_group", None)
         t0 = time.perf_counter()
         weights, rs = self._rollout_weights(model, pp_group)
         reshard_s = time.perf_counter() - t0
         batch, stats = self.sample(weights, hf_config, prompts, step=step, n=n, temperature=temperature,
-                                   local_rows=local_rows, top_p=top_p, top_k=top_k, on_finished=on_finished)
+                                   local_rows=local_rows, top_p=top_p, top_k=top_k, on_finished=on_finished,
+                                   turns=turns)
         del weights  # the rollout weights live only for this window (unless kept for CUDA graphs)
         if self.device.type == "cuda" and self._kept is None:
             torch.cuda.empty_cache()  # hand the rollout copy and KV cache back before the update
@@ -178,7 +183,7 @@ class RolloutEngine:
     def sample(self, weights: dict[str, torch.Tensor], hf_config, prompts: PromptBatch, *, step: int, n: int,
                temperature: float, local_rows: Optional[list[int]] = None, top_p: Optional[float] = None,
                top_k: Optional[int] = None, on_finished: Optional[OnFinished] = None,
-               ) -> tuple[RolloutBatch, dict[str, float]]:
+               turns: Optional[TurnHandler] = None) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample with rollout ``weights`` already in this rank's rollout layout (the arguments are
         :meth:`generate`'s); the rollout role of trainer.mode one_step_off calls it with received weights."""
         lay = self.layout
@@ -189,7 +194,7 @@ class RolloutEngine:
             prompts, local_rows = self._global_prompts(prompts, lay.group)
         if local_rows is None:
             out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys,
-                                   on_finished=_rows_to_samples(on_finished, 0, n))
+                                   on_finished=_rows_to_samples(on_finished, 0, n), turns=turns)
             mine = prompts
         else:
             start, end = chunk_bounds(len(prompts.prompt_ids), lay.dp)[lay.dp_rank]
@@ -197,7 +202,7 @@ class RolloutEngine:
             if end > start:
                 out = sampler.generate(prompts.prompt_ids[start:end], params, step=step,
                                        prompt_keys=prompts.keys[start:end],
-                                       on_finished=_rows_to_samples(on_finished, start, n))
+                                       on_finished=_rows_to_samples(on_finished, start, n), turns=turns)
             stats_local = dict(out.stats) if out is not None else {}
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
             out.stats = stats_local
@@ -238,13 +243,15 @@ class RolloutEngine:
         lay, R, dev = self.layout, self.R, self.device
         bounds = chunk_bounds(num_prompts, lay.dp)
         width = max(e - s for s, e in bounds) * n  # rows of the largest chunk
-        ints = torch.zeros((width, R + 2), dtype=torch.long, device=dev)  # ids | length | truncated
+        # ids | response mask (0 on observation tokens) | length | truncated
+        ints = torch.zeros((width, 2 * R + 2), dtype=torch.long, device=dev)
         floats = torch.zeros((width, R), dtype=torch.float32, device=dev)  # sampler log-probs
         if out is not None:
             rows, r = out.response_ids.shape[0], min(R, out.response_ids.shape[1])
             ints[:rows, :r] = out.response_ids[:, :r]
-            ints[:rows, R] = out.response_lengths
-            ints[:rows, R + 1] = out.truncated.long()
+            ints[:rows, R:R + r] = out.response_mask[:, :r].long()
+            ints[:rows, 2 * R] = out.response_lengths
+            ints[:rows, 2 * R + 1] = out.truncated.long()
             floats[:rows, :r] = out.log_probs[:, :r]
         if lay.dp > 1:
             all_ints = [torch.empty_like(ints) for _ in range(lay.dp)]
@@ -263,10 +270,9 @@ class RolloutEngine:
         flat = (q * width + off).to(dev)
         ints = torch.cat(all_ints).index_select(0, flat)
         floats = torch.cat(all_floats).index_select(0, flat)
-        lengths = ints[:, R]
         return RolloutOutput(
-            response_ids=ints[:, :R], response_mask=torch.arange(R, device=dev)[None, :] < lengths[:, None],
-            log_probs=floats, response_lengths=lengths, truncated=ints[:, R + 1].bool(),
+            response_ids=ints[:, :R], response_mask=ints[:, R:2 * R].bool(), log_probs=floats,
+            response_lengths=ints[:, 2 * R], truncated=ints[:, 2 * R + 1].bool(),
             prompt_index=torch.arange(len(local_rows), device=dev).repeat_interleave(n))
 
     def to_batch(self, prompts: PromptBatch, out: RolloutOutput, n: int) -> RolloutBatch:
@@ -284,14 +290,16 @@ class RolloutEngine:
         r = min(R, out.response_ids.shape[1])
         responses = torch.full((N, R), self.pad_id, dtype=torch.long)
         responses[:, :r] = out.response_ids[:, :r].cpu()
+        # the loss mask has holes on observation tokens; attention covers the whole trajectory
         resp_mask = torch.zeros((N, R), dtype=torch.float32)
         resp_mask[:, :r] = out.response_mask[:, :r].cpu().float()
+        in_traj = torch.arange(R)[None, :] < out.response_lengths.cpu()[:, None]  # [N, R]
         rollout_lp = torch.zeros((N, R), dtype=torch.float32)
         rollout_lp[:, :r] = out.log_probs[:, :r].cpu().float()
-        responses = torch.where(resp_mask.bool(), responses, torch.full_like(responses, self.pad_id))
+        responses = torch.where(in_traj, responses, torch.full_like(responses, self.pad_id))
         input_ids = torch.cat([prompt_tensor, responses], dim=1)
-        attention_mask = torch.cat([prompt_mask, resp_mask.long()], dim=1)
-        texts = self.tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(responses, resp_mask)],
+        attention_mask = torch.cat([prompt_mask, in_traj.long()], dim=1)
+        texts = self.tokenizer.batch_decode([row[m].tolist() for row, m in zip(responses, in_traj)],
                                             skip_special_tokens=True)
         pick = prompt_idx.tolist()
         batch = RolloutBatch(

@@ -109,6 +109,22 @@ class PagedKVCache:
         if slots:
             self.table[torch.tensor(slots, device=self.table.device)] = self.scratch
 
+    def detach(self, slot: int) -> list[int]:
+        """Take slot ``slot``'s blocks away from it, still allocated (a parked sequence keeps them)."""
+        blocks, self.owned[slot] = self.owned[slot], []
+        self.table[slot] = self.scratch
+        return blocks
+
+    def attach(self, slot: int, blocks: list[int]) -> None:
+        """Empty slot ``slot`` takes over ``blocks`` (from ``detach``) as its first positions."""
+        self.owned[slot] = list(blocks)
+        if blocks:
+            self.table[slot, : len(blocks)] = torch.tensor(blocks, device=self.table.device)
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        """Return detached blocks to the free list."""
+        self.free.extend(reversed(blocks))
+
     def move(self, src: list[int], dst: list[int]) -> None:
         """Slot ``dst[i]`` takes over the blocks of slot ``src[i]`` (``dst`` slots are empty)."""
         dev = self.table.device

@@ -23,6 +23,7 @@ from rlhf.rollout import decoder
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
 from rlhf.rollout.scheduler import GenerateRun
+from rlhf.rollout.turns import TurnHandler
 
 
 @dataclass
@@ -31,13 +32,14 @@ class RolloutOutput:
 
     Row ``i * n + j`` is sample ``j`` of prompt ``i``. ``log_probs`` are
     ``log_softmax(logits / T)`` of the sampled tokens (T = 1 for greedy), before any
-    top-k / top-p / min-p truncation; see ``rlhf.rollout.sampling``.
+    top-k / top-p / min-p truncation; see ``rlhf.rollout.sampling``. Multi-turn
+    (``generate(turns=...)``): a row is a whole trajectory, observation tokens included.
     """
 
     response_ids: Tensor  # [N, R] long, pad_token_id after the response
-    response_mask: Tensor  # [N, R] bool, True on generated tokens (incl. the stop token)
-    log_probs: Tensor  # [N, R] float32, 0 on padding
-    response_lengths: Tensor  # [N] long
+    response_mask: Tensor  # [N, R] bool, True on generated tokens (incl. the stop token), False on observations
+    log_probs: Tensor  # [N, R] float32, 0 on padding and observation tokens
+    response_lengths: Tensor  # [N] long, generated + observation tokens
     truncated: Tensor  # [N] bool: hit max_new_tokens without a stop
     prompt_index: Tensor  # [N] long: index into `prompts`
     stats: dict[str, float] = field(default_factory=dict)
@@ -194,6 +196,7 @@ class Sampler:
         step: int = 0,
         prompt_keys: list[int] | None = None,
         on_finished: Callable[[list[int], list[list[int]]], None] | None = None,
+        turns: TurnHandler | None = None,
     ) -> RolloutOutput:
         """Generate ``params.n`` responses per prompt (see ``RolloutOutput`` for the layout).
 
@@ -201,6 +204,8 @@ class Sampler:
         indices: with ``params.seed`` and ``step`` they key the random draws, so the same
         prompt key yields the same responses whatever the batch or rank it is generated on.
         ``on_finished(rows, token_ids)`` is called as sequences finish (output rows, their tokens).
+        ``turns``: multi-turn handler (``rlhf.rollout.turns``); a sequence whose turn ends may wait
+        for an observation that is appended to it, and ``max_new_tokens`` bounds the whole trajectory.
         """
         params.validate(self.spec.vocab_size)
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -211,7 +216,7 @@ class Sampler:
             raise ValueError(f"generate: {len(prompt_keys)} prompt_keys for {len(prompts)} prompts")
         max_new = params.max_new_tokens
         self._ensure_capacity(max(len(p) for p in prompts) + max_new)
-        return RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys, on_finished).execute())
+        return RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys, on_finished, turns).execute())
 
     # ------------------------------------------------------------------ decode forward
 

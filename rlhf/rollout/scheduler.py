@@ -16,6 +16,12 @@
   sequence produces the same tokens it would have without the pause.
 * Per step: one decode forward, sampling, stop detection and output writes as batched
   tensor ops, and one host sync to learn which sequences finished.
+* Multi-turn (``turns``, see ``rlhf.rollout.turns``): a sequence whose turn ended and that
+  waits for an observation is parked (its blocks detached from its slot and kept, the slot
+  compacted away). Each loop polls the handler; a sequence whose observation came resumes
+  in a free slot: ``[stop token] + observation`` is prefilled onto its cached K/V (the
+  chunked-prefill path) and decoding continues. Under cache pressure parked sequences are
+  preempted before live ones; a preempted one is recomputed from ``prompt + trajectory``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch import Tensor
 from rlhf.rollout import decoder
 from rlhf.rollout.kv_cache import PagedKVCache
 from rlhf.rollout.sampling import SamplingParams, position_keys, sample_next, sequence_keys, uniforms
+from rlhf.rollout.turns import ParkingLot, TurnHandler
 
 
 class Slots:
@@ -56,11 +63,13 @@ class GenerateRun:
     """State of one ``generate`` call (kept out of ``Sampler`` so calls cannot leak state)."""
 
     def __init__(self, s: Any, prompts: list[list[int]], params: SamplingParams, step: int, keys: list[int],
-                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None):
+                 on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None,
+                 turns: Optional[TurnHandler] = None):
         """``on_finished(rows, token_ids)``: called as sequences finish (output rows, their tokens), so
-        their rewards can be computed while the others still decode."""
+        their rewards can be computed while the others still decode. ``turns``: the multi-turn handler."""
         self.s, self.params, self.prompts = s, params, prompts
         self.on_finished = on_finished
+        self.lot = None if turns is None else ParkingLot(turns, s.spec.vocab_size, params.max_new_tokens)
         dev = s.device
         n, self.n = params.n, params.n
         self.N = N = len(prompts) * n
@@ -76,6 +85,8 @@ class GenerateRun:
         self.out_logp = torch.zeros((N, R), dtype=torch.float32, device=dev)
         self.out_len = torch.zeros(N, dtype=torch.int64, device=dev)
         self.out_stopped = torch.zeros(N, dtype=torch.bool, device=dev)
+        # observation tokens of multi-turn trajectories (the holes of the response mask)
+        self.out_obs = torch.zeros((N, R), dtype=torch.bool, device=dev) if turns is not None else None
         self.stop_ids = torch.tensor(sorted({int(t) for t in params.stop_token_ids}), dtype=torch.int64, device=dev)
         stops = [list(map(int, q)) for q in params.stop_sequences]
         self.stop_len = max((len(q) for q in stops), default=0)
@@ -92,19 +103,27 @@ class GenerateRun:
         self.slot_order = [0] * self.S
         self.live = 0  # live slots are [0, live)
         self.queue: deque[int] = deque(range(N))  # waiting sequences, front first
-        self.resume_gen = [0] * N  # tokens a preempted sequence had generated
+        self.resume_gen = [0] * N  # trajectory length of a preempted sequence (recomputed when re-admitted)
+        self.turn_start = [0] * N  # response position where the current assistant turn began
         self.admitted = 0
         self._grow_at = 0  # first decode step at which a live slot needs another block (0: recompute)
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefill_calls": 0,
                       "prefill_tokens": 0, "prefill_padded_tokens": 0, "slot_steps": 0, "compaction_moves": 0,
-                      "preemptions": 0, "recomputed_tokens": 0, "peak_blocks": 0}
+                      "preemptions": 0, "recomputed_tokens": 0, "peak_blocks": 0, "turns": 0,
+                      "observation_tokens": 0, "parked_preemptions": 0}
 
     # ------------------------------------------------------------------ main loop
 
     def execute(self) -> dict:
         t_start = time.perf_counter()
         threshold = max(1, int(self.s.refill_fraction * self.S))
+        lot = self.lot
         while True:
+            if lot is not None and lot.parked:
+                self._take_observations(wait=False)
+                if lot.ready and self.live < self.S:
+                    self._resume()
+                    continue
             free, waiting = self.S - self.live, len(self.queue)
             if waiting and free and (self.live == 0 or free >= min(waiting, threshold)):
                 admit = self._fitting(free)
@@ -112,6 +131,9 @@ class GenerateRun:
                     self._admit(admit)
                     continue  # admitted sequences may finish at once (stop on the first token)
             if self.live == 0:
+                if lot is not None and lot.parked:  # everything waits for tools
+                    self._take_observations(wait=True)
+                    continue
                 break  # nothing live and nothing waiting (a lone sequence always fits: checked at allocation)
             self._reserve_next_positions()
             self._decode_step()
@@ -162,32 +184,40 @@ class GenerateRun:
             slot_ids = torch.tensor([a + j for j in members], dtype=torch.int64, device=dev)
             out = self._prefill(chunk, units, slot_ids, torch.tensor(rows, dtype=torch.int64, device=dev))
             logits.index_copy_(0, torch.tensor(chunk, dtype=torch.int64, device=dev), out)
-        sl, b = self.slots, a + m
-        seqs_t = torch.tensor(seqs, dtype=torch.int64, device=dev)
         gen0 = [self.resume_gen[q] for q in seqs]
+        self._place(seqs, gen0, list(range(self.admitted, self.admitted + m)))
+        self.admitted += m
+        self.stats["recomputed_tokens"] += sum(gen0)
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        self._sample_and_retire(a, a + m, logits[slot_unit_t])
+
+    def _place(self, seqs: list[int], gen0: list[int], orders: list[int]) -> None:
+        """Slots ``[live, live + m)`` take sequences ``seqs`` whose trajectories (length ``gen0``)
+        are in the cache; their next token is sampled from the logits after the last one."""
+        sl, dev = self.slots, self.s.device
+        a = self.live
+        b = a + len(seqs)
+        seqs_t = torch.tensor(seqs, dtype=torch.int64, device=dev)
+        prefix_len = [self.prompt_lens[q // self.n] + g for q, g in zip(seqs, gen0)]
         sl.seq[a:b] = seqs_t
         sl.gen[a:b] = torch.tensor(gen0, dtype=torch.int64, device=dev)
         # the next sampled token is fed at position len(prefix); the shared update below adds 1
         sl.pos[a:b] = torch.tensor(prefix_len, dtype=torch.int64, device=dev) - 1
         if sl.u is not None:  # all the uniforms these sequences will use, drawn at once
             sl.u[a:b] = uniforms(self.seq_key[seqs_t, None], self.pos_key[None, :])
-        if sl.window is not None:  # a resumed sequence's stop window holds its last tokens
-            win = torch.full((m, self.stop_len), -1, dtype=torch.int64, device=dev)
+        if sl.window is not None:  # the stop window holds the current turn's generated tokens
+            win = torch.full((len(seqs), self.stop_len), -1, dtype=torch.int64, device=dev)
             for j, (q, g) in enumerate(zip(seqs, gen0)):
-                k = min(g, self.stop_len)
+                k = min(g - self.turn_start[q], self.stop_len)
                 if k:
                     win[j, self.stop_len - k:] = self.out_ids[q, g - k:g]
             sl.window[a:b] = win
         steps = self.stats["decode_steps"]
         self.pos_base[a:b] = [p - steps for p in prefix_len]
         self.slot_seq[a:b] = seqs
-        self.slot_order[a:b] = range(self.admitted, self.admitted + m)
-        self.admitted += m
+        self.slot_order[a:b] = orders
         self.live = b
         self._grow_at = 0
-        self.stats["recomputed_tokens"] += sum(gen0)
-        self.stats["prefill_s"] += time.perf_counter() - t0
-        self._sample_and_retire(a, b, logits[slot_unit_t])
 
     def _prefill_chunks(self, units: list[list[int]]) -> list[list[int]]:
         """Unit indices grouped into prefill forwards of at most ``prefill_tokens`` tokens
@@ -210,14 +240,7 @@ class GenerateRun:
         width, total = max(lens), sum(lens)
         self.stats["prefill_tokens"] += total
         if len(chunk) == 1 and total > s.prefill_tokens:  # one long prefix: chunked prefill
-            ids = torch.tensor(units[chunk[0]], dtype=torch.int64, device=dev)
-            c = s.prefill_tokens
-            for start in range(0, total, c):
-                out = decoder.prefill_chunk(s.spec, s.weights, self.cache, ids[start:start + c], start, slot_ids,
-                                            s.cos, s.sin, s.tp_group)
-                self.stats["prefill_calls"] += 1
-            self.stats["prefill_padded_tokens"] += total
-            return out
+            return self._extend(units[chunk[0]], 0, slot_ids)
         lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
         ids = torch.tensor([t for i in chunk for t in units[i]], dtype=torch.int64, device=dev)
         ends = lengths.cumsum(0)
@@ -228,6 +251,94 @@ class GenerateRun:
         self.stats["prefill_padded_tokens"] += width * len(chunk)
         return decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
                                slot_ids, rows, s.cos, s.sin, s.tp_group)
+
+    def _extend(self, tokens: list[int], start: int, slot_ids: Tensor) -> Tensor:
+        """Prefill ``tokens`` at positions ``[start, start + len)`` onto the cached positions
+        ``[0, start)`` of ``slot_ids[0]`` (K/V written to every slot in ``slot_ids``), in chunks of
+        ``prefill_tokens``; logits ``[1, V]`` after the last token."""
+        s = self.s
+        ids = torch.tensor(tokens, dtype=torch.int64, device=s.device)
+        c = s.prefill_tokens
+        for i in range(0, len(tokens), c):
+            out = decoder.prefill_chunk(s.spec, s.weights, self.cache, ids[i:i + c], start + i, slot_ids,
+                                        s.cos, s.sin, s.tp_group)
+            self.stats["prefill_calls"] += 1
+        self.stats["prefill_padded_tokens"] += len(tokens)
+        return out
+
+    # ------------------------------------------------------------------ multi-turn
+
+    def _take_observations(self, wait: bool) -> None:
+        """Poll the handler; write each observation into its trajectory (a hole of the mask)."""
+        lot, R = self.lot, self.R
+        for q, obs in lot.poll(wait):
+            p = lot.parked[q]
+            end = p.length + len(obs)
+            if obs:
+                self.out_ids[q, p.length:end] = torch.tensor(obs, dtype=torch.int64, device=self.s.device)
+                self.out_obs[q, p.length:end] = True
+            self.stats["turns"] += 1
+            self.stats["observation_tokens"] += len(obs)
+            if end < R:
+                lot.ready.append(q)
+                continue
+            del lot.parked[q]  # no room left to generate: the trajectory ends truncated
+            if p.blocks is not None:
+                self.cache.free_blocks(p.blocks)
+            row = torch.tensor([q], dtype=torch.int64, device=self.s.device)
+            self._finish_rows(row, torch.full_like(row, R), torch.zeros_like(row, dtype=torch.bool))
+
+    def _resume(self) -> None:
+        """Resume ready parked sequences in free slots: prefill ``[stop token] + observation`` onto
+        their cached K/V. One whose blocks were freed (or that finds no blocks) is requeued."""
+        t0 = time.perf_counter()
+        lot, cache = self.lot, self.cache
+        a = self.live
+        seqs, gens, orders, logits = [], [], [], []
+        while lot.ready and a + len(seqs) < self.S:
+            q = lot.ready.popleft()
+            p = lot.parked.pop(q)
+            g = p.length + len(p.observation)
+            self.turn_start[q] = g
+            length = self.prompt_lens[q // self.n] + g  # the positions to be cached
+            if p.blocks is not None:
+                need = cache.blocks_for(length + 1) - len(p.blocks)
+                self._evict_parked(need)
+                if need > len(cache.free):
+                    cache.free_blocks(p.blocks)
+                    p.blocks = None
+                    self.stats["parked_preemptions"] += 1
+            if p.blocks is None:  # recompute prompt + trajectory when re-admitted
+                self.resume_gen[q] = g
+                self.queue.appendleft(q)
+                continue
+            slot = a + len(seqs)
+            cache.attach(slot, p.blocks)
+            cache.grow([slot], [length + 1])
+            last = self.out_ids[q, p.length - 1:g].tolist()  # the stop token is not cached yet
+            slot_t = torch.tensor([slot], dtype=torch.int64, device=self.s.device)
+            logits.append(self._extend(last, length - len(last), slot_t))
+            self.stats["prefill_tokens"] += len(last)
+            seqs.append(q), gens.append(g), orders.append(p.order)
+        if seqs:
+            self._place(seqs, gens, orders)
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        if seqs:
+            self._sample_and_retire(a, self.live, torch.cat(logits))
+
+    def _evict_parked(self, need: int) -> bool:
+        """Free the blocks of parked sequences (latest admitted first) until ``need`` blocks are
+        free; False when the parked ones cannot provide them."""
+        if self.lot is None:
+            return False
+        for q in self.lot.holding_blocks():
+            if len(self.cache.free) >= need:
+                break
+            p = self.lot.parked[q]
+            self.cache.free_blocks(p.blocks)
+            p.blocks = None
+            self.stats["parked_preemptions"] += 1
+        return len(self.cache.free) >= need
 
     # ------------------------------------------------------------------ decode
 
@@ -243,6 +354,8 @@ class GenerateRun:
                 short = [(i, n) for (i, n), e in zip(need, extra) if e]
                 cache.grow([i for i, _ in short], [n for _, n in short])
                 break
+            if self._evict_parked(sum(extra)):
+                continue
             victim = max(range(self.live), key=lambda i: self.slot_order[i])  # the latest admitted
             self._preempt(victim)
         used = cache.num_blocks - len(cache.free)
@@ -293,15 +406,37 @@ class GenerateRun:
         fin = finished.tolist()  # the one host sync of a step
         if not fin:
             return
-        fs = seq[finished]
-        self.out_len[fs] = gen[finished]
-        if stopped is not None:
-            self.out_stopped[fs] = stopped[finished]
-        if self.on_finished is not None:
-            rows, lens = fs.tolist(), gen[finished].tolist()
-            ids = self.out_ids[fs].tolist()
-            self.on_finished(rows, [r[:n] for r, n in zip(ids, lens)])
+        fs, lens = seq[finished], gen[finished]
+        stop_f = stopped[finished] if stopped is not None else torch.zeros_like(fs, dtype=torch.bool)
+        if self.lot is not None and stopped is not None:
+            keep = self._end_turns([a + i for i in fin], fs.tolist(), lens.tolist(), stop_f.tolist())
+            if len(keep) < len(fin):
+                sel = torch.tensor(keep, dtype=torch.int64, device=fs.device)
+                fs, lens, stop_f = fs[sel], lens[sel], stop_f[sel]
+        self._finish_rows(fs, lens, stop_f)
         self._compact([a + i for i in fin])
+
+    def _end_turns(self, slots: list[int], rows: list[int], lens: list[int], stopped: list[bool]) -> list[int]:
+        """Ask the handler about each stopped sequence below max_new_tokens; park the ones that
+        wait for an observation (blocks detached from the slot). Returns the indices that finish."""
+        ids = self.out_ids[torch.tensor(rows, device=self.out_ids.device)].tolist()
+        keep = []
+        for j, (slot, q, n, st) in enumerate(zip(slots, rows, lens, stopped)):
+            if st and n < self.R and self.lot.handler.turn_ended(q, ids[j][:n]):
+                self.lot.park(q, self.cache.detach(slot), n, self.slot_order[slot])
+            else:
+                keep.append(j)
+        return keep
+
+    def _finish_rows(self, rows: Tensor, lens: Tensor, stopped: Tensor) -> None:
+        """Record finished output rows (device tensors ``[k]``) and report them to ``on_finished``."""
+        if rows.numel() == 0:
+            return
+        self.out_len[rows] = lens
+        self.out_stopped[rows] = stopped
+        if self.on_finished is not None:
+            ids = self.out_ids[rows].tolist()
+            self.on_finished(rows.tolist(), [r[:n] for r, n in zip(ids, lens.tolist())])
 
     def _compact(self, dead: list[int]) -> None:
         """Free the blocks of ``dead`` slots and move the last live slots into the holes."""
@@ -329,7 +464,10 @@ class GenerateRun:
     def _finish(self, total_s: float) -> dict:
         N, R = self.N, self.R
         lengths = self.out_len
-        tokens = int(lengths.sum())
+        mask = torch.arange(R, device=lengths.device)[None, :] < lengths[:, None]
+        if self.out_obs is not None:
+            mask &= ~self.out_obs
+        tokens = int(mask.sum())  # generated tokens (observations excluded)
         st = self.stats
         used = min(self.S, N)
         stats = {
@@ -352,7 +490,11 @@ class GenerateRun:
             "preemptions": float(st["preemptions"]),
             "recomputed_tokens": float(st["recomputed_tokens"]),
         }
-        return {"response_ids": self.out_ids, "response_mask": torch.arange(R, device=lengths.device)[None, :]
-                < lengths[:, None], "log_probs": self.out_logp, "response_lengths": lengths,
+        if self.lot is not None:
+            stats["turns"] = float(st["turns"])
+            stats["observation_tokens"] = float(st["observation_tokens"])
+            stats["parked_preemptions"] = float(st["parked_preemptions"])
+        return {"response_ids": self.out_ids, "response_mask": mask, "log_probs": self.out_logp,
+                "response_lengths": lengths,
                 "truncated": ~self.out_stopped, "prompt_index": torch.arange(N, device=lengths.device) // self.n,
                 "stats": stats}
