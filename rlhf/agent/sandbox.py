@@ -91,7 +91,7 @@ class PythonSandbox(Tool):
                "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         killed = False
         with open(tmp / "output", "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-I", "-B", BOOT, json.dumps(settings)], cwd=work, env=env,
+            proc = subprocess.Popen([sys.executable, "-I", "-B", "-u", BOOT, json.dumps(settings)], cwd=work, env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
@@ -135,12 +135,13 @@ def _read_json(path: Path):
 
 
 def _read_capped(path: Path, max_chars: int) -> str:
+    """The program's output; when longer than ``max_chars``, its start and its end (where a traceback ends)."""
     with open(path, "rb") as f:
-        raw = f.read(max_chars * 4 + 1)
-    text = raw.decode("utf-8", errors="replace")
-    if len(text) > max_chars:
-        text = text[:max_chars] + f"\n...[output truncated at {max_chars} characters]"
-    return text.rstrip("\n")
+        text = f.read().decode("utf-8", errors="replace").rstrip("\n")
+    if len(text) <= max_chars:
+        return text
+    half = max_chars // 2
+    return f"{text[:half]}\n...[output cut to its first and last {half} characters]...\n{text[len(text) - half:]}"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -1,6 +1,6 @@
 """Runs as the sandbox's child process: applies the isolation layers, then runs ``main.py``.
 
-    python -I -B sandbox_boot.py '<json settings>'
+    python -I -B -u sandbox_boot.py '<json settings>'
 
 Started by :class:`rlhf.agent.sandbox.PythonSandbox` in a new session (process group), with
 its working directory prepared and a clean environment. Standard library only: nothing of

@@ -1,6 +1,8 @@
 """The tools quickstart's task: multi-digit multiplication, which a tiny model can only do with a calculator.
 
-* prompt ``[{"role": "user", "content": "4821*376="}]`` (a 3-4 digit times a 2-3 digit number);
+* prompt ``[{"role": "user", "content": "4821*376="}]``: a 4-digit times a 3-digit number whose
+  product has 7 digits (fixed widths put the digits to copy at fixed distances, which a tiny
+  model learns to copy from few demonstrations);
 * answered with the tool: an assistant turn
   ``<tool_call>{"name":"calculator","arguments":{"expression":"4821*376"}}</tool_call>``, the
   tool's turn ``1812696``, then ``#### 1812696`` (the ``####`` line the ``gsm8k`` reward reads);
@@ -32,10 +34,11 @@ DATA_SOURCE = "synthetic/multiplication"
 
 
 def problem(rng: random.Random) -> tuple[int, int]:
-    """``(a, b)``: a with 3-4 digits, b with 2-3 digits."""
-    a = rng.randint(100, 9999)
-    b = rng.randint(10, 999)
-    return a, b
+    """``(a, b)``: a with 4 digits, b with 3 digits, ``a * b`` with 7."""
+    while True:
+        a, b = rng.randint(1000, 9999), rng.randint(100, 999)
+        if a * b >= 1_000_000:
+            return a, b
 
 
 def tool_call(expression: str) -> str:
