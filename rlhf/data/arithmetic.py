@@ -1,16 +1,16 @@
 """The tools quickstart's task: multi-digit multiplication, which a tiny model can only do with a calculator.
 
-* prompt ``[{"role": "user", "content": "4821*376="}]``: a 4-digit times a 3-digit number whose
-  product has 7 digits (fixed widths put the digits to copy at fixed distances, which a tiny
-  model learns to copy from few demonstrations);
+* prompt ``[{"role": "user", "content": "482*376="}]``: two 3-digit numbers whose product has
+  6 digits (fixed widths put the digits to copy at fixed distances, which a tiny model learns
+  to copy from a few thousand demonstrations);
 * answered with the tool: an assistant turn
-  ``<tool_call>{"name":"calculator","arguments":{"expression":"4821*376"}}</tool_call>``, the
-  tool's turn ``1812696``, then ``#### 1812696`` (the ``####`` line the ``gsm8k`` reward reads);
-* answered directly: ``#### 1812696``.
+  ``<tool_call>{"name":"calculator","arguments":{"expression":"482*376"}}</tool_call>``, the
+  tool's turn ``181232``, then ``#### 181232`` (the ``####`` line the ``gsm8k`` reward reads);
+* answered directly: ``#### 181232``.
 
 The demonstrations come from a teacher who can multiply in its head: it answers directly
 (correctly) most of the time and calls the calculator with probability ``teacher_tool_rate``.
-A 0.8M-parameter character model cannot learn 4-by-3-digit multiplication from a few
+A 0.8M-parameter character model cannot learn 3-by-3-digit multiplication from a few
 thousand examples, so after the supervised warm start its greedy answers (direct, like most
 of the teacher's) are nearly all wrong, while sampling calls the tool now and then, and those
 trajectories are right: the signal GRPO with tools turns into a policy that uses the tool.
@@ -34,10 +34,10 @@ DATA_SOURCE = "synthetic/multiplication"
 
 
 def problem(rng: random.Random) -> tuple[int, int]:
-    """``(a, b)``: a with 4 digits, b with 3 digits, ``a * b`` with 7."""
+    """``(a, b)``: 3 digits each, ``a * b`` with 6."""
     while True:
-        a, b = rng.randint(1000, 9999), rng.randint(100, 999)
-        if a * b >= 1_000_000:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if a * b >= 100_000:
             return a, b
 
 
@@ -62,8 +62,8 @@ def _rows(problems: list[tuple[int, int]], split: str) -> list[dict[str, Any]]:
             for i, (a, b) in enumerate(problems)]
 
 
-def make_multiplication_task(out_dir: str | Path, *, n_train: int = 4000, n_val: int = 256, n_sft: int = 4000,
-                             seed: int = 0, teacher_tool_rate: float = 0.3) -> dict[str, Path]:
+def make_multiplication_task(out_dir: str | Path, *, n_train: int = 4000, n_val: int = 256, n_sft: int = 6000,
+                             seed: int = 0, teacher_tool_rate: float = 0.4) -> dict[str, Path]:
     """Write the task to ``out_dir``; everything is a function of the seed and the sizes.
 
     Args:
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--n-train", type=int, default=4000)
     ap.add_argument("--n-val", type=int, default=256)
-    ap.add_argument("--n-sft", type=int, default=4000)
+    ap.add_argument("--n-sft", type=int, default=6000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--teacher-tool-rate", type=float, default=0.3)
+    ap.add_argument("--teacher-tool-rate", type=float, default=0.4)
     a = ap.parse_args(argv)
     paths = make_multiplication_task(a.out, n_train=a.n_train, n_val=a.n_val, n_sft=a.n_sft, seed=a.seed,
                                      teacher_tool_rate=a.teacher_tool_rate)
