@@ -6,14 +6,16 @@
 * answered with the tool: an assistant turn
   ``<tool_call>{"name":"calculator","arguments":{"expression":"482*376"}}</tool_call>``, the
   tool's turn ``181232``, then ``#### 181232`` (the ``####`` line the ``gsm8k`` reward reads);
-* answered directly: ``#### 181232``.
+* answered by estimation: ``#### 200000`` (both factors rounded to hundreds, 500 * 400).
 
-The demonstrations come from a teacher who can multiply in its head: it answers directly
-(correctly) most of the time and calls the calculator with probability ``teacher_tool_rate``.
-A 0.8M-parameter character model cannot learn 3-by-3-digit multiplication from a few
-thousand examples, so after the supervised warm start its greedy answers (direct, like most
-of the teacher's) are nearly all wrong, while sampling calls the tool now and then, and those
-trajectories are right: the signal GRPO with tools turns into a policy that uses the tool.
+The demonstrations come from a hasty teacher: it calls the calculator with probability
+``teacher_tool_rate`` and otherwise estimates (wrongly, except in the rare case where both
+factors are multiples of 100). After the supervised warm start the greedy policy estimates,
+like most of the teacher's answers, and is nearly always wrong; sampling calls the tool now
+and then, and those trajectories can be right: the signal GRPO with tools turns into a policy
+that uses the tool. Without the tool no policy of this size can do better than estimate: a
+0.8M-parameter character model does not learn 3-by-3-digit multiplication from a few
+thousand examples.
 
 Files written by :func:`make_multiplication_task`: ``train.parquet``, ``val.parquet`` (verl's
 schema) and ``sft.jsonl`` (multi-turn demonstrations, :mod:`rlhf.agent.demos`).
@@ -28,7 +30,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from rlhf.data.synthetic import _write_parquet
+from rlhf.data.synthetic import write_task
 
 DATA_SOURCE = "synthetic/multiplication"
 
@@ -52,8 +54,9 @@ def tool_demo(a: int, b: int) -> list[dict[str, str]]:
             {"role": "assistant", "content": f"#### {a * b}"}]
 
 
-def direct_demo(a: int, b: int) -> list[dict[str, str]]:
-    return [{"role": "assistant", "content": f"#### {a * b}"}]
+def estimate_demo(a: int, b: int) -> list[dict[str, str]]:
+    """The teacher's answer without the tool: the product of the factors rounded to hundreds."""
+    return [{"role": "assistant", "content": f"#### {round(a, -2) * round(b, -2)}"}]
 
 
 def _rows(problems: list[tuple[int, int]], split: str) -> list[dict[str, Any]]:
@@ -62,7 +65,7 @@ def _rows(problems: list[tuple[int, int]], split: str) -> list[dict[str, Any]]:
             for i, (a, b) in enumerate(problems)]
 
 
-def make_multiplication_task(out_dir: str | Path, *, n_train: int = 4000, n_val: int = 256, n_sft: int = 6000,
+def make_multiplication_task(out_dir: str | Path, *, n_train: int = 4000, n_val: int = 256, n_sft: int = 8000,
                              seed: int = 0, teacher_tool_rate: float = 0.4) -> dict[str, Path]:
     """Write the task to ``out_dir``; everything is a function of the seed and the sizes.
 
@@ -87,18 +90,13 @@ def make_multiplication_task(out_dir: str | Path, *, n_train: int = 4000, n_val:
             seen.add(p)
             problems.append(p)
     train, val = problems[:n_train], problems[n_train:]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.parquet", "val": out / "val.parquet", "sft": out / "sft.jsonl"}
-    _write_parquet(_rows(train, "train"), paths["train"])
-    _write_parquet(_rows(val, "val"), paths["val"])
     teacher = random.Random(seed + 1)
-    with paths["sft"].open("w") as f:
-        for k in range(n_sft):
-            a, b = train[k % n_train]
-            demo = tool_demo(a, b) if teacher.random() < teacher_tool_rate else direct_demo(a, b)
-            f.write(json.dumps({"prompt": [{"role": "user", "content": f"{a}*{b}="}], "response": demo}) + "\n")
-    return paths
+    sft = []
+    for k in range(n_sft):
+        a, b = train[k % n_train]
+        demo = tool_demo(a, b) if teacher.random() < teacher_tool_rate else estimate_demo(a, b)
+        sft.append({"prompt": [{"role": "user", "content": f"{a}*{b}="}], "response": demo})
+    return write_task(out_dir, _rows(train, "train"), _rows(val, "val"), sft)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--n-train", type=int, default=4000)
     ap.add_argument("--n-val", type=int, default=256)
-    ap.add_argument("--n-sft", type=int, default=6000)
+    ap.add_argument("--n-sft", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--teacher-tool-rate", type=float, default=0.4)
     a = ap.parse_args(argv)
