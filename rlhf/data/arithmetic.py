@@ -6,14 +6,15 @@
 * answered with the tool: an assistant turn
   ``<tool_call>{"name":"calculator","arguments":{"expression":"482*376"}}</tool_call>``, the
   tool's turn ``181232``, then ``#### 181232`` (the ``####`` line the ``gsm8k`` reward reads);
-* answered by estimation: ``#### 200000`` (both factors rounded to hundreds, 500 * 400).
+* answered by estimation: ``~200000`` (both factors rounded to hundreds, 500 * 400), which the
+  reward does not take as an answer (no ``####``). Keeping ``####`` for answers read off the
+  tool leaves the model one context to copy digits in, instead of two that interfere.
 
 The demonstrations come from a hasty teacher: it calls the calculator with probability
-``teacher_tool_rate`` and otherwise estimates (wrongly, except in the rare case where both
-factors are multiples of 100). After the supervised warm start the greedy policy estimates,
-like most of the teacher's answers, and is nearly always wrong; sampling calls the tool now
-and then, and those trajectories can be right: the signal GRPO with tools turns into a policy
-that uses the tool. Without the tool no policy of this size can do better than estimate: a
+``teacher_tool_rate`` and otherwise estimates. After the supervised warm start the greedy
+policy estimates, like most of the teacher's answers, and scores 0; sampling calls the tool
+now and then, and those trajectories can be right: the signal GRPO with tools turns into a
+policy that uses the tool. Without the tool a policy of this size has nothing better: a
 0.8M-parameter character model does not learn 3-by-3-digit multiplication from a few
 thousand examples.
 
@@ -56,7 +57,7 @@ def tool_demo(a: int, b: int) -> list[dict[str, str]]:
 
 def estimate_demo(a: int, b: int) -> list[dict[str, str]]:
     """The teacher's answer without the tool: the product of the factors rounded to hundreds."""
-    return [{"role": "assistant", "content": f"#### {round(a, -2) * round(b, -2)}"}]
+    return [{"role": "assistant", "content": f"~{round(a, -2) * round(b, -2)}"}]
 
 
 def _rows(problems: list[tuple[int, int]], split: str) -> list[dict[str, Any]]:

@@ -264,3 +264,28 @@ def test_observation_tokens_carry_no_gradient(holed_batch, tiny_model, mesh):
     assert m1["actor/loss"] == m2["actor/loss"] and m1["actor/grad_norm"] == m2["actor/grad_norm"] > 0
     for name in p1:
         assert torch.equal(p1[name], p2[name]), name
+
+
+def test_metrics_are_hand_counted(tmp_path):
+    """Two rows: [gen gen obs obs gen pad] and [gen pad ...]; 3 calls, one parse error."""
+    from types import SimpleNamespace
+
+    from rlhf.agent.loop import AgentCounts
+    from rlhf.agent.rollout import ToolAgent
+    from rlhf.config import MultiTurnConfig
+
+    (tmp_path / "t.yaml").write_text("tools:\n  - class_name: calculator\n")
+    agent = ToolAgent(MultiTurnConfig(enable=True, tool_config_path=str(tmp_path / "t.yaml"), num_workers=0), TOK)
+    resp = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    attn = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0]])  # 2 prompt columns
+    counts = AgentCounts(calls=3)
+    counts.errors["parse"] = 1
+    class Batch(SimpleNamespace):
+        def __len__(self):
+            return 2
+
+    m = agent.metrics(Batch(response_mask=resp, attention_mask=attn), SimpleNamespace(counts=counts))
+    assert m["agent/tool_calls_per_traj"] == 1.5 and m["agent/turns_per_traj"] == 1.5
+    assert m["agent/observation_tokens_per_traj"] == 1.0 and m["agent/tool_error_rate"] == pytest.approx(1 / 3)
+    assert m["agent/tool_errors/parse"] == 1 and m["agent/tool_errors/timeout"] == 0
+    agent.close()

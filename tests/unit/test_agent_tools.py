@@ -144,3 +144,17 @@ def test_parser_reads_hermes_calls_and_names_each_failure():
     assert "unknown tool 'calc'; available: echo" in calls[3].message
     assert "without </tool_call>" in calls[-1].message
     assert parse_tool_calls("#### 42") == []
+
+
+def test_shipped_tool_configs_and_quickstart_configs_load():
+    from pathlib import Path
+
+    from rlhf.sft import SFTConfig, validate_sft
+
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "configs" / "tools").glob("*.yaml")):
+        assert read_tool_config(str(path))
+    cfg = load_config(str(root / "configs" / "quickstart_tools.yaml"))
+    assert cfg.rollout.multi_turn.enable and (root / cfg.rollout.multi_turn.tool_config_path).is_file()
+    sft = load_config(str(root / "configs" / "quickstart_tools_sft.yaml"), cls=SFTConfig, check=validate_sft)
+    assert sft.sft.tool_config_path == cfg.rollout.multi_turn.tool_config_path

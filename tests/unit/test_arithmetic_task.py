@@ -29,6 +29,6 @@ def test_task_files(tmp_path):
     assert d["response"][2]["content"] == f"#### {eval(expr)}"
     estimates = [d for d in demos if len(d["response"]) == 1]
     a, b = map(int, estimates[0]["prompt"][0]["content"].rstrip("=").split("*"))
-    assert estimates[0]["response"][0]["content"] == f"#### {round(a, -2) * round(b, -2)}"
+    assert estimates[0]["response"][0]["content"] == f"~{round(a, -2) * round(b, -2)}"
     assert make_multiplication_task(tmp_path / "again", n_train=50, n_val=10, n_sft=200,
                                     teacher_tool_rate=0.5)["sft"].read_text() == paths["sft"].read_text()
