@@ -101,6 +101,10 @@ class RolloutConfig:
     seed: int = _f(0, "Sampling seed; samples are keyed by (seed, step, prompt index, sample index).")
     compile: bool = _f(False, "On CUDA: capture decode steps as CUDA graphs (static shapes); ignored on CPU. "
                               "The sampler, its KV cache and graphs then stay allocated for the whole run.")
+    free_cache_engine: bool = _f(True, "Free the sampler (KV cache, rollout weights) after each rollout (verl name). "
+                                       "False: keep one sampler for the run, new weights copied into its buffers each "
+                                       "step (no reallocation; more memory held during training). compile on CUDA "
+                                       "always keeps it.")
     gpu_memory_utilization: float = _f(0.5, "On CUDA with kv_cache_tokens and kv_cache_memory 0: the KV cache takes at most this "
                                             "fraction of the device memory free after the rollout weights (verl name).")
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig, metadata={

@@ -173,17 +173,18 @@ class DecoderWeights:
     lm_head: Tensor  # [V, hidden]
 
 
-def copy_weights_(dst: DecoderWeights, src: DecoderWeights) -> None:
-    """Copy ``src`` into ``dst`` tensor by tensor, keeping ``dst``'s storage (what captured CUDA
-    graphs read). The two must come from the same spec (same shapes and optional parts)."""
-    pairs = [(dst.embed, src.embed), (dst.norm, src.norm), (dst.lm_head, src.lm_head)]
-    for d, s in zip(dst.layers, src.layers):
-        pairs += [(getattr(d, f.name), getattr(s, f.name)) for f in fields(LayerWeights)]
-    for d, s in pairs:
-        if (d is None) != (s is None):
-            raise ValueError("copy_weights_: the new weights have a different structure")
-        if d is not None:
-            d.copy_(s)
+def _copy_into(dst: Any, src: Any) -> Any:
+    """Copy the tensor fields of ``src`` into ``dst``'s (same dataclass), keeping ``dst``'s storage;
+    returns ``dst``."""
+    for f in fields(dst):
+        d, t = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(d, list):
+            continue
+        if (d is None) != (t is None):
+            raise ValueError(f"load_weights: the new weights have a different structure ({f.name})")
+        if d is not None and d is not t:
+            d.copy_(t)
+    return dst
 
 
 def _qk_norm_table(spec: DecoderSpec, q: Tensor | None, k: Tensor | None) -> Tensor | None:
@@ -193,25 +194,35 @@ def _qk_norm_table(spec: DecoderSpec, q: Tensor | None, k: Tensor | None) -> Ten
 
 
 def prepare_weights(
-    spec: DecoderSpec, weights: Mapping[str, Tensor], *, device: torch.device, dtype: torch.dtype
+    spec: DecoderSpec, weights: Mapping[str, Tensor], *, device: torch.device, dtype: torch.dtype,
+    consume: bool = False, copy: bool = False, into: DecoderWeights | None = None,
 ) -> DecoderWeights:
-    """Move / cast the HF-named weights and fuse q|k|v and gate|up; raise listing missing names."""
+    """Move / cast the HF-named weights and fuse q|k|v and gate|up; raise listing missing names.
+
+    Memory: tensors already on ``device`` in ``dtype`` are used as they are (no copy) unless
+    ``copy``; the fused ones are new. ``consume``: ``weights`` is a dict the caller hands over;
+    each tensor is popped from it as it is used, so the unfused tensors die while the fused
+    ones are built (peak ~1x + one layer instead of 1x + every fused copy). ``into``: copy the
+    result into these weights' tensors layer by layer (their storage kept: captured CUDA graphs
+    read it) instead of returning new ones; peak + one layer.
+    """
     missing: list[str] = []
+    take = weights.pop if consume else weights.get  # type: ignore[attr-defined]
 
     def get(name: str, required: bool = True) -> Tensor | None:
-        t = weights.get(name)
+        t = take(name, None)
         if t is None:
             if required:
                 missing.append(name)
             return None
-        return t.detach().to(device=device, dtype=dtype)
+        return t.detach().to(device=device, dtype=dtype, copy=copy)
 
     def cat(*ts: Tensor | None) -> Tensor | None:
         if any(t is None for t in ts):
             return None
         return torch.cat(ts, dim=0).contiguous()  # type: ignore[arg-type]
 
-    layers = []
+    layers: list[LayerWeights] = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
@@ -233,6 +244,8 @@ def prepare_weights(
                 down_b=get(m + "down_proj.bias", required=False),
             )
         )
+        if into is not None and not missing:  # this layer goes into the old buffers; the new copy dies
+            layers[-1] = _copy_into(into.layers[i], layers[-1])
     embed = get("model.embed_tokens.weight")
     norm = get("model.norm.weight")
     lm_head = get("lm_head.weight", required=not spec.tie_word_embeddings)
@@ -240,7 +253,8 @@ def prepare_weights(
         shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
         given = ", ".join(list(weights)[:4])
         raise KeyError(f"rollout sampler: weights for {spec.model_type} are missing {shown}; got keys like {given}")
-    return DecoderWeights(embed=embed, layers=layers, norm=norm, lm_head=embed if lm_head is None else lm_head)
+    out = DecoderWeights(embed=embed, layers=layers, norm=norm, lm_head=embed if lm_head is None else lm_head)
+    return out if into is None else _copy_into(into, out)
 
 
 # --------------------------------------------------------------------------- math
@@ -380,7 +394,10 @@ def prefill_chunk(
 
     The chunk's K/V go to every slot in ``slots`` ``[M]`` (the prompt's samples); its queries
     attend to cache positions ``[0, start + c)`` with the causal offset, so the attention
-    matrix is ``c x (start + c)`` instead of ``T x T`` for a long prompt.
+    matrix is ``c x (start + c)`` instead of ``T x T`` for a long prompt. Grouped-query
+    attention folds the ``G = H / Hkv`` query heads of a kv head into its query rows
+    (``[Hkv, G * c, D]``, the mask repeated per group), as decode does: SDPA with a mask and
+    ``enable_gqa`` falls back to the math kernel (fp32 ``[H, c, W]`` scores).
 
     Args:
         input_ids: ``[c]`` the chunk's tokens.
@@ -393,15 +410,17 @@ def prefill_chunk(
     c, s = head_rope(cos[positions], sin[positions], spec)  # [c, Hall, D]
     index = cache.prefill_index(slots, start, n)
     window = start + n
+    g = h // hkv
     mask = torch.arange(window, device=input_ids.device)[None, :] <= positions[:, None]  # [c, W]
+    mask = mask.repeat(g, 1)  # [G * c, W]: row (j, i) = query i of group member j
     x = F.embedding(input_ids, w.embed)  # [c, hidden]
     for layer, lw in enumerate(w.layers):
         qkv = _qkv(spec, lw, x, (n,), c, s).transpose(0, 1)  # [Hall, c, D]
         cache.write(layer, index, qkv[h:].unsqueeze(0).expand(slots.shape[0], -1, -1, -1))
         k, v = cache.view(layer, slots[:1], window)  # [1, Hkv, W, D]
-        a = F.scaled_dot_product_attention(qkv[None, :h], k, v, attn_mask=mask, scale=d**-0.5,
-                                           enable_gqa=h != hkv)  # [1, H, c, D]
-        x = _residual_linear(x, a[0].transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group)
+        q = qkv[:h].reshape(1, hkv, g * n, d)  # head kv * G + j -> kv head kv, rows j * c + i
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)  # [1, Hkv, G * c, D]
+        x = _residual_linear(x, a.reshape(h, n, d).transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group)
         x = _mlp(spec, lw, x, tp_group)
     return _logits(spec, w, x[-1:])
 
@@ -433,13 +452,12 @@ def decode(
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     c, s = head_rope(cos[pos], sin[pos], spec)  # [B, Hall, D]
     index = cache.decode_index(pos)  # [B * 2Hkv]
-    mask = (torch.arange(window, device=pos.device) <= pos[:, None])[:, None, None, :]  # [B, 1, 1, W]
     x = F.embedding(tokens, w.embed)  # [B, hidden]
+    plan = cache.decode_plan(b, pos, window, x.dtype)  # the attention kernel's per-step data
     for layer, lw in enumerate(w.layers):
         qkv = _qkv(spec, lw, x, (b,), c, s)  # [B, Hall, D]
         cache.write(layer, index, qkv[:, h:])
-        k, v = cache.view(layer, b, window)  # [B, Hkv, W, D]
-        a = F.scaled_dot_product_attention(qkv[:, :h].view(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=d**-0.5)
+        a = cache.attend(layer, qkv[:, :h].view(b, hkv, h // hkv, d), plan, d**-0.5)  # [B, Hkv, G, D]
         x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group)
         x = _mlp(spec, lw, x, tp_group)
     return _logits(spec, w, x)

@@ -89,7 +89,7 @@ class RolloutEngine:
         self.cfg = cfg
         self.lora = lora
         self._lora_base: Optional[dict[str, torch.Tensor]] = None
-        self._kept: Optional[Sampler] = None  # the run-long sampler under CUDA graphs
+        self._kept: Optional[Sampler] = None  # the run-long sampler (free_cache_engine=False or CUDA graphs)
         self.layout = layout or RolloutLayout()
         self.tokenizer = tokenizer
         self.P = max_prompt_length
@@ -124,22 +124,25 @@ class RolloutEngine:
         alpha, rank = self.lora
         return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank), rs
 
-    def _sampler(self, hf_config, weights: dict[str, torch.Tensor]) -> Sampler:
-        """A sampler holding ``weights``. With CUDA graphs (``rollout.compile`` on CUDA) one sampler
-        lives for the whole run: its KV cache, graphs and graph memory pool are reused each step
-        and new weights are copied into the captured addresses. Otherwise a fresh one per step,
-        so nothing of the rollout outlives its window."""
+    def _sampler(self, hf_config, weights: dict[str, torch.Tensor], consume: bool) -> Sampler:
+        """A sampler holding ``weights`` (``consume``: the dict is handed over and emptied). With
+        ``rollout.free_cache_engine=False`` or CUDA graphs (``rollout.compile`` on CUDA) one sampler
+        lives for the whole run: its KV cache (and graphs, graph memory pool) are reused each step
+        and new weights are copied into its tensors. Otherwise a fresh one per step, so nothing of
+        the rollout outlives its window."""
         if self._kept is not None:
-            self._kept.load_weights(weights)
+            self._kept.load_weights(weights, consume=consume)
             return self._kept
         graphs = self.cfg.compile and self.device.type == "cuda"
+        keep = graphs or not self.cfg.free_cache_engine
         sampler = Sampler(hf_config, weights, pad_token_id=self.pad_id, device=self.device, dtype=self.dtype,
                           max_num_seqs=self.cfg.max_num_seqs, max_seq_len=self.P + self.R,
                           kv_cache_tokens=self.cfg.kv_cache_tokens or None,
                           kv_cache_bytes=int(self.cfg.kv_cache_memory * 2**30) or None,
                           prefill_tokens=self.cfg.prefill_tokens, tp_group=self.layout.tp_group,
-                          use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization)
-        if graphs:
+                          use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                          reload_in_place=keep, consume_weights=consume)
+        if keep:
             self._kept = sampler
         return sampler
 
@@ -172,8 +175,8 @@ class RolloutEngine:
         reshard_s = time.perf_counter() - t0
         batch, stats = self.sample(weights, hf_config, prompts, step=step, n=n, temperature=temperature,
                                    local_rows=local_rows, top_p=top_p, top_k=top_k, on_finished=on_finished,
-                                   turns=turns)
-        del weights  # the rollout weights live only for this window (unless kept for CUDA graphs)
+                                   turns=turns, consume_weights=True)
+        del weights  # handed over: the sampler took (and dropped) its tensors while fusing them
         if self.device.type == "cuda" and self._kept is None:
             torch.cuda.empty_cache()  # hand the rollout copy and KV cache back before the update
         stats.update({"timing/reshard": reshard_s, "reshard/bytes_received": float(rs.bytes_received),
@@ -183,12 +186,14 @@ class RolloutEngine:
     def sample(self, weights: dict[str, torch.Tensor], hf_config, prompts: PromptBatch, *, step: int, n: int,
                temperature: float, local_rows: Optional[list[int]] = None, top_p: Optional[float] = None,
                top_k: Optional[int] = None, on_finished: Optional[OnFinished] = None,
-               turns: Optional[TurnHandler] = None) -> tuple[RolloutBatch, dict[str, float]]:
+               turns: Optional[TurnHandler] = None, consume_weights: bool = False,
+               ) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample with rollout ``weights`` already in this rank's rollout layout (the arguments are
-        :meth:`generate`'s); the rollout role of trainer.mode one_step_off calls it with received weights."""
+        :meth:`generate`'s); the rollout role of trainer.mode one_step_off calls it with received weights.
+        ``consume_weights``: the dict is handed over (emptied as the sampler fuses it: lower peak memory)."""
         lay = self.layout
         t1 = time.perf_counter()
-        sampler = self._sampler(hf_config, weights)
+        sampler = self._sampler(hf_config, weights, consume_weights)
         params = self.sampling_params(n=n, temperature=temperature, seed=self.cfg.seed, top_p=top_p, top_k=top_k)
         if local_rows is None and dist.is_initialized() and lay.size > 1:
             prompts, local_rows = self._global_prompts(prompts, lay.group)

@@ -1,27 +1,36 @@
 """Paged key/value cache of the rollout sampler, sized by a token (memory) budget.
 
-One buffer ``[L, NB + 1, BS, 2*Hkv, D]`` (layers, blocks of ``BS`` token positions, K heads
-then V heads, head dim) allocated once (heads inside positions, so the blocks of a slot,
-gathered, are one ``[B, W, 2*Hkv, D]`` tensor that attention reads through a transposed view); the last block is a scratch block that absorbs
-writes to positions a sequence does not own (right padding of a prefill grid, idle slots
-of the static decode shape). A slot (one live sequence) owns a list of blocks through its
-row of the block table ``[S, MB]``; position ``p`` of slot ``s`` lives in block
-``table[s, p // BS]`` at offset ``p % BS``.
+One buffer ``[L, 2*Hkv, NB + 1, BS, D]`` (layers, K heads then V heads, blocks of ``BS``
+token positions, head dim) allocated once. Heads are outside the blocks so that the blocks
+of a slot, gathered along the block axis, are one contiguous ``[W, D]`` window per head
+(what SDPA reads fastest), and a head's blocks viewed as ``[NB + 1, BS, D]`` are flash-attn's
+paged layout. The last block is a scratch block that absorbs writes to positions a sequence
+does not own (right padding of a prefill grid, idle slots of the static decode shape). A slot
+(one live sequence) owns a list of blocks through its row of the block table ``[S, MB]``;
+position ``p`` of slot ``s`` lives in block ``table[s, p // BS]`` at offset ``p % BS``.
 
 Why paged: a slot that reserved ``max_seq_len`` positions up front would hold, for long
 responses, mostly unused memory (a 20k-token limit with 3k-token typical answers leaves
 85% of the cache idle). Blocks are taken as a sequence grows, so the same budget decodes
 several times more sequences at once, and when it runs out the sampler preempts and
 requeues a sequence instead of failing (vLLM's PagedAttention with recompute preemption,
-Kwon et al. 2023).
+Kwon et al. 2023). The samples of a prompt share its full blocks (ref-counted).
 
-Moving a live sequence to another slot moves its table row, not its K/V.
+When the budget holds every slot at ``max_seq_len`` there is nothing to save, and decode
+speed wins: the contiguous mode gives slot ``s`` the fixed blocks ``[s * MB, (s + 1) * MB)``
+so that attention reads the live slots' K/V as one view instead of gathering them per layer
+(see ``PagedKVCache``). Decode attention reads the cache through a kernel
+(``rlhf.rollout.paged_attention``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+
+from rlhf.rollout.paged_attention import GatherAttention
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -40,18 +49,29 @@ def kv_tokens_for_memory(free_bytes: int, fraction: float, bytes_per_token: int)
 
 
 class PagedKVCache:
-    """Block-paged K/V buffer with a per-slot block table and a free list (host side).
+    """Block-paged K/V buffer with a per-slot block table, ref-counted blocks and a free list.
+
+    Two ways of handing out blocks, chosen per ``generate`` call by ``start``:
+
+    * paged: blocks come from the free list as sequences grow; the full blocks of a prompt
+      can be shared by its samples (``share``, ref-counted: a block returns to the free list
+      when its last holder releases it); moving a sequence to another slot moves its table row.
+    * contiguous (``start(contiguous=True)``, only when every slot fits at ``max_seq_len``):
+      slot ``s`` always uses the blocks ``[s * MB, (s + 1) * MB)``, so the K/V of slots
+      ``[0, B)`` are one strided view and decode attention reads them without a gather;
+      moving a sequence copies its K/V (compaction, once per finished sequence) instead.
 
     Args:
         num_blocks: blocks available to sequences (``budget_tokens // block_size``); one
             more, the scratch block, is allocated on top.
         num_slots: rows of the block table (most sequences live at once).
         max_seq_len: longest sequence a slot may grow to (columns of the table).
+        attention: the decode attention kernel (``rlhf.rollout.paged_attention``).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, num_slots: int, num_kv_heads: int, max_seq_len: int,
                  head_dim: int, *, block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, attention: Any = None) -> None:
         blocks_per_seq = -(-max_seq_len // block_size)
         if num_blocks < blocks_per_seq:
             raise ValueError(
@@ -59,16 +79,21 @@ class PagedKVCache:
                 f"{max_seq_len}; raise rollout.kv_cache_tokens / kv_cache_memory or lower the response length")
         # zeros, not empty: masked-out positions are still multiplied by 0 in attention and
         # uninitialised memory could hold NaN/inf.
-        self.kv = torch.zeros((num_layers, num_blocks + 1, block_size, 2 * num_kv_heads, head_dim), dtype=dtype,
+        self.kv = torch.zeros((num_layers, 2 * num_kv_heads, num_blocks + 1, block_size, head_dim), dtype=dtype,
                               device=device)
         self.num_layers, self.num_blocks, self.num_slots = num_layers, num_blocks, num_slots
         self.num_kv_heads, self.block_size, self.head_dim = num_kv_heads, block_size, head_dim
-        self.max_seq_len = max_seq_len
+        self.max_seq_len, self.blocks_per_seq = max_seq_len, blocks_per_seq
         self.scratch = num_blocks
         self.table = torch.full((num_slots, blocks_per_seq), self.scratch, dtype=torch.int64, device=device)
         self.owned: list[list[int]] = [[] for _ in range(num_slots)]  # host mirror of the table rows
+        self.refs = [0] * num_blocks  # holders of each block (slots and parked sequences)
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self._heads = torch.arange(2 * num_kv_heads, device=device)
+        self.contiguous = False
+        self._used = 0  # blocks held (contiguous mode)
+        self._head_rows = torch.arange(2 * num_kv_heads, device=device) * ((num_blocks + 1) * block_size)
+        self.attention = attention or GatherAttention()
+        self._window = torch.empty(0, dtype=dtype, device=device)  # gather buffer, reused on CPU
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +102,29 @@ class PagedKVCache:
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def fits_every_slot(self) -> bool:
+        return self.num_blocks >= self.num_slots * self.blocks_per_seq
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self._used if self.contiguous else len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def start(self, contiguous: bool) -> None:
+        """Begin a ``generate`` call (every block free) in paged or contiguous mode (see class doc)."""
+        if self.num_free != self.num_blocks:
+            raise RuntimeError("PagedKVCache.start: blocks of an earlier call are still held")
+        self.contiguous = contiguous and self.fits_every_slot
+        if self.contiguous:
+            mb = self.blocks_per_seq
+            self.table.copy_(torch.arange(self.num_slots * mb, device=self.table.device).view(-1, mb))
+        else:
+            self.table.fill_(self.scratch)
 
     # ------------------------------------------------------------------ blocks
 
@@ -88,12 +136,17 @@ class PagedKVCache:
         return max(0, self.blocks_for(length) - len(self.owned[slot]))
 
     def grow(self, slots: list[int], lengths: list[int]) -> None:
-        """Give each slot the blocks for positions ``[0, length)``; the caller checked ``free``."""
+        """Give each slot the blocks for positions ``[0, length)``; the caller checked ``num_free``."""
         rows, cols, ids = [], [], []
         for s, n in zip(slots, lengths):
             have = self.owned[s]
             for c in range(len(have), self.blocks_for(n)):
+                if self.contiguous:
+                    have.append(s * self.blocks_per_seq + c)
+                    self._used += 1
+                    continue
                 b = self.free.pop()
+                self.refs[b] = 1
                 have.append(b)
                 rows.append(s), cols.append(c), ids.append(b)
         if ids:
@@ -101,16 +154,42 @@ class PagedKVCache:
             self.table.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
                                   torch.tensor(ids, device=dev))
 
+    def share(self, src: int, dst: list[int], count: int) -> None:
+        """Empty slots ``dst`` take the first ``count`` blocks of slot ``src`` as theirs too
+        (paged mode; the blocks must never be written again: full blocks of a prompt)."""
+        blocks = self.owned[src][:count]
+        if not dst or not blocks:
+            return
+        for d in dst:
+            self.owned[d] = list(blocks)
+        for b in blocks:
+            self.refs[b] += len(dst)
+        dev = self.table.device
+        self.table[torch.tensor(dst, device=dev)[:, None], torch.arange(count, device=dev)] = \
+            torch.tensor(blocks, device=dev)
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        """Drop one hold on each block (a released slot's or a parked sequence's); blocks nobody
+        holds any more return to the free list."""
+        if self.contiguous:
+            self._used -= len(blocks)
+            return
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
     def release(self, slots: list[int]) -> None:
-        """Return the slots' blocks to the free list; their table rows point at the scratch block."""
+        """Free the slots' blocks (``free_blocks``); in paged mode their table rows point at the scratch block."""
         for s in slots:
-            self.free.extend(reversed(self.owned[s]))
+            self.free_blocks(self.owned[s])
             self.owned[s] = []
-        if slots:
+        if slots and not self.contiguous:
             self.table[torch.tensor(slots, device=self.table.device)] = self.scratch
 
     def detach(self, slot: int) -> list[int]:
-        """Take slot ``slot``'s blocks away from it, still allocated (a parked sequence keeps them)."""
+        """Take slot ``slot``'s blocks away from it, still held (a parked sequence keeps them; paged mode)."""
+        assert not self.contiguous, "parking needs the paged mode"
         blocks, self.owned[slot] = self.owned[slot], []
         self.table[slot] = self.scratch
         return blocks
@@ -121,13 +200,20 @@ class PagedKVCache:
         if blocks:
             self.table[slot, : len(blocks)] = torch.tensor(blocks, device=self.table.device)
 
-    def free_blocks(self, blocks: list[int]) -> None:
-        """Return detached blocks to the free list."""
-        self.free.extend(reversed(blocks))
-
     def move(self, src: list[int], dst: list[int]) -> None:
-        """Slot ``dst[i]`` takes over the blocks of slot ``src[i]`` (``dst`` slots are empty)."""
+        """Slot ``dst[i]`` takes over the sequence of slot ``src[i]`` (``dst`` slots are empty)."""
         dev = self.table.device
+        if self.contiguous:  # copy the K/V between the slots' regions, all layers at once
+            mb = self.blocks_per_seq
+            frm = [a * mb + c for a in src for c in range(len(self.owned[a]))]
+            to = [b * mb + c for a, b in zip(src, dst) for c in range(len(self.owned[a]))]
+            if frm:
+                self.kv.index_copy_(2, torch.tensor(to, device=dev),
+                                    self.kv.index_select(2, torch.tensor(frm, device=dev)))
+            for a, b in zip(src, dst):
+                self.owned[b] = [b * mb + c for c in range(len(self.owned[a]))]
+                self.owned[a] = []
+            return
         s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
         self.table.index_copy_(0, d, self.table.index_select(0, s))
         self.table[s] = self.scratch
@@ -141,9 +227,8 @@ class PagedKVCache:
         ``slots`` ``[...]``: ``[..., 2Hkv, T]``. Positions a slot does not own hit the scratch block."""
         cols = (positions // self.block_size).clamp(max=self.table.shape[1] - 1)
         block = self.table[slots[..., None], cols]  # [..., T]
-        h2 = 2 * self.num_kv_heads
-        flat = (block * self.block_size + positions % self.block_size) * h2  # [..., T] first row of each position
-        return flat[..., None, :] + self._heads[:, None]
+        flat = block * self.block_size + positions % self.block_size  # [..., T] row of each position in head 0
+        return flat[..., None, :] + self._head_rows[:, None]
 
     def prefill_index(self, slots: Tensor, start: int, length: int) -> Tensor:
         """Rows for positions ``[start, start + length)`` of ``slots`` ``[M]``: ``[M * 2Hkv * length]``
@@ -160,12 +245,55 @@ class PagedKVCache:
         """Store ``kv`` (``[M, 2Hkv, T, D]`` or ``[B, 2Hkv, D]``) at ``index`` rows."""
         self.kv[layer].view(-1, self.head_dim).index_copy_(0, index, kv.reshape(-1, self.head_dim))
 
-    def view(self, layer: int, slots: int | Tensor, window: int) -> tuple[Tensor, Tensor]:
-        """K and V of ``slots`` (a count ``B`` = slots ``[0, B)``, or ids), positions ``[0, window)``:
-        ``[B, Hkv, window, D]`` each (gathered from the slots' blocks)."""
-        n = -(-window // self.block_size)
-        table = self.table[:slots, :n] if isinstance(slots, int) else self.table[slots, :n]
-        kv = self.kv[layer][table]  # [B, n, BS, 2Hkv, D], one copy
-        b, h = kv.shape[0], self.num_kv_heads
-        kv = kv.view(b, n * self.block_size, 2 * h, self.head_dim)[:, :window].transpose(1, 2)  # views
+    def view(self, layer: int, slots: Tensor, window: int) -> tuple[Tensor, Tensor]:
+        """K and V of slots ``slots`` ``[B]``, positions ``[0, window)``: ``[B, Hkv, window, D]`` each."""
+        blocks = self.table[slots, : self.blocks_for(window)].reshape(-1)
+        return self.gather(layer, blocks, slots.shape[0], window)
+
+    def window(self, layer: int, blocks: Tensor, b: int, window: int) -> tuple[Tensor, Tensor]:
+        """K and V ``[B, Hkv, window, D]`` of slots ``[0, b)`` whose first blocks are ``blocks``:
+        strided views in contiguous mode, else ``gather``."""
+        if not self.contiguous:
+            return self.gather(layer, blocks, b, window)
+        h, mb = self.num_kv_heads, self.blocks_per_seq
+        kv = self.kv[layer, :, : self.num_slots * mb].view(2 * h, self.num_slots, mb * self.block_size, self.head_dim)
+        kv = kv[:, :b, :window].transpose(0, 1)
         return kv[:, :h], kv[:, h:]
+
+    def gather(self, layer: int, blocks: Tensor, b: int, window: int) -> tuple[Tensor, Tensor]:
+        """K and V ``[B, Hkv, window, D]`` of ``b`` slots whose first ``n`` blocks are ``blocks`` ``[B * n]``.
+
+        One ``index_select`` of whole blocks into a contiguous buffer. On CPU the buffer is kept
+        and reused (a fresh multi-MB tensor per layer costs page faults that exceed the copy);
+        on CUDA the caching allocator makes a fresh one free, and a kept buffer could outlive
+        the CUDA-graph pool it was captured in.
+        """
+        h2, bs, d = 2 * self.num_kv_heads, self.block_size, self.head_dim
+        size = h2 * blocks.shape[0] * bs * d
+        if self.kv.device.type == "cuda":
+            out = None
+        else:
+            if self._window.numel() < size:
+                self._window = torch.empty(size, dtype=self.kv.dtype, device=self.kv.device)
+            out = self._window[:size].view(h2, blocks.shape[0], bs * d)
+        src = self.kv[layer].view(h2, self.num_blocks + 1, bs * d)
+        kv = torch.index_select(src, 1, blocks, out=out) if out is not None else src.index_select(1, blocks)
+        kv = kv.view(h2, b, -1, d)[:, :, :window].transpose(0, 1)  # [B, 2Hkv, W, D], views
+        h = self.num_kv_heads
+        return kv[:, :h], kv[:, h:]
+
+    def paged(self, layer: int) -> tuple[Tensor, Tensor]:
+        """K and V of every block, ``[NB + 1, BS, Hkv, D]`` views (flash-attn's paged layout)."""
+        kv = self.kv[layer].permute(1, 2, 0, 3)
+        h = self.num_kv_heads
+        return kv[:, :, :h], kv[:, :, h:]
+
+    # ------------------------------------------------------------------ decode attention
+
+    def decode_plan(self, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> Any:
+        """The attention kernel's per-step data for slots ``[0, slots)`` at positions ``pos``."""
+        return self.attention.plan(self, slots, pos, window, dtype)
+
+    def attend(self, layer: int, q: Tensor, plan: Any, scale: float) -> Tensor:
+        """Decode attention of ``q`` ``[B, Hkv, G, D]`` over the slots' cached positions."""
+        return self.attention.attend(self, layer, q, plan, scale)

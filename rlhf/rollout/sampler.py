@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.rollout import decoder
+from rlhf.rollout import decoder, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
 from rlhf.rollout.scheduler import GenerateRun
@@ -43,6 +43,14 @@ class RolloutOutput:
     truncated: Tensor  # [N] bool: hit max_new_tokens without a stop
     prompt_index: Tensor  # [N] long: index into `prompts`
     stats: dict[str, float] = field(default_factory=dict)
+
+
+def cuda_free_memory(device: torch.device) -> int:
+    """Bytes free on a CUDA device for a new allocation. ``mem_get_info`` counts the caching
+    allocator's reserved-but-unused blocks as used, so they are handed back first."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
 
 
 class Sampler:
@@ -77,6 +85,23 @@ class Sampler:
             fraction of the device memory free when it is allocated (after the weights), so a
             large ``max_num_seqs`` x ``max_seq_len`` shrinks to what fits (preempting when
             needed) instead of running out of memory. None: no cap.
+        slot_regions: when the budget holds every slot at ``max_seq_len`` and the decode kernel
+            reads a gathered copy of the K/V (CPU, or CUDA without flash-attn), give each slot a
+            fixed region of the cache so decode attention reads the K/V in place (compaction copies
+            a finished slot's successor instead). Multi-turn calls always page. False: always page.
+        prefix_sharing: when paging, the samples of a prompt admitted together share the prompt's
+            full KV blocks (ref-counted) instead of holding ``n`` copies.
+        decode_attention: decode attention kernel (``rlhf.rollout.paged_attention``); default:
+            flash-attn's paged kernel on CUDA (fp16 / bf16) when installed, else the gather reference.
+            A kernel's ``block_multiple`` rounds ``block_size`` up.
+        reload_in_place: ``load_weights`` copies new weights into this sampler's tensors, layer by
+            layer (their addresses kept, what captured CUDA graphs read; no second full copy). The
+            sampler then holds copies of its own, never the caller's tensors. Implied by
+            ``use_cuda_graph``; for a sampler kept across training steps.
+        consume_weights: ``weights`` is a dict handed over to the sampler: its tensors are popped as
+            they are fused, so the unfused ones die on the way (peak ~1x + one layer).
+        free_memory: ``device -> free bytes`` for ``gpu_memory_utilization`` (default on CUDA: empty
+            the caching allocator's cache, then ``torch.cuda.mem_get_info``).
     """
 
     def __init__(
@@ -97,6 +122,12 @@ class Sampler:
         use_cuda_graph: bool = False,
         tp_group: Any = None,
         gpu_memory_utilization: float | None = None,
+        slot_regions: bool = True,
+        prefix_sharing: bool = True,
+        decode_attention: Any = None,
+        reload_in_place: bool = False,
+        consume_weights: bool = False,
+        free_memory: Callable[[torch.device], int] | None = None,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -115,20 +146,29 @@ class Sampler:
         self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_bytes = kv_cache_bytes
-        self.block_size = block_size
+        self.decode_attention = decode_attention or paged_attention.decode_attention(self.device, self.dtype)
+        mult = self.decode_attention.block_multiple
+        self.block_size = -(-block_size // mult) * mult
+        self.slot_regions = slot_regions
+        self.prefix_sharing = prefix_sharing
         self.gpu_memory_utilization = gpu_memory_utilization
         self.refill_fraction = refill_fraction
         self.prefill_tokens = prefill_tokens
         self.use_cuda_graph = use_cuda_graph
+        self.reload_in_place = reload_in_place or use_cuda_graph
+        self.free_memory = free_memory or (cuda_free_memory if self.device.type == "cuda" else None)
         # static decode shapes: all slots, bucketed windows (what a CUDA graph needs; also
         # runnable on CPU, which is how the static path is tested without a GPU)
         self.static_shapes = use_cuda_graph
         self.tp_group = tp_group
         self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
-        self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype)
+        self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype,
+                                               consume=consume_weights, copy=self.reload_in_place)
         self.cache: PagedKVCache | None = None
         self.max_seq_len = 0
-        self._graphs: dict[int, tuple[Any, Tensor]] = {}  # window -> (CUDAGraph, logits buffer)
+        # (window, contiguous cache mode) -> (CUDAGraph, logits buffer): the two modes read the K/V
+        # differently (views of slot regions vs the block table), so each has its own graphs
+        self._graphs: dict[tuple[int, bool], tuple[Any, Tensor]] = {}
         self._graph_pool: Any = None
         self._fixed_len = max_seq_len is not None
         if max_seq_len is not None:
@@ -136,18 +176,21 @@ class Sampler:
 
     # ------------------------------------------------------------------ setup
 
-    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
-        """Swap in new weights (e.g. after a training step); the KV cache is kept.
+    def load_weights(self, weights: Mapping[str, Tensor], consume: bool = False) -> None:
+        """New weights (e.g. after a training step); the KV cache is kept. ``consume``: as
+        ``consume_weights``.
 
-        Captured CUDA graphs read the weights at fixed addresses, so when there are any the
-        new values are copied into the old tensors and the graphs (and their memory pool)
-        are replayed as they are: no re-capture per training step.
+        With ``reload_in_place`` (CUDA graphs read the weights at fixed addresses) the new values
+        are copied into the old tensors layer by layer and captured graphs (and their memory
+        pool) are replayed as they are: no re-capture per training step. Otherwise the old
+        weights are dropped before the new ones are prepared.
         """
-        new = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype)
-        if self._graphs:
-            decoder.copy_weights_(self.weights, new)
-        else:
-            self.weights = new
+        kw = dict(device=self.device, dtype=self.dtype, consume=consume)
+        if self.reload_in_place:
+            decoder.prepare_weights(self.spec, weights, into=self.weights, **kw)
+            return
+        self.weights = None
+        self.weights = decoder.prepare_weights(self.spec, weights, **kw)
 
     def _allocate(self, max_seq_len: int) -> None:
         self.spec.check_seq_len(max_seq_len)
@@ -158,16 +201,16 @@ class Sampler:
         budget = self.kv_cache_tokens
         if budget is None and self.kv_cache_bytes is not None:
             budget = self.kv_cache_bytes // per_token
-        if budget is None and self.gpu_memory_utilization is not None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = kv_tokens_for_memory(free, self.gpu_memory_utilization, per_token)
+        if budget is None and self.gpu_memory_utilization is not None and self.free_memory is not None:
+            budget = kv_tokens_for_memory(self.free_memory(self.device), self.gpu_memory_utilization, per_token)
             if self.tp_group is not None:  # TP peers schedule in lockstep: the same blocks on each
                 t = torch.tensor([budget], dtype=torch.int64, device=self.device)
                 dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_group)
                 budget = int(t)
         budget = full if budget is None else min(full, budget)
         self.cache = PagedKVCache(self.spec.num_layers, budget // bs, self.max_num_seqs, self.spec.num_kv_heads,
-                                  max_seq_len, self.spec.head_dim, block_size=bs, dtype=self.dtype, device=self.device)
+                                  max_seq_len, self.spec.head_dim, block_size=bs, dtype=self.dtype, device=self.device,
+                                  attention=self.decode_attention)
         self.max_seq_len = max_seq_len
         self.cos, self.sin = decoder.rope_tables(self._inv_freq, self._rope_scale, max_seq_len, self.dtype, self.device)
         # decode inputs live at fixed addresses (CUDA graphs read them in place)
@@ -229,9 +272,10 @@ class Sampler:
         if not self.use_cuda_graph:
             return decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
                                   window, self.cos, self.sin, self.tp_group)[:live]
-        if window not in self._graphs:
+        key = (window, self.cache.contiguous)
+        if key not in self._graphs:
             self._capture(window)
-        graph, logits = self._graphs[window]
+        graph, logits = self._graphs[key]
         graph.replay()
         return logits[:live]
 
@@ -253,4 +297,4 @@ class Sampler:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             logits = decoder.decode(*args)
-        self._graphs[window] = (graph, logits)
+        self._graphs[(window, self.cache.contiguous)] = (graph, logits)

@@ -76,6 +76,9 @@ class GenerateRun:
         self.R = R = params.max_new_tokens
         self.cache: PagedKVCache = s.cache
         self.S = self.cache.num_slots
+        # K/V read in place through fixed slot regions when nothing needs paging (no parking)
+        self.cache.start(contiguous=s.slot_regions and turns is None and not self.cache.attention.in_place)
+        self.share_prefix = s.prefix_sharing and not self.cache.contiguous
         self.prompt_lens = [len(p) for p in prompts]
         seq = torch.arange(N, device=dev)
         keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
@@ -110,7 +113,8 @@ class GenerateRun:
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefill_calls": 0,
                       "prefill_tokens": 0, "prefill_padded_tokens": 0, "slot_steps": 0, "compaction_moves": 0,
                       "preemptions": 0, "recomputed_tokens": 0, "peak_blocks": 0, "turns": 0,
-                      "observation_tokens": 0, "parked_preemptions": 0}
+                      "observation_tokens": 0, "parked_preemptions": 0,
+                      "shared_blocks": 0}
 
     # ------------------------------------------------------------------ main loop
 
@@ -142,11 +146,21 @@ class GenerateRun:
     def _prefix_len(self, q: int) -> int:
         return self.prompt_lens[q // self.n] + self.resume_gen[q]
 
+    def _shared_blocks(self, q: int) -> int:
+        """Full prompt blocks a fresh sequence shares with the samples of its prompt admitted with it."""
+        if not self.share_prefix or self.resume_gen[q]:
+            return 0
+        return self.prompt_lens[q // self.n] // self.cache.block_size
+
     def _fitting(self, free_slots: int) -> list[int]:
         """Sequences from the queue front whose prefix (+ the first decoded position) fits."""
-        out, blocks = [], len(self.cache.free)
+        out, blocks, prompts = [], self.cache.num_free, set()
         for q in list(self.queue)[:free_slots]:
             need = self.cache.blocks_for(self._prefix_len(q) + 1)
+            if q // self.n in prompts:
+                need -= self._shared_blocks(q)
+            elif not self.resume_gen[q]:
+                prompts.add(q // self.n)
             if need > blocks:
                 break
             blocks -= need
@@ -163,7 +177,7 @@ class GenerateRun:
         for _ in seqs:
             self.queue.popleft()
         prefix_len = [self._prefix_len(q) for q in seqs]
-        cache.grow(list(range(a, a + m)), [p + 1 for p in prefix_len])
+        self._take_blocks(seqs, prefix_len)
         # prefill units: a fresh prompt once for all its admitted samples; a resumed sequence alone
         unit_of: dict[tuple[int, int], int] = {}
         units: list[list[int]] = []
@@ -218,6 +232,29 @@ class GenerateRun:
         self.slot_order[a:b] = orders
         self.live = b
         self._grow_at = 0
+
+    def _take_blocks(self, seqs: list[int], prefix_len: list[int]) -> None:
+        """Blocks for slots ``[live, live + m)``: the fresh samples of a prompt share the prompt's
+        full blocks with the first of them (ref-counted; its partial last block, which decoding
+        writes to, is each sample's own)."""
+        a, cache = self.live, self.cache
+        lead: dict[int, int] = {}
+        followers: dict[int, list[int]] = {}
+        for j, q in enumerate(seqs):
+            if self._shared_blocks(q):
+                if q // self.n in lead:
+                    followers.setdefault(q // self.n, []).append(a + j)
+                    continue
+                lead[q // self.n] = a + j
+        rest = {slot for dst in followers.values() for slot in dst}
+        first = [j for j in range(len(seqs)) if a + j not in rest]
+        cache.grow([a + j for j in first], [prefix_len[j] + 1 for j in first])
+        for p, dst in followers.items():
+            count = self.prompt_lens[p] // cache.block_size
+            cache.share(lead[p], dst, count)
+            self.stats["shared_blocks"] += count * len(dst)
+        later = sorted(rest)
+        cache.grow(later, [prefix_len[slot - a] + 1 for slot in later])
 
     def _prefill_chunks(self, units: list[list[int]]) -> list[list[int]]:
         """Unit indices grouped into prefill forwards of at most ``prefill_tokens`` tokens
@@ -304,7 +341,7 @@ class GenerateRun:
             if p.blocks is not None:
                 need = cache.blocks_for(length + 1) - len(p.blocks)
                 self._evict_parked(need)
-                if need > len(cache.free):
+                if need > cache.num_free:
                     cache.free_blocks(p.blocks)
                     p.blocks = None
                     self.stats["parked_preemptions"] += 1
@@ -332,13 +369,13 @@ class GenerateRun:
         if self.lot is None:
             return False
         for q in self.lot.holding_blocks():
-            if len(self.cache.free) >= need:
+            if self.cache.num_free >= need:
                 break
             p = self.lot.parked[q]
             self.cache.free_blocks(p.blocks)
             p.blocks = None
             self.stats["parked_preemptions"] += 1
-        return len(self.cache.free) >= need
+        return self.cache.num_free >= need
 
     # ------------------------------------------------------------------ decode
 
@@ -350,7 +387,7 @@ class GenerateRun:
         while True:
             need = [(i, self.pos_base[i] + steps + 1) for i in range(self.live)]
             extra = [cache.extra_blocks(i, n) for i, n in need]
-            if sum(extra) <= len(cache.free):
+            if sum(extra) <= cache.num_free:
                 short = [(i, n) for (i, n), e in zip(need, extra) if e]
                 cache.grow([i for i, _ in short], [n for _, n in short])
                 break
@@ -358,7 +395,7 @@ class GenerateRun:
                 continue
             victim = max(range(self.live), key=lambda i: self.slot_order[i])  # the latest admitted
             self._preempt(victim)
-        used = cache.num_blocks - len(cache.free)
+        used = cache.num_used
         self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
         bs = cache.block_size
         self._grow_at = min(len(cache.owned[i]) * bs - self.pos_base[i] for i in range(self.live))
@@ -375,7 +412,7 @@ class GenerateRun:
         t0 = time.perf_counter()
         s, b = self.s, self.live
         need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
-        window = min(self.cache.max_seq_len, -(-need // 32) * 32)
+        window = min(self.cache.max_seq_len, need)
         logits = s.decode_logits(b, window)
         self.stats["decode_steps"] += 1  # advances every live slot's host position by one
         self.stats["slot_steps"] += b
@@ -489,6 +526,7 @@ class GenerateRun:
             "kv_peak_tokens": float(st["peak_blocks"] * self.cache.block_size),
             "preemptions": float(st["preemptions"]),
             "recomputed_tokens": float(st["recomputed_tokens"]),
+            "kv_shared_blocks": float(st["shared_blocks"]),
         }
         if self.lot is not None:
             stats["turns"] = float(st["turns"])

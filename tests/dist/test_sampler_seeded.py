@@ -60,13 +60,18 @@ def _tp_slice(name: str, t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return t.narrow(dim, rank * part, part).clone()
 
 
+def _tp_weights(cfg, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """This rank's TP slice of the weights ``_sampler`` uses (same seed)."""
+    torch.manual_seed(0)
+    weights = transformers.Qwen2ForCausalLM(cfg).eval().state_dict()
+    return {k: _tp_slice(k, v, rank, world_size) for k, v in weights.items()}
+
+
 def _generate_tensor_parallel(rank: int, world_size: int) -> None:
     full = _sampler(max_num_seqs=64)  # same seed on every rank: same weights
     ref = full.generate(PROMPTS, PARAMS, step=STEP)  # the 1-process result, no TP
-    torch.manual_seed(0)
     cfg = full.config
-    weights = transformers.Qwen2ForCausalLM(cfg).eval().state_dict()
-    sharded = {k: _tp_slice(k, v, rank, world_size) for k, v in weights.items()}
+    sharded = _tp_weights(cfg, rank, world_size)
     s = Sampler(cfg, sharded, pad_token_id=0, max_num_seqs=5, tp_group=dist.group.WORLD, device=dist_device())
     assert s.spec.num_heads == 2 and s.spec.num_kv_heads == 1
     out = s.generate(PROMPTS, PARAMS, step=STEP)
@@ -78,3 +83,24 @@ def _generate_tensor_parallel(rank: int, world_size: int) -> None:
 def test_tensor_parallel_rollout_matches_single_process():
     """2-way TP over gloo (sharded q/k/v/o/MLP, all-reduce after o_proj and down_proj)."""
     run_distributed(_generate_tensor_parallel, 2)
+
+
+def _tp_budget_from_free_memory(rank: int, world_size: int) -> None:
+    full = _sampler(max_num_seqs=64)
+    ref = full.generate(PROMPTS, PARAMS, step=STEP)
+    cfg = full.config
+    sharded = _tp_weights(cfg, rank, world_size)
+    per_token = 2 * 2 * 1 * 16 * 4  # layers x (K, V) x local kv heads x head dim x fp32 bytes
+    free = (1 + 5 * rank) * 64 * per_token  # rank 0 has room for 1 sequence of 64 tokens, rank 1 for 6
+    s = Sampler(cfg, sharded, pad_token_id=0, max_num_seqs=8, max_seq_len=64, tp_group=dist.group.WORLD,
+                device=dist_device(), gpu_memory_utilization=1.0, free_memory=lambda device: free)
+    assert s.cache.capacity_tokens == 64  # the smallest budget of the group: the peers schedule in lockstep
+    out = s.generate(PROMPTS, PARAMS, step=STEP)
+    assert out.stats["preemptions"] > 0
+    assert torch.equal(out.response_ids, ref.response_ids)
+    dist.barrier()
+
+
+def test_tensor_parallel_kv_budget_is_the_groups_minimum():
+    """The free-memory budget differs per TP rank; the cache takes the group's minimum (MIN all-reduce)."""
+    run_distributed(_tp_budget_from_free_memory, 2)

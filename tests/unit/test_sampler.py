@@ -352,20 +352,25 @@ def test_kv_cache_budget_from_free_memory():
         kv_tokens_for_memory(2**30, 0.0, per)
 
 
-def test_load_weights_in_place_keeps_captured_addresses():
-    """With captured graphs, new weights are copied into the old storage (graphs replay them)."""
+def test_load_weights_in_place_keeps_addresses():
+    """reload_in_place (CUDA graphs, a kept sampler): new weights are copied into the old storage,
+    which is the sampler's own (never the caller's tensors); otherwise the weights are swapped."""
     from rlhf.rollout import decoder
 
     m = _model()
-    s = _sampler()
-    new_sd = {k: v + 0.01 for k, v in m.state_dict().items()}
-    before = s.weights.layers[0].qkv_w.data_ptr()
-    s._graphs = {64: None}  # what a capture leaves behind (CUDA only)
+    sd = m.state_dict()
+    new_sd = {k: v + 0.01 for k, v in sd.items()}
+    s = _sampler(reload_in_place=True)
+    assert s.weights.layers[0].o_w.data_ptr() != sd["model.layers.0.self_attn.o_proj.weight"].data_ptr()
+    before = [s.weights.layers[0].qkv_w.data_ptr(), s.weights.layers[1].o_w.data_ptr(), s.weights.embed.data_ptr()]
     s.load_weights(new_sd)
-    assert s.weights.layers[0].qkv_w.data_ptr() == before
+    assert [s.weights.layers[0].qkv_w.data_ptr(), s.weights.layers[1].o_w.data_ptr(), s.weights.embed.data_ptr()] \
+        == before
     fresh = decoder.prepare_weights(s.spec, new_sd, device=s.device, dtype=s.dtype)
     assert torch.equal(s.weights.layers[0].qkv_w, fresh.layers[0].qkv_w)
+    assert torch.equal(s.weights.layers[1].o_w, fresh.layers[1].o_w)
     assert torch.equal(s.weights.lm_head, fresh.lm_head)
-    s._graphs = {}
-    s.load_weights(m.state_dict())  # no graphs: plain swap
-    assert s.weights.layers[0].qkv_w.data_ptr() != before
+    assert torch.equal(sd["model.layers.1.self_attn.o_proj.weight"], m.state_dict()["model.layers.1.self_attn.o_proj.weight"])
+    swap = _sampler()
+    swap.load_weights(new_sd)  # plain swap: unfused tensors on the device in the dtype are used as given
+    assert swap.weights.layers[1].o_w.data_ptr() == new_sd["model.layers.1.self_attn.o_proj.weight"].data_ptr()

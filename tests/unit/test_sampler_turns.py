@@ -116,7 +116,7 @@ def test_parked_sequences_are_preempted_under_cache_pressure():
     out = s.generate(PROMPTS, PARAMS, turns=FakeTool(delay=50))
     assert out.stats["parked_preemptions"] > 0
     assert torch.equal(out.response_ids, ref.response_ids)
-    assert len(s.cache.free) == s.cache.num_blocks  # every block returned
+    assert s.cache.num_free == s.cache.num_blocks  # every block returned
 
 
 def test_observation_cut_to_the_room_left_and_row_truncated():

@@ -1,0 +1,120 @@
+"""Decode attention kernels over the paged KV cache (rlhf.rollout.paged_attention), on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.rollout import SamplingParams
+from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention, decode_attention
+from tests.unit.test_sampler import PROMPTS, _sampler
+
+PARAMS = SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=4, stop_token_ids=[1, 2, 3, 4, 6])
+
+
+def flash_with_kvcache_reference(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal):
+    """flash-attn's ``flash_attn_with_kvcache`` for a paged cache, as its docstring defines it,
+    written plainly; it also checks what flash-attn 2 checks about its arguments.
+
+    q ``[B, Sq, H, D]``; k_cache / v_cache ``[num_blocks, block_size, Hkv, D]``; block_table
+    ``[B, max_blocks]`` int32; cache_seqlens ``[B]`` int32 (positions of each sequence in the
+    cache); query head ``h`` reads kv head ``h // (H / Hkv)``; with ``causal`` query ``i`` sees
+    the keys up to ``cache_seqlens - Sq + i``.
+    """
+    assert block_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and block_table.stride(-1) == 1
+    assert k_cache.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256"
+    b, sq, h, d = q.shape
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty_like(q)
+    for i in range(b):
+        n = int(cache_seqlens[i])
+        blocks = block_table[i, : -(-n // bs)].long()
+        k = k_cache[blocks].reshape(-1, hkv, d)[:n].repeat_interleave(h // hkv, dim=1)  # [n, H, D]
+        v = v_cache[blocks].reshape(-1, hkv, d)[:n].repeat_interleave(h // hkv, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[i], k) * softmax_scale
+        if causal:
+            s = s.masked_fill(torch.arange(n)[None, :] > (n - sq + torch.arange(sq))[:, None], float("-inf"))
+        out[i] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    return out
+
+
+def test_flash_paged_kernel_convention_matches_the_gather_reference():
+    """The flash-attn kernel's call (layout views, int32 table, seqlens, head order, block size
+    rounded to 256) fed to a reference of flash-attn's convention gives the reference's tokens."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=4, stop_token_ids=[1, 2, 3, 4, 6])
+    ref = _sampler(max_num_seqs=4).generate(PROMPTS, params)
+    kernel = FlashPagedAttention(fn=flash_with_kvcache_reference)
+    s = _sampler(max_num_seqs=4, decode_attention=kernel)
+    assert s.block_size == 256
+    out = s.generate(PROMPTS, params)
+    assert out.stats["compaction_moves"] > 0
+    assert torch.equal(out.response_ids, ref.response_ids)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+    # blocks from the free list, not in slot order: a budget of 2 blocks for 4 slots
+    tight = _sampler(max_num_seqs=4, decode_attention=kernel, kv_cache_tokens=512)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4)
+    out = tight.generate(PROMPTS[:3], params)
+    full = _sampler(max_num_seqs=4).generate(PROMPTS[:3], params)
+    assert out.stats["kv_cache_tokens"] == 512
+    assert torch.equal(out.response_ids, full.response_ids)
+
+
+def test_contiguous_slot_regions_match_paged_blocks():
+    """Fixed slot regions (decode reads views, compaction copies K/V) = paged blocks (gather)."""
+    regions = _sampler(max_num_seqs=5)
+    paged = _sampler(max_num_seqs=5, slot_regions=False)
+    a, b = regions.generate(PROMPTS, PARAMS), paged.generate(PROMPTS, PARAMS)
+    assert regions.cache.contiguous and not paged.cache.contiguous
+    assert a.stats["compaction_moves"] > 0
+    assert torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=0)
+    assert regions.cache.num_free == regions.cache.num_blocks  # every block returned
+    # a budget below every slot at full length pages even with slot_regions
+    small = _sampler(max_num_seqs=5, kv_cache_tokens=4 * 64)
+    assert torch.equal(small.generate(PROMPTS, PARAMS).response_ids, a.response_ids)
+    assert not small.cache.contiguous
+
+
+def test_default_kernel_per_device():
+    assert isinstance(decode_attention(torch.device("cpu"), torch.bfloat16), GatherAttention)
+    assert isinstance(decode_attention(torch.device("cpu"), torch.float32), GatherAttention)
+
+
+# --------------------------------------------------------------------------- prefix sharing
+
+LONG = [[(7 * i + 3 * k) % 60 + 2 for i in range(n)] for k, n in enumerate((37, 16, 5, 50))]
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_seqs": 5}, {"kv_cache_tokens": 200}])
+def test_prefix_sharing_same_tokens_fewer_blocks_all_freed(kw):
+    """The n samples share their prompt's full blocks: same tokens and log-probs as unshared
+    blocks, fewer blocks at the peak, every block free (refcounts 0) afterwards; also under
+    few slots and under preemption."""
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, seed=9, stop_token_ids=[5])
+    out = {}
+    for share in (True, False):
+        s = _sampler(slot_regions=False, prefix_sharing=share, block_size=8, **kw)
+        out[share] = s.generate(LONG, params)
+        assert s.cache.num_free == s.cache.num_blocks and not any(s.cache.refs)
+    on, off = out[True], out[False]
+    assert torch.equal(on.response_ids, off.response_ids)
+    torch.testing.assert_close(on.log_probs, off.log_probs, atol=1e-5, rtol=0)
+    assert on.stats["kv_shared_blocks"] > 0 and off.stats["kv_shared_blocks"] == 0
+    if not kw:  # everything admitted at once: 3 of 4 samples share each prompt's full blocks
+        assert on.stats["kv_shared_blocks"] == 3 * sum(len(p) // 8 for p in LONG)
+        assert off.stats["kv_peak_tokens"] - on.stats["kv_peak_tokens"] >= 8 * on.stats["kv_shared_blocks"] * 0.5
+    if "kv_cache_tokens" in kw:
+        assert on.stats["preemptions"] > 0
+
+
+def test_prefix_sharing_with_parked_sequences():
+    from tests.unit.test_sampler_turns import PARAMS as TURN_PARAMS, FakeTool
+
+    ref = _sampler(slot_regions=False, prefix_sharing=False, block_size=8).generate(LONG, TURN_PARAMS, turns=FakeTool())
+    for kw in ({}, {"kv_cache_tokens": 5 * 96}):
+        s = _sampler(block_size=8, **kw)
+        out = s.generate(LONG, TURN_PARAMS, turns=FakeTool(delay=3))
+        assert out.stats["kv_shared_blocks"] > 0 and out.stats["turns"] > 0
+        assert torch.equal(out.response_ids, ref.response_ids) and torch.equal(out.response_mask, ref.response_mask)
+        assert s.cache.num_free == s.cache.num_blocks and not any(s.cache.refs)
