@@ -1,17 +1,16 @@
-"""Multi-turn (tool-using) GRPO steps are layout-invariant: the first trainer step on 1 rank, on dp2,
-on tp2 with a tp2 rollout (tools run on the TP group's first rank, results broadcast) and on tp2
-with a tp1 rollout log the same metrics, tool-use metrics included."""
+"""Multi-turn (tool-using) GRPO steps are layout-invariant: the first trainer step on 1 rank, on dp2
+and on tp2 with a tp2 rollout (tools run on the TP group's first rank, results broadcast) log the
+same metrics, tool-use metrics included."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests._assets import write_tool_assets
 from tests.dist._dist_utils import run_distributed
 
 # name -> (training tp, rollout tp)
-LAYOUTS = {"dp2": (1, 1), "tp2": (2, 2), "tp2_to_rollout_tp1": (2, 1)}
+LAYOUTS = {"dp2": (1, 1), "tp2": (2, 2)}
 REWARD_FILE = '''
 def digit_share(data_source, solution_str, ground_truth, extra_info=None):
     return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))
@@ -19,10 +18,9 @@ def digit_share(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    d = write_tool_assets(tmp_path_factory.mktemp("agent_layouts"))
-    (d / "reward.py").write_text(REWARD_FILE)
-    return d
+def workdir(tool_assets):
+    (tool_assets / "reward.py").write_text(REWARD_FILE)
+    return tool_assets
 
 
 def _step(rank: int, world: int, workdir, layouts: list, out: str) -> None:

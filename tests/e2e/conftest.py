@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._assets import write_tiny_assets, write_tool_assets
+from tests._assets import write_tiny_assets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,12 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     return write_tiny_assets(tmp_path_factory.mktemp("assets"), n_train=64, n_val=16, n_sft=64)
-
-
-@pytest.fixture(scope="session")
-def tool_assets(tmp_path_factory):
-    """The tiny assets plus a model fitted to call the calculator (`tool_model`) and `tools.yaml`."""
-    return write_tool_assets(tmp_path_factory.mktemp("tool_assets"))
 
 
 PARITY_REWARD = '''

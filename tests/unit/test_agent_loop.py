@@ -289,3 +289,19 @@ def test_metrics_are_hand_counted(tmp_path):
     assert m["agent/observation_tokens_per_traj"] == 1.0 and m["agent/tool_error_rate"] == pytest.approx(1 / 3)
     assert m["agent/tool_errors/parse"] == 1 and m["agent/tool_errors/timeout"] == 0
     agent.close()
+
+
+def test_train_sft_on_multi_turn_demos(tiny_model, mesh, tmp_path):
+    """run_sft (train_sft.py's body) trains on multi-turn rows and exports the model."""
+    from rlhf.sft import SFTConfig, SFTRunConfig, SFTSettings, run_sft
+    from rlhf.config import ModelConfig
+
+    demo = [{"role": "assistant", "content": tool_call("6*7")}, {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "#### 42"}]
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps({"prompt": "6*7=", "response": demo}) for _ in range(8)))
+    cfg = SFTConfig(model=ModelConfig(path=tiny_model, mixed_precision=False),
+                    sft=SFTSettings(train_files=str(tmp_path / "sft.jsonl"), train_batch_size=4,
+                                    micro_batch_size_per_gpu=4, max_length=160),
+                    trainer=SFTRunConfig(output_dir=str(tmp_path / "out"), device="cpu", logger=[]))
+    last = run_sft(cfg)
+    assert 0 < last["sft/loss"] < 10 and (tmp_path / "out" / "hf_export" / "config.json").is_file()
