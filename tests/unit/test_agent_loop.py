@@ -4,7 +4,6 @@ real sampler + trainer: stitched log-probs equal the trainer's, observation toke
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -16,27 +15,17 @@ from rlhf.agent.runner import SerialTools, ToolPool
 from rlhf.agent.tools import read_tool_config
 from rlhf.data.arithmetic import tool_call
 from rlhf.data.char_tokenizer import build_char_tokenizer
+from tests.unit.test_tool_pool import TOOL as MOODY_TOOL
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id
-SLOW_TOOL = '''
-import time
-from rlhf.agent.tools import Tool
-
-class Slow(Tool):
-    schema = {"type": "function", "function": {"name": "slow", "parameters": {"type": "object", "properties": {}}}}
-
-    def __call__(self):
-        time.sleep(0.5)
-        return "done"
-'''
 
 
 @pytest.fixture(scope="module")
 def specs(tmp_path_factory):
     d = tmp_path_factory.mktemp("tools")
-    (d / "slow.py").write_text(SLOW_TOOL)
-    (d / "tools.yaml").write_text(f"tools:\n  - class_name: calculator\n  - class_name: {d / 'slow.py'}:Slow\n")
+    (d / "moody.py").write_text(MOODY_TOOL)
+    (d / "tools.yaml").write_text(f"tools:\n  - class_name: calculator\n  - class_name: {d / 'moody.py'}:Moody\n")
     return read_tool_config(str(d / "tools.yaml"))
 
 
@@ -125,15 +114,16 @@ def test_loop_limits(specs):
     assert loop.turn_ended(0, enc(tool_call("1+1")) + [EOS]) is False
 
 
-def test_loop_polls_the_pool_without_blocking(specs):
+def test_loop_polls_the_pool_without_blocking(specs, tmp_path):
+    gate = tmp_path / "gate"
     with ToolPool(specs, num_workers=1, timeout_s=30) as pool:
         loop = _loop(specs, runner=pool)
-        assert loop.turn_ended(5, enc('<tool_call>{"name": "slow", "arguments": {}}</tool_call>') + [EOS])
-        t0 = time.monotonic()
-        assert loop.poll(wait=False) == []
-        assert time.monotonic() - t0 < 0.3
+        call = '<tool_call>{"name": "moody", "arguments": {"mode": "gate:%s"}}</tool_call>' % gate
+        assert loop.turn_ended(5, enc(call) + [EOS])
+        assert loop.poll(wait=False) == []  # the tool is still running
+        gate.touch()
         (row, ids), = loop.poll(wait=True)
-        assert row == 5 and "<tool_response>done</tool_response>" in TOK.decode(ids)
+        assert row == 5 and "<tool_response>OPEN</tool_response>" in TOK.decode(ids)
 
 
 # ----------------------------------------------------------------------------- SFT demos = rollouts

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 
 import pytest
 
@@ -39,11 +38,9 @@ def pool():
 @pytest.mark.parametrize("name", list(ABUSE))
 def test_abuse_is_a_clear_error_and_the_pool_keeps_going(pool, name):
     code, message = ABUSE[name]
-    t0 = time.monotonic()
     res = pool.take(pool.submit("python", {"code": code}))
-    elapsed = time.monotonic() - t0
-    assert re.search(message, res.text), res.text
-    assert elapsed < pool.timeout_s, elapsed  # answered by the sandbox, not by the pool's kill
+    assert re.search(message, res.text), res.text  # the sandbox's answer, not the pool's timeout
+    assert res.error != "timeout"
     after = pool.take(pool.submit("python", {"code": "print(6 * 7)"}))
     assert (after.text, after.error) == ("42", None)
     assert pool.restarts == 0

@@ -3,8 +3,6 @@ observation of their own kind; the other calls are answered and the pool is poll
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from rlhf.agent.runner import SerialTools, ToolPool, make_tool_runner
@@ -25,8 +23,10 @@ class Moody(Tool):
             os._exit(3)
         if mode == "raise":
             raise ValueError("nope")
-        if mode == "slow":
-            time.sleep(0.5)
+        if mode.startswith("gate:"):  # answers once the file named after the colon exists
+            while not os.path.exists(mode[5:]):
+                time.sleep(0.01)
+            return "OPEN"
         return mode.upper()
 '''
 
@@ -57,14 +57,14 @@ def test_failures_are_observations_of_their_kind_and_the_rest_is_answered(specs)
         assert pool.take(pool.submit("moody", {"mode": "again"})).text == "AGAIN"  # replaced workers serve
 
 
-def test_polling_does_not_block(specs):
+def test_polling_does_not_block(specs, tmp_path):
+    gate = tmp_path / "gate"
     with ToolPool(specs, num_workers=1, timeout_s=30) as pool:
-        t = pool.submit("moody", {"mode": "slow"})
-        t0 = time.monotonic()
-        assert pool.wait_any([t], 0) == [] and not pool.done(t)
-        assert time.monotonic() - t0 < 0.2
+        t = pool.submit("moody", {"mode": f"gate:{gate}"})
+        assert pool.wait_any([t], 0) == [] and not pool.done(t)  # returns while the call runs
+        gate.touch()
         assert pool.wait_any([t]) == [t] and pool.done(t)
-        assert pool.take(t).text == "SLOW"
+        assert pool.take(t).text == "OPEN"
 
 
 def test_in_process_runner(specs):
