@@ -69,6 +69,25 @@ class DataConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = _f(False, "Multi-turn rollouts: the policy calls tools between assistant turns (rlhf/agent).")
+    tool_config_path: str = _f("", "Yaml of the tools (verl's format): each with class_name (calculator, python or "
+                                   "path/to/file.py:Class), optional config and tool_schema.")
+    max_assistant_turns: Optional[int] = _f(None, "Most assistant turns per trajectory; null = until the response "
+                                                  "budget (data.max_response_length) is spent.")
+    max_user_turns: Optional[int] = _f(None, "Most tool-response turns per trajectory; null = no limit.")
+    max_parallel_calls: int = _f(1, "Tool calls run per assistant turn; later calls in the same turn are ignored.")
+    max_tool_response_length: int = _f(256, "Characters of a tool result kept in the observation.")
+    tool_response_truncate_side: Literal["left", "middle", "right"] = _f(
+        "middle", "Which part of a longer tool result is kept: left (start), right (end), middle (both ends).")
+    format: Literal["hermes"] = _f("hermes", "Tool-call format: hermes, <tool_call>{\"name\", \"arguments\"}</tool_call>.")
+    num_workers: int = _f(2, "Tool worker processes per rank (a hung or crashed tool cannot stop the job); "
+                             "0 = run tools in the trainer process (no timeout).")
+    tool_timeout_s: float = _f(30.0, "Seconds one tool call may take in a worker; past it the observation is an "
+                                     "error, counted in agent/tool_errors/timeout, and the worker is replaced.")
+
+
+@dataclass
 class RolloutConfig:
     n: int = _f(1, "Responses sampled per prompt (group size for GRPO).")
     temperature: float = _f(1.0, "Sampling temperature; 0 = greedy.")
@@ -97,6 +116,8 @@ class RolloutConfig:
                                        "always keeps it.")
     gpu_memory_utilization: float = _f(0.5, "On CUDA with kv_cache_tokens and kv_cache_memory 0: the KV cache takes at most this "
                                             "fraction of the device memory free after the rollout weights (verl name).")
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig, metadata={
+        "doc": "Tool-using multi-turn rollouts (verl's rollout.multi_turn names)."})
 
 
 @dataclass
@@ -497,6 +518,18 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.top_k == -1 or cfg.rollout.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
     need(cfg.rollout.tp >= 1, "rollout.tp", "must be >= 1")
+    mt = cfg.rollout.multi_turn
+    if mt.enable:
+        need(bool(mt.tool_config_path), "rollout.multi_turn.tool_config_path", "is required when multi_turn.enable")
+        for key in ("max_assistant_turns", "max_user_turns"):
+            v = getattr(mt, key)
+            need(v is None or v >= 1, f"rollout.multi_turn.{key}", f"must be >= 1 or null, got {v}")
+        need(mt.max_parallel_calls >= 1, "rollout.multi_turn.max_parallel_calls", "must be >= 1")
+        need(mt.max_tool_response_length >= 1, "rollout.multi_turn.max_tool_response_length", "must be >= 1")
+        need(mt.num_workers >= 0, "rollout.multi_turn.num_workers", "must be >= 0 (0 = in-process)")
+        need(mt.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", "must be > 0 seconds")
+        need(cfg.trainer.mode == "colocated", "rollout.multi_turn.enable",
+             "multi-turn rollouts need trainer.mode colocated (one_step_off does not run tools yet)")
     need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
     need(cfg.actor.ppo_mini_batch_size > 0, "actor.ppo_mini_batch_size", "must be > 0")
     need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",

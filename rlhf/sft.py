@@ -1,8 +1,10 @@
 """Supervised fine-tuning (the warm-start before RL), on the same FSDP2 / optim / export code.
 
-Data: jsonl or parquet rows ``{"prompt": chat messages or string, "response": str}``.
-Loss: cross-entropy on response tokens (and the closing EOS) only, normalised by the
-global number of response tokens of the batch, so it is independent of the dp size.
+Data: jsonl or parquet rows ``{"prompt": chat messages or string, "response": str}``; a
+multi-turn tool-use demonstration has a list of assistant / tool messages as its response
+(:mod:`rlhf.agent.demos`), tokenised exactly as the agent loop builds a trajectory.
+Loss: cross-entropy on response tokens (and the closing EOS) only, never on tool results,
+normalised by the global number of such tokens of the batch, so it is independent of the dp size.
 
 Model settings shared with RL: LoRA (``model.lora_rank``: only the adapters train; the
 export holds the merged model and the PEFT adapter), ``model.param_offload``,
@@ -40,7 +42,9 @@ from rlhf.parallel import ParallelDims, all_reduce_sum, init_distributed
 class SFTSettings:
     train_files: str = _f("", "jsonl/parquet with prompt + response columns.")
     prompt_key: str = _f("prompt", "Prompt column (chat messages or string).")
-    response_key: str = _f("response", "Response column.")
+    response_key: str = _f("response", "Response column: a string, or a list of assistant / tool messages.")
+    tool_config_path: str = _f("", "Tools (rollout.multi_turn.tool_config_path's file) listed in the prompt by the "
+                                   "chat template, as the RL prompts list them; empty = none.")
     max_length: int = _f(256, "Prompt + response tokens; longer rows are skipped and counted.")
     train_batch_size: int = _f(64, "Sequences per optimizer step (global).")
     micro_batch_size_per_gpu: int = _f(32, "Sequences per forward/backward per rank.")
@@ -110,43 +114,64 @@ def _read_rows(path: str) -> list:
     return rows
 
 
-def tokenize_sft(rows: list, tokenizer, s: SFTSettings) -> tuple[list[tuple[list[int], list[int]]], dict]:
-    """(prompt_ids, response_ids + eos) per usable row; bad or too-long rows skipped and counted."""
+Example = tuple[list[int], list[int], list[int]]  # prompt ids, response ids, loss mask over the response
+
+
+def tokenize_sft(rows: list, tokenizer, s: SFTSettings) -> tuple[list[Example], dict]:
+    """(prompt_ids, response_ids + eos, loss mask) per usable row; bad or too-long rows skipped and counted."""
     out, bad, too_long = [], 0, 0
+    tools, obs_format = None, None
+    if s.tool_config_path:
+        from rlhf.agent.tools import load_tool_config, tool_schemas
+
+        tools = tool_schemas(load_tool_config(s.tool_config_path, "sft.tool_config_path"))
     for row in rows:
-        if not isinstance(row, dict) or s.prompt_key not in row or not isinstance(row.get(s.response_key), str):
+        response = row.get(s.response_key) if isinstance(row, dict) else None
+        if not isinstance(row, dict) or s.prompt_key not in row or not isinstance(response, (str, list)):
             bad += 1
             continue
         prompt = row[s.prompt_key]
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         if tokenizer.chat_template:
-            p_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            p_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, tools=tools)
             if isinstance(p_ids, dict) or hasattr(p_ids, "input_ids"):
                 p_ids = p_ids["input_ids"]
         else:
             p_ids = tokenizer.encode("\n".join(m["content"] for m in prompt))
-        r_ids = tokenizer.encode(row[s.response_key], add_special_tokens=False) + [tokenizer.eos_token_id]
+        if isinstance(response, str):
+            r_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
+            r_mask = [1] * len(r_ids)
+        else:
+            from rlhf.agent.demos import tokenize_demo
+            from rlhf.agent.format import ObservationFormat
+
+            obs_format = obs_format or ObservationFormat(tokenizer, max_tool_response_length=0)
+            try:
+                r_ids, r_mask = tokenize_demo(tokenizer, response, obs_format)
+            except ValueError:
+                bad += 1
+                continue
         if len(p_ids) + len(r_ids) > s.max_length:
             too_long += 1
             continue
-        out.append((list(p_ids), r_ids))
+        out.append((list(p_ids), r_ids, r_mask))
     if not out:
         raise DataError(f"sft.train_files: no usable rows ({bad} malformed, {too_long} longer than sft.max_length)")
     return out, {"n_rows": len(rows), "n_malformed": bad, "n_too_long": too_long, "n_loaded": len(out)}
 
 
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Right-padded input_ids, attention_mask and a loss mask over response tokens, [B, L]."""
-    L = max(len(p) + len(r) for p, r in examples)
+def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded input_ids, attention_mask and the loss mask (response tokens, not tool results), [B, L]."""
+    L = max(len(p) + len(r) for p, r, _ in examples)
     ids = torch.full((len(examples), L), pad_id, dtype=torch.long)
     attn = torch.zeros((len(examples), L), dtype=torch.long)
     loss_mask = torch.zeros((len(examples), L), dtype=torch.float32)
-    for i, (p, r) in enumerate(examples):
+    for i, (p, r, m) in enumerate(examples):
         seq = p + r
         ids[i, :len(seq)] = torch.tensor(seq)
         attn[i, :len(seq)] = 1
-        loss_mask[i, len(p):len(seq)] = 1.0
+        loss_mask[i, len(p):len(seq)] = torch.tensor(m, dtype=torch.float32)
     return ids, attn, loss_mask
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.actor import PolicyWorker
+from rlhf.agent.rollout import make_agent
 from rlhf.algos.advantages import get_adv_estimator
 from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
 from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
@@ -114,6 +115,8 @@ class RLTrainer:
                                      RolloutLayout.build(cfg.rollout.tp, self.device.type,
                                                          exchange_timeout_s=cfg.trainer.exchange_timeout_s),
                                      lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None)
+        # Tool-using multi-turn rollouts: tools, their workers, a turn handler per generate call.
+        self.agent = make_agent(cfg.rollout.multi_turn, self.tokenizer, self.rollout.layout)
         self.timer = PhaseTimer(self.device, listeners=self.ops.listeners)
         self.logger = MetricsLogger(self.out_dir, backends=cfg.trainer.logger, total_steps=self.total_steps,
                                     project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name,
@@ -185,9 +188,14 @@ class RLTrainer:
         stream = self._stream_scores(global_prompts)
         self._streamed = (stream, local_rows) if stream is not None else None
         # The rollout layout splits the global batch over its replicas; rows come back to their dp rank.
-        return self.rollout.generate(self.actor.model, self.actor.hf_config, global_prompts, step=step,
-                                     n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature,
-                                     local_rows=local_rows, pp_group=self.actor.pp_group, on_finished=stream)
+        turns = self.agent.turns() if self.agent is not None else None
+        batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, global_prompts, step=step,
+                                             n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature,
+                                             local_rows=local_rows, pp_group=self.actor.pp_group, on_finished=stream,
+                                             turns=turns)
+        if turns is not None:
+            stats.update(self.agent.metrics(batch, turns, self.dp_group))
+        return batch, stats
 
     def _stream_scores(self, prompts) -> StreamingScores | None:
         """Scoring during generation needs a worker pool and each row generated once by a rank whose
@@ -454,10 +462,11 @@ class RLTrainer:
             return {}
         idx = list(range(self.dp_rank, len(self.val_data), self.dims.dp))
         prompts = prompt_batch(idx, self.val_data.examples)
+        turns = self.agent.turns() if self.agent is not None else None
         try:
             with self.timer("validate"):
                 batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, prompts, step=step,
-                                                     **val_sampling(self.cfg))
+                                                     turns=turns, **val_sampling(self.cfg))
         except torch.OutOfMemoryError:
             self.end_after_oom(step)
         seconds = self.timer.pop()  # between steps: its own figure, not added to the next step's timings
@@ -466,8 +475,9 @@ class RLTrainer:
         text = {i: self.val_data.examples[i].prompt_text for i in idx}
         self.logger.log_generations(step, generation_rows(mine, batch, text, self.cfg.trainer.log_val_generations,
                                                           self.dp_group))
+        agent = self.agent.metrics(batch, turns, self.dp_group, prefix="val/agent/") if turns is not None else {}
         return {**flat_metrics(summarize(records), "val"), "timing/validate_generate": stats["timing/generate"],
-                **seconds}
+                **seconds, **agent}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -555,6 +565,8 @@ class RLTrainer:
         """End the run's side components (logger backends, reward workers, watchdog, profiler)."""
         self.logger.close()
         self.scorer.close()
+        if self.agent is not None:
+            self.agent.close()
         self.ops.close()
 
     def summarize(self, first_val: dict, last: dict) -> dict[str, float]:

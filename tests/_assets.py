@@ -14,3 +14,46 @@ def write_tiny_assets(d: Path, *, num_layers: int = 2, n_train: int = 64, n_val:
                      intermediate_size=64)
     make_addition_task(d / "data", n_train=n_train, n_val=n_val, n_sft=n_sft, seed=0)
     return d
+
+
+TOOL_CONFIG = "tools:\n  - class_name: calculator\n"
+
+
+def write_tool_assets(d: Path, *, steps: int = 100, n_demos: int = 16, seed: int = 0) -> Path:
+    """`write_tiny_assets` plus `d/tools.yaml` (the calculator) and `d/tool_model`: the tiny model
+    fitted (as train_sft.py fits, loss off the tool results) on multi-turn calculator
+    demonstrations of the addition prompts (a call, the tool's answer, `#### <sum>`), so that
+    sampling from it calls the tool, sometimes wrongly."""
+    import torch
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf.data.arithmetic import tool_call
+    from rlhf.sft import SFTSettings, collate, tokenize_sft
+
+    write_tiny_assets(d, n_train=64, n_val=16)
+    (d / "tools.yaml").write_text(TOOL_CONFIG)
+    tok = AutoTokenizer.from_pretrained(d / "model")
+    rows = []
+    for row in pq.read_table(d / "data" / "train.parquet").to_pylist()[:n_demos]:
+        a, b = row["prompt"][0]["content"].rstrip("=").split("+")
+        answer = str(int(a) + int(b))
+        rows.append({"prompt": row["prompt"], "response": [
+            {"role": "assistant", "content": tool_call(f"{a}+{b}")}, {"role": "tool", "content": answer},
+            {"role": "assistant", "content": f"#### {answer}"}]})
+    examples, _ = tokenize_sft(rows, tok, SFTSettings(max_length=256))
+    ids, attn, mask = collate(examples, tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(d / "model")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                               reduction="none")
+        loss = (ce * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(d / "tool_model")
+    tok.save_pretrained(d / "tool_model")
+    return d

@@ -39,7 +39,8 @@ DEFAULT_CHARS: str = (
 )
 
 # Compact on purpose: a char-level model pays one position per template character.
-# "<|user|>47+38=<|assistant|>7+8=15;4+3+1=8 #### 85<eos>"
+# "<|user|>47+38=<|assistant|>7+8=15;4+3+1=8 #### 85<eos>"; a tool result (multi-turn) is a user
+# turn "<|user|><tool_response>85</tool_response>", as in Qwen's template.
 CHAT_TEMPLATE: str = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
@@ -48,9 +49,11 @@ CHAT_TEMPLATE: str = (
     "{{ '<|user|>' + message['content'] }}"
     "{%- elif message['role'] == 'assistant' -%}"
     "{{ '<|assistant|>' + message['content'] + '<eos>' }}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{ '<|user|><tool_response>' + message['content'] + '</tool_response>' }}"
     "{%- else -%}"
     "{{ raise_exception('unknown chat role ' + message['role'] + "
-    "'; expected system, user or assistant') }}"
+    "'; expected system, user, assistant or tool') }}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"

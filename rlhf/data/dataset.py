@@ -181,10 +181,10 @@ def _parse_row(row: Any, prompt_key: str) -> tuple[list[dict[str, str]] | str, s
     return prompt, gt, data_source, extra
 
 
-def _render(prompt: list[dict[str, str]] | str, tokenizer: Any, use_template: bool) -> str:
+def _render(prompt: list[dict[str, str]] | str, tokenizer: Any, use_template: bool, tools: list | None = None) -> str:
     if use_template:
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, tools=tools)
     if isinstance(prompt, str):
         return prompt
     # No template to apply: the message contents joined, as a plain-text prompt.
@@ -200,6 +200,7 @@ def load_prompt_dataset(
     truncation: Truncation = "error",
     filter_overlong_prompts: bool = True,
     apply_chat_template: bool = True,
+    tools: list | None = None,
 ) -> PromptDataset:
     """Load and tokenise prompt files (parquet / jsonl in verl's schema), concatenated.
 
@@ -215,6 +216,7 @@ def load_prompt_dataset(
             row, ``"left"`` keeps the last tokens, ``"right"`` the first (verl: ``data.truncation``).
         filter_overlong_prompts: drop and count over-long prompts (verl: ``data.filter_overlong_prompts``).
         apply_chat_template: set False to tokenise raw text even if a template exists.
+        tools: OpenAI function schemas the chat template lists (multi-turn tool use).
 
     Returns:
         A :class:`PromptDataset`; ``stats`` counts rows, malformed, filtered, truncated.
@@ -258,7 +260,7 @@ def load_prompt_dataset(
         if not rows:
             raise DataError(f"{path}: the file has no rows")
 
-        texts = [_render(p, tokenizer, use_template) for _, p, *_ in parsed]
+        texts = [_render(p, tokenizer, use_template, tools) for _, p, *_ in parsed]
         # Batched call: fast tokenizers encode the whole file in parallel.
         all_ids = tokenizer(texts, add_special_tokens=not use_template)["input_ids"]
         for (r, _, gt, source, extra), text, ids in zip(parsed, texts, all_ids):

@@ -15,9 +15,14 @@ from rlhf.rollout.engine import PromptBatch
 def load_data(cfg: Config, files, tokenizer):
     """A prompt file (or list) with the ``data.*`` settings."""
     d = cfg.data
+    tools = None
+    if cfg.rollout.multi_turn.enable:  # the chat template lists the tools in the prompt
+        from rlhf.agent.tools import load_tool_config, tool_schemas
+
+        tools = tool_schemas(load_tool_config(cfg.rollout.multi_turn.tool_config_path))
     return load_prompt_dataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                                truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                               apply_chat_template=d.apply_chat_template)
+                               apply_chat_template=d.apply_chat_template, tools=tools)
 
 
 def make_loader(cfg: Config, dataset_len: int) -> tuple[PromptLoader, int]:

@@ -110,8 +110,16 @@ def _verl_rows(problems: list[AdditionProblem], split: str) -> list[dict[str, An
     ]
 
 
-def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
-    pq.write_table(pa.Table.from_pylist(rows), path)
+def write_task(out_dir: str | Path, train: list[dict[str, Any]], val: list[dict[str, Any]],
+               sft: list[dict[str, Any]]) -> dict[str, Path]:
+    """``train.parquet`` and ``val.parquet`` (verl rows) and ``sft.jsonl`` (demonstrations) in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet", "sft": out / "sft.jsonl"}
+    pq.write_table(pa.Table.from_pylist(train), paths["train"])
+    pq.write_table(pa.Table.from_pylist(val), paths["val"])
+    paths["sft"].write_text("".join(json.dumps(row) + "\n" for row in sft))
+    return paths
 
 
 def make_addition_task(
@@ -147,22 +155,14 @@ def make_addition_task(
     rng = random.Random(seed)
     problems = sample_problems(n_train + n_val, rng)
     train, val = problems[:n_train], problems[n_train:]
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.parquet", "val": out / "val.parquet", "sft": out / "sft.jsonl"}
-    _write_parquet(_verl_rows(train, "train"), paths["train"])
-    _write_parquet(_verl_rows(val, "val"), paths["val"])
-
     teacher_rng = random.Random(seed + 1)
     sft_order = list(range(n_train))
     teacher_rng.shuffle(sft_order)
-    with paths["sft"].open("w") as f:
-        for k in range(n_sft):
-            p = train[sft_order[k % n_train]]
-            row = {"prompt": p.messages(), "response": teacher_response(p, teacher_rng, teacher_carry_error)}
-            f.write(json.dumps(row) + "\n")
-    return paths
+    sft = []
+    for k in range(n_sft):
+        p = train[sft_order[k % n_train]]
+        sft.append({"prompt": p.messages(), "response": teacher_response(p, teacher_rng, teacher_carry_error)})
+    return write_task(out_dir, _verl_rows(train, "train"), _verl_rows(val, "val"), sft)
 
 
 def main(argv: list[str] | None = None) -> None:

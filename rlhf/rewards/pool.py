@@ -92,8 +92,8 @@ class SerialScorer:
 
 @dataclass
 class _Job:
-    samples: list  # [(data_source, response, ground_truth, extra_info)]
-    collector: ScoreCollector
+    samples: list  # [(data_source, response, ground_truth, extra_info)]; tool calls: [(name, arguments)]
+    collector: Any  # ScoreCollector; tool calls: rlhf.agent.runner.ToolCollector
     remaining: int
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -101,14 +101,14 @@ class _Job:
 class _Worker:
     """One child process and the parent's end of its connection."""
 
-    def __init__(self, spec: str, reward_kwargs: Optional[dict]) -> None:
+    def __init__(self, init: tuple) -> None:
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([sys.executable, "-m", "rlhf.rewards.worker", str(child_sock.fileno())],
                                      pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL, env=env)
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
-        self.conn.send(("init", spec, reward_kwargs))
+        self.conn.send(init)
         self.ready = False
         self.inflight: collections.deque = collections.deque()  # (job id, sample index), in order
         self.deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -125,8 +125,15 @@ class RewardPool:
     """``num_workers`` reward processes with a per-call timeout (see the module docstring).
 
     A daemon thread feeds the workers and collects results, so work submitted with
-    :meth:`submit` progresses while the caller does something else.
+    :meth:`submit` progresses while the caller does something else. :meth:`done` and
+    :meth:`wait_any` look at tickets without blocking on one of them.
+
+    The same machinery runs tool calls (:class:`rlhf.agent.runner.ToolPool`): a subclass sends
+    another ``init`` message to its workers and names itself differently in messages.
     """
+
+    role = "reward"
+    timeout_key = "reward.timeout_s"
 
     def __init__(self, spec: str, reward_kwargs: Optional[dict] = None, *, num_workers: int, timeout_s: float) -> None:
         if num_workers < 1:
@@ -134,16 +141,22 @@ class RewardPool:
         if not timeout_s > 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
         get_reward_fn(spec, reward_kwargs)  # a bad spec fails here, with the registry's message
-        self.spec, self.reward_kwargs, self.timeout_s = spec, reward_kwargs, timeout_s
+        self.reward_kwargs = reward_kwargs
+        self._start(spec, ("init", spec, reward_kwargs), num_workers, timeout_s)
+
+    def _start(self, spec: str, init: tuple, num_workers: int, timeout_s: float) -> None:
+        """Start ``num_workers`` workers that receive ``init`` first (``spec`` names what they load)."""
+        self.spec, self._init, self.timeout_s = spec, init, timeout_s
         self.restarts = 0
         self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)  # notified when a sample finishes
         self._jobs: dict[int, _Job] = {}
         self._queue: collections.deque = collections.deque()  # (job id, sample index)
         self._ids = itertools.count()
         self._fatal: Optional[str] = None
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
-        self._workers = [_Worker(spec, reward_kwargs) for _ in range(num_workers)]
+        self._workers = [_Worker(init) for _ in range(num_workers)]
         self._thread = threading.Thread(target=self._loop, name="reward-pool", daemon=True)
         self._thread.start()
 
@@ -151,7 +164,11 @@ class RewardPool:
 
     def submit(self, texts, ground_truths, data_sources, extra_infos=None) -> int:
         texts, gts, dss, extras = _aligned(texts, ground_truths, data_sources, extra_infos)
-        job = _Job(list(zip(dss, texts, gts, extras)), ScoreCollector(dss), len(texts))
+        return self._enqueue(list(zip(dss, texts, gts, extras)), ScoreCollector(dss))
+
+    def _enqueue(self, samples: list, collector: Any) -> int:
+        """Queue ``samples`` (tuples the workers' runner takes) whose outcomes go to ``collector``."""
+        job = _Job(samples, collector, len(samples))
         with self._lock:
             if self._closed:
                 raise RuntimeError("the reward pool is closed")
@@ -159,11 +176,24 @@ class RewardPool:
                 raise RuntimeError(self._fatal)
             ticket = next(self._ids)
             self._jobs[ticket] = job
-            self._queue.extend((ticket, i) for i in range(len(texts)))
+            self._queue.extend((ticket, i) for i in range(job.remaining))
             if job.remaining == 0:
                 job.done.set()
         self._wake()
         return ticket
+
+    def done(self, ticket: int) -> bool:
+        """Whether ``result(ticket)`` would return at once."""
+        return self._jobs[ticket].done.is_set()
+
+    def wait_any(self, tickets: Sequence[int], timeout: Optional[float] = None) -> list[int]:
+        """The finished ones of ``tickets``, waiting up to ``timeout`` seconds (None: for ever) until
+        there is at least one (an empty ``tickets`` returns at once)."""
+        jobs = [(t, self._jobs[t]) for t in tickets]
+        with self._progress:
+            self._progress.wait_for(lambda: not jobs or self._fatal is not None or
+                                    any(j.done.is_set() for _, j in jobs), timeout)
+        return [t for t, j in jobs if j.done.is_set()]
 
     def result(self, ticket: int) -> ScoreResult:
         job = self._jobs[ticket]
@@ -230,9 +260,9 @@ class RewardPool:
             for w in list(self._workers):
                 if (w.inflight or not w.ready) and now >= w.deadline:
                     if not w.ready:
-                        self._fail_all(f"reward worker did not load '{self.spec}' within {STARTUP_TIMEOUT_S:.0f} s")
+                        self._fail_all(f"{self.role} worker did not load '{self.spec}' within {STARTUP_TIMEOUT_S:.0f} s")
                         return
-                    self._replace(w, f"timed out after {self.timeout_s:g} s (reward.timeout_s)", timeout=True)
+                    self._replace(w, f"timed out after {self.timeout_s:g} s ({self.timeout_key})", timeout=True)
 
     def _dispatch(self) -> None:
         """Give queued samples to idle ready workers (called with the lock held)."""
@@ -251,18 +281,16 @@ class RewardPool:
             msg = w.conn.recv()
         except (EOFError, OSError):
             if not w.ready:
-                self._fail_all(f"reward worker for '{self.spec}' exited at start-up (exit code {w.stop()}); "
+                self._fail_all(f"{self.role} worker for '{self.spec}' exited at start-up (exit code {w.stop()}); "
                                f"see its traceback above")
                 return
-            self._replace(w, "reward worker died (exit code {code}) while scoring", timeout=False)
+            self._replace(w, f"{self.role} worker died (exit code {{code}})", timeout=False)
             return
         kind = msg[0]
         if kind == "ready":
             w.ready = True
         elif kind == "init_error":
-            self._fail_all(f"reward worker could not load reward.reward_fn '{self.spec}': {msg[1]} (a function "
-                           f"registered in the training script is not visible to worker processes: give "
-                           f"path/to/file.py:function or set reward.num_workers: 0)")
+            self._fail_all(self._init_error(msg[1]))
         else:
             job_id, i = w.inflight.popleft()
             assert (job_id, i) == (msg[1], msg[2]), "reward worker answered out of order"
@@ -270,15 +298,22 @@ class RewardPool:
             with self._lock:
                 job = self._jobs[job_id]
                 if kind == "ok":
-                    job.collector.ok(i, msg[3], msg[4], msg[5])
+                    job.collector.ok(i, *msg[3:])
                 else:
                     job.collector.fail(i, msg[3])
                 self._finish_one(job)
 
+    def _init_error(self, message: str) -> str:
+        return (f"reward worker could not load reward.reward_fn '{self.spec}': {message} (a function "
+                f"registered in the training script is not visible to worker processes: give "
+                f"path/to/file.py:function or set reward.num_workers: 0)")
+
     def _finish_one(self, job: _Job) -> None:
+        """(With the lock held.)"""
         job.remaining -= 1
         if job.remaining == 0:
             job.done.set()
+            self._progress.notify_all()
 
     def _replace(self, w: _Worker, reason: str, *, timeout: bool) -> None:
         """The worker's current sample scores 0 and is counted; the rest of its chunk is requeued."""
@@ -291,13 +326,14 @@ class RewardPool:
                 job.collector.fail(i, reason.format(code=code), timeout=timeout)
                 self._finish_one(job)
             self._queue.extendleft(reversed(w.inflight))
-            self._workers[self._workers.index(w)] = _Worker(self.spec, self.reward_kwargs)
+            self._workers[self._workers.index(w)] = _Worker(self._init)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             self._fatal = message
             for job in self._jobs.values():
                 job.done.set()
+            self._progress.notify_all()
 
 
 class SharedScorer:

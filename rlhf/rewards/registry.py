@@ -90,16 +90,17 @@ def list_reward_fns() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _load_from_file(path_str: str, fn_name: str) -> RewardFn:
+def load_from_file(path_str: str, name: str, what: str = "reward function") -> Any:
+    """The attribute ``name`` of the python file ``path_str`` (a user reward function or tool class)."""
     path = Path(path_str).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"reward function file not found: {path}")
+        raise FileNotFoundError(f"{what} file not found: {path}")
     # A name derived from the absolute path: two files with the same stem do not collide.
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
     module_name = f"rlhf_user_reward_{path.stem}_{digest}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import reward function file {path}")
+        raise ImportError(f"cannot import {what} file {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # lets dataclasses / pickling inside the file work
     try:
@@ -107,15 +108,17 @@ def _load_from_file(path_str: str, fn_name: str) -> RewardFn:
     except Exception:
         del sys.modules[module_name]
         raise
-    fn = getattr(module, fn_name, None)
-    if fn is None or not callable(fn):
+    obj = getattr(module, name, None)
+    if obj is None or not callable(obj):
+        want_class = what.endswith("class")
         available = sorted(
-            name for name, obj in vars(module).items()
-            if callable(obj) and not name.startswith("_") and not inspect.isclass(obj)
-            and getattr(obj, "__module__", None) == module_name
+            n for n, o in vars(module).items()
+            if callable(o) and not n.startswith("_") and inspect.isclass(o) == want_class
+            and getattr(o, "__module__", None) == module_name
         )
-        raise AttributeError(f"reward function '{fn_name}' not found in {path}; callables there: {available}")
-    return fn
+        raise AttributeError(f"{what} '{name}' not found in {path}; {'classes' if want_class else 'callables'} "
+                             f"there: {available}")
+    return obj
 
 
 def get_reward_fn(spec: str, reward_kwargs: dict[str, Any] | None = None) -> RewardFn:
@@ -132,10 +135,10 @@ def get_reward_fn(spec: str, reward_kwargs: dict[str, Any] | None = None) -> Rew
         TypeError: ``reward_kwargs`` holds a keyword the function does not take.
     """
     if spec.endswith(".py"):
-        fn = _load_from_file(spec, "compute_score")
+        fn = load_from_file(spec, "compute_score")
     elif ".py:" in spec:
         path_str, fn_name = spec.rsplit(":", 1)
-        fn = _load_from_file(path_str, fn_name)
+        fn = load_from_file(path_str, fn_name)
     elif spec in _REGISTRY:
         fn = _REGISTRY[spec]
     else:

@@ -10,6 +10,10 @@ Protocol (pickled tuples):
 * worker -> parent: ``("ready",)`` or ``("init_error", message)``, then one
   ``("ok", job, i, score, metrics, pred)`` / ``("fail", job, i, message)`` per sample, in order.
 
+A tool worker (:class:`rlhf.agent.runner.ToolPool`) gets ``("init_tools", tool_specs)`` instead,
+then ``("work", [(job, i, tool_name, arguments), ...])`` and answers ``("ok", job, i, text, error
+kind or None)`` (a tool that raises is an answer, not a failure of the worker).
+
 The worker is a fresh interpreter (not a fork of a trainer holding CUDA / NCCL state) and
 imports neither torch nor the training script, so it starts in well under a second. The
 parent enforces the timeout by killing the process; this side only computes.
@@ -38,12 +42,9 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     conn = Connection(fd)
-    _, spec, reward_kwargs = conn.recv()
+    kind, *init = conn.recv()
     try:
-        from rlhf.rewards.registry import get_reward_fn
-        from rlhf.rewards.scoring import score_one
-
-        fn = get_reward_fn(spec, reward_kwargs)
+        run = _tool_runner(*init) if kind == "init_tools" else _reward_runner(*init)
     except Exception as e:  # reported to the parent, which fails the run with this message
         conn.send(("init_error", f"{type(e).__name__}: {e}"))
         return
@@ -53,13 +54,27 @@ def main(fd: int) -> None:
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the parent closed the pool
-        for job, i, data_source, response, ground_truth, extra_info in msg[1]:
+        for job, i, *sample in msg[1]:
             try:
-                value, metrics, pred = score_one(fn, data_source, response, ground_truth, extra_info)
-            except Exception as e:  # user code: the sample scores 0 and is counted by the parent
+                out = run(*sample)
+            except Exception as e:  # user code: the sample scores 0 (the call fails) and is counted by the parent
                 conn.send(("fail", job, i, f"{type(e).__name__}: {e}"))
                 continue
-            conn.send(("ok", job, i, value, metrics, pred))
+            conn.send(("ok", job, i, *out))
+
+
+def _reward_runner(spec: str, reward_kwargs):
+    from rlhf.rewards.registry import get_reward_fn
+    from rlhf.rewards.scoring import score_one
+
+    fn = get_reward_fn(spec, reward_kwargs)
+    return lambda *sample: score_one(fn, *sample)
+
+
+def _tool_runner(tool_specs):
+    from rlhf.agent.tools import ToolSet
+
+    return ToolSet(tool_specs).run
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ def _error_line(r) -> str:
     ({"data.train_files": "/no/such.parquet"}, "/no/such.parquet"),
     ({"algorithm.adv_estimator": "gdpo", "algorithm.gdpo_reward_keys": ["acc"],
       "algorithm.gdpo_reward_weights": [1.0, 2.0]}, "algorithm.gdpo_reward_weights has 2 entries for 1"),
+    ({"rollout.multi_turn.enable": True}, "config key 'rollout.multi_turn.tool_config_path': is required"),
+    ({"rollout.multi_turn.enable": True, "rollout.multi_turn.tool_config_path": "/no/tools.yaml"},
+     "rollout.multi_turn.tool_config_path: tool config file not found: /no/tools.yaml"),
 ])
 def test_one_line_errors(tiny_assets, tmp_path, override, expect):
     r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **override))
