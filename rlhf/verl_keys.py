@@ -183,12 +183,13 @@ RULES: dict[str, Rule] = {
     **{_R + "val_kwargs." + k: to("trainer.val_kwargs." + k) for k in ("n", "do_sample", "temperature", "top_p", "top_k")},
     _R + "name": ignored(_SAMPLER),
     _R + "mode": ignored(_SAMPLER),
-    _R + "dtype": ignored("the sampler computes in bf16 on GPU, in the master dtype on CPU"),
+    _R + "dtype": to("rollout.dtype"),
+    _R + "free_cache_engine": to("rollout.free_cache_engine"),
     _R + "load_format": ignored("rollout weights come from the actor's shards every step"),
     _R + "layered_summon": ignored("rollout weights come from the actor's shards every step"),
     _R + "update_weights_bucket_megabytes": ignored("rollout weights come from the actor's shards every step"),
     **{_R + k: ignored(_PERF) for k in (
-        "free_cache_engine", "cudagraph_capture_sizes", "enable_chunked_prefill", "enable_prefix_caching",
+        "cudagraph_capture_sizes", "enable_chunked_prefill", "enable_prefix_caching",
         "disable_log_stats", "engine_kwargs", "max_model_len", "skip_tokenizer_init", "multi_stage_wake_up",
         "calculate_log_probs", "profiler", "trace", "data_parallel_size", "expert_parallel_size",
         "pipeline_model_parallel_size", "agent")},
@@ -196,11 +197,14 @@ RULES: dict[str, Rule] = {
     _R + "over_sample_rate": only((0, 0.0), "no over-sampling", "over-sampling is not supported"),
     _R + "skip_rollout": only((False,), "rollouts are generated", "skip_rollout (replaying dumps) is not supported"),
     _R + "skip_dump_dir": ignored("no rollout dumps"),
-    _R + "multi_turn.enable": only((False,), "single-turn rollouts", "multi-turn rollouts are not supported"),
-    **{_R + "multi_turn." + k: ignored("single-turn rollouts") for k in (
-        "max_assistant_turns", "tool_config_path", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
-        "tool_response_truncate_side", "interaction_config_path", "use_inference_chat_template",
-        "tokenization_sanity_check_mode", "format", "max_turns")},
+    **{_R + "multi_turn." + k: to("rollout.multi_turn." + k) for k in (
+        "enable", "tool_config_path", "max_assistant_turns", "max_user_turns", "max_parallel_calls",
+        "max_tool_response_length", "tool_response_truncate_side", "format")},
+    _R + "multi_turn.max_turns": to("rollout.multi_turn.max_assistant_turns", "verl's older name"),
+    _R + "multi_turn.interaction_config_path": only((None, ""), "no simulated user",
+                                                     "interaction agents (a simulated user turn) are not supported"),
+    **{_R + "multi_turn." + k: ignored("token-in / token-out: turns extend the exact token ids, never re-rendered")
+       for k in ("use_inference_chat_template", "tokenization_sanity_check_mode")},
     # ---------------------------------------------------------------- critic
     "critic.optim.lr": to("critic.lr"),
     "critic.optim.weight_decay": to("critic.weight_decay"),

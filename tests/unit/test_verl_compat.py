@@ -75,8 +75,9 @@ def test_verl_defaults_only_for_a_verl_only_config():
 
 
 @pytest.mark.parametrize("override, msg", [
-    ("actor_rollout_ref.rollout.multi_turn.enable=true",
-     "verl key 'actor_rollout_ref.rollout.multi_turn.enable=True' is not supported here: multi-turn"),
+    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path=i.yaml",
+     "verl key 'actor_rollout_ref.rollout.multi_turn.interaction_config_path='i.yaml'' is not supported here: "
+     "interaction agents"),
     ("actor_rollout_ref.actor.strategy=megatron", "'actor_rollout_ref.actor.strategy='megatron'' is not supported"),
     ("actor_rollout_ref.model.custom_chat_template=x", "custom chat templates are not supported"),
     ("trainer.default_hdfs_dir=hdfs://x", "copying checkpoints to HDFS is not supported"),
@@ -87,6 +88,20 @@ def test_unsupported_values_refused_in_one_line(override, msg):
     with pytest.raises(ConfigError, match=re.escape(msg)) as e:
         load_config(None, REQ + [override])
     assert "\n" not in str(e.value)
+
+
+def test_multi_turn_and_rollout_keys_map_to_ours():
+    cfg = load_config(None, REQ + ["actor_rollout_ref.rollout.multi_turn.enable=true",
+                                   "actor_rollout_ref.rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml",
+                                   "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+                                   "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=64",
+                                   "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=left",
+                                   "actor_rollout_ref.rollout.dtype=bfloat16",
+                                   "actor_rollout_ref.rollout.free_cache_engine=false"])
+    mt = cfg.rollout.multi_turn
+    assert mt.enable and mt.max_assistant_turns == 3 and mt.max_tool_response_length == 64
+    assert mt.tool_response_truncate_side == "left"
+    assert cfg.rollout.dtype == "bfloat16" and cfg.rollout.free_cache_engine is False
 
 
 def test_conflicting_spellings_refused():
