@@ -52,7 +52,7 @@ def global_value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 def check_ppo_config(cfg: Config) -> None:
-    """PPO-specific settings that config.validate does not know about."""
+    """PPO-specific settings that rlhf.config_checks.validate does not know about."""
     c, tb = cfg.critic, cfg.data.train_batch_size
     if cfg.algorithm.adv_estimator != "gae":
         raise ConfigError(f"config key 'algorithm.adv_estimator': train_ppo.py trains a critic for GAE, got "

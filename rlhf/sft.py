@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from rlhf.config import ConfigError, ModelConfig, ParallelConfig, _f, check_logger
+from rlhf.config import ConfigError, ModelConfig, ParallelConfig, _f
+from rlhf.config_checks import check_logger
 from rlhf.checkpoint import export_hf
 from rlhf.data.dataset import DataError
 from rlhf.data.loader import PromptLoader
