@@ -72,6 +72,36 @@ def chunk_bounds(num_prompts: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+# Sampler stats summed over the rollout replicas (counts); the others take the slowest / largest replica.
+_SUMMED_STATS = ("tokens_generated", "num_sequences", "decode_steps", "prefill_calls", "prefill_tokens",
+                 "prefill_padded_tokens", "compaction_moves", "preemptions", "recomputed_tokens", "kv_shared_blocks")
+MULTI_TURN_STATS = ("turns", "observation_tokens", "parked_preemptions")  # reported with a TurnHandler
+_MAX_STATS = ("seconds", "prefill_s", "decode_s", "num_slots", "kv_cache_bytes", "kv_cache_tokens", "kv_peak_tokens")
+
+
+def global_rollout_stats(local: dict[str, float], group: Optional[dist.ProcessGroup],
+                         multi_turn: bool = False) -> dict[str, float]:
+    """One replica's sampler stats -> the rollout's: counts summed over the replicas in ``group`` (one rank
+    per replica), times and cache sizes their maximum, ``tokens_per_s`` = all tokens / the slowest replica,
+    ``slot_utilisation`` the replicas' mean. A replica with no prompts (empty ``local``) contributes zeros;
+    the keys are fixed, so every replica takes part in the same two all-reduces."""
+    summed_keys = _SUMMED_STATS + (MULTI_TURN_STATS if multi_turn else ())
+    summed = torch.tensor([float(local.get(k, 0.0)) for k in summed_keys + ("slot_utilisation",)]
+                          + [float(bool(local))], dtype=torch.float64)
+    maxed = torch.tensor([float(local.get(k, 0.0)) for k in _MAX_STATS], dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        summed, maxed = summed.to(dev), maxed.to(dev)
+        dist.all_reduce(summed, group=group)
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
+    sums, maxes = summed.tolist(), maxed.tolist()
+    out = dict(zip(summed_keys, sums))
+    out.update(zip(_MAX_STATS, maxes))
+    out["slot_utilisation"] = sums[-2] / max(sums[-1], 1.0)  # mean over the replicas that decoded
+    out["tokens_per_s"] = out["tokens_generated"] / out["seconds"] if out["seconds"] > 0 else 0.0
+    return out
+
+
 # (prompt position in the global batch, sample index) pairs and their response token ids
 OnFinished = Callable[[list[tuple[int, int]], list[list[int]]], None]
 
@@ -224,7 +254,8 @@ class RolloutEngine:
                                        on_finished=_rows_to_samples(on_finished, start, n), turns=turns)
             stats_local = dict(out.stats) if out is not None else {}
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
-            out.stats = stats_local
+            # global over the rollout replicas (one rank each in lay.dp_group), like every logged metric
+            out.stats = global_rollout_stats(stats_local, lay.dp_group if lay.dp > 1 else None, turns is not None)
             mine = prompts.subset(local_rows)
         del sampler
         t2 = time.perf_counter()
