@@ -277,6 +277,10 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     s, m, d, r, a = shape, cfg.model, cfg.data, cfg.rollout, cfg.actor
     # trainer.mode one_step_off: half the world trains, the other half generates.
     one_step_off = cfg.trainer.mode == "one_step_off"
+    if one_step_off:
+        from rlhf.async_rl.roles import check_one_step_off
+
+        check_one_step_off(cfg, world_size)  # the split's own one-line errors, before sizing half a world
     role_world = world_size // 2 if one_step_off else world_size
     dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, role_world)
     validate_layout(cfg.parallel, _HFLike(s), role_world, rollout_tp=r.tp, train_batch_size=d.train_batch_size,
