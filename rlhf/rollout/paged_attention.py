@@ -9,8 +9,13 @@ head order) returning ``[B, Hkv, G, D]``. Slot ``b`` attends to its positions ``
 
 * ``GatherAttention`` (the reference; any device): one ``index_select`` per layer copies
   the slots' blocks into a contiguous ``[2Hkv, B, W, D]`` window (a memcpy per block: the
-  cache keeps heads outside positions so that a gathered head is ``[W, D]`` contiguous),
-  then SDPA with an additive mask built once per step.
+  cache keeps heads outside positions so that a gathered head is ``[W, D]`` contiguous);
+  in the cache's contiguous mode it reads the slot regions in place instead. Attention is
+  then two batched matmuls over the ``B * Hkv`` (slot, kv head) pairs, ``softmax(q k^T *
+  scale + mask) v``, with the additive mask built once per step and the softmax in fp32
+  (HF's eager order). On CPU this beats SDPA's flash kernel at decode shapes (a few query
+  rows per head): the K/V of a decode step come from memory, not cache, and a batched
+  matmul streams them with fewer passes.
 * ``FlashPagedAttention``: flash-attn's block-table path (``flash_attn_with_kvcache(q, k_cache,
   v_cache, cache_seqlens=, block_table=)``) reads the blocks in place, no gather. The
   function is injectable, so a CPU test drives this kernel with a reference implementation
@@ -26,7 +31,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf.models.softcap_attention import attention as capped_attention
@@ -53,35 +57,56 @@ class GatherAttention:
     in_place = False  # reads a copy of the window: a contiguous cache layout saves the gather
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> "_GatherPlan":
-        n = cache.blocks_for(window)
-        return _GatherPlan(cache.table[:slots, :n].reshape(-1), pos, window, dtype)  # blocks [B * n]
+        # slot regions keep (slot, kv head) pairs at one stride; a gathered window keeps heads outside
+        blocks = None if cache.contiguous else cache.table[:slots, : cache.blocks_for(window)].reshape(-1)
+        return _GatherPlan(blocks, pos, window, dtype, heads_outside=blocks is not None)
 
     def attend(self, cache: Any, layer: int, q: Tensor, plan: "_GatherPlan", p: Any) -> Tensor:
         k, v = cache.window(layer, plan.blocks, q.shape[0], plan.window)  # [B, Hkv, W, D]
-        mask = plan.mask(p.window)
-        if p.softcap is not None:  # Gemma 2: SDPA has no soft-cap
-            return capped_attention(q, k, v, mask, scale=p.scale, softcap=p.softcap)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale)
+        if p.softcap is not None:  # Gemma 2: tanh soft-cap of the scores
+            return capped_attention(q, k, v, plan.mask(p.window)[:, None, None, :], scale=p.scale, softcap=p.softcap)
+        b, hkv, g, d = q.shape
+        if plan.heads_outside:  # batch pairs in (kv head, slot) order: K/V fold without a copy
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        n, w = b * hkv, plan.window
+        scores = torch.baddbmm(plan.batch_mask(p.window, hkv), q.reshape(n, g, d),
+                               k.reshape(n, w, d).transpose(1, 2), alpha=p.scale)  # [N, G, W]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs, v.reshape(n, w, d))  # [N, G, D]
+        return out.view(hkv, b, g, d).transpose(0, 1) if plan.heads_outside else out.view(b, hkv, g, d)
 
 
 class _GatherPlan:
-    """Per-step data of ``GatherAttention``: the slots' blocks and additive masks ``[B, 1, 1, W]``
-    (slot ``b`` sees positions ``<= pos[b]``, and with a sliding window ``> pos[b] - window``),
+    """Per-step data of ``GatherAttention``: the slots' blocks (None: slot regions) and additive
+    masks (slot ``b`` sees positions ``<= pos[b]``, and with a sliding window ``> pos[b] - window``),
     built once per step for each distinct window the layers use."""
 
-    def __init__(self, blocks: Tensor, pos: Tensor, window: int, dtype: torch.dtype) -> None:
+    def __init__(self, blocks: Optional[Tensor], pos: Tensor, window: int, dtype: torch.dtype,
+                 heads_outside: bool) -> None:
         self.blocks, self.pos, self.window, self.dtype = blocks, pos, window, dtype
+        self.heads_outside = heads_outside
         self._masks: dict[Optional[int], Tensor] = {}
+        self._batch_masks: dict[Optional[int], Tensor] = {}
 
     def mask(self, sliding: Optional[int]) -> Tensor:
+        """``[B, W]`` additive mask (0 or -inf) in the step's dtype."""
         if sliding not in self._masks:
             keys = torch.arange(self.window, device=self.pos.device)
             hidden = keys > self.pos[:, None]  # [B, W]
             if sliding is not None:
                 hidden |= keys <= self.pos[:, None] - sliding
             mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.pos.device)
-            self._masks[sliding] = mask.masked_fill_(hidden, float("-inf"))[:, None, None, :]
+            self._masks[sliding] = mask.masked_fill_(hidden, float("-inf"))
         return self._masks[sliding]
+
+    def batch_mask(self, sliding: Optional[int], hkv: int) -> Tensor:
+        """The mask of each (slot, kv head) pair in ``attend``'s batch order: ``[B * Hkv, 1, W]``."""
+        if sliding not in self._batch_masks:
+            m = self.mask(sliding)
+            b, w = m.shape
+            m = m.expand(hkv, b, w) if self.heads_outside else m[:, None].expand(b, hkv, w)
+            self._batch_masks[sliding] = m.reshape(b * hkv, 1, w)
+        return self._batch_masks[sliding]
 
 
 class FlashPagedAttention:
