@@ -87,6 +87,7 @@ class PagedKVCache:
         self.num_kv_heads, self.block_size, self.head_dim = num_kv_heads, block_size, head_dim
         self.max_seq_len, self.blocks_per_seq = max_seq_len, blocks_per_seq
         self.scratch = num_blocks
+        self._rows_of = [self.kv[i].view(-1, head_dim) for i in range(num_layers)]  # a layer's K/V rows
         self.table = torch.full((num_slots, blocks_per_seq), self.scratch, dtype=torch.int64, device=device)
         self.owned: list[list[int]] = [[] for _ in range(num_slots)]  # host mirror of the table rows
         self.refs = [0] * num_blocks  # holders of each block (slots and parked sequences)
@@ -259,7 +260,7 @@ class PagedKVCache:
 
     def write(self, layer: int, index: Tensor, kv: Tensor) -> None:
         """Store ``kv`` (``[M, 2Hkv, T, D]`` or ``[B, 2Hkv, D]``) at ``index`` rows."""
-        self.kv[layer].view(-1, self.head_dim).index_copy_(0, index, kv.reshape(-1, self.head_dim))
+        self._rows_of[layer].index_copy_(0, index, kv.reshape(-1, self.head_dim))
 
     def view(self, layer: int, slots: Tensor, window: int) -> tuple[Tensor, Tensor]:
         """K and V of slots ``slots`` ``[B]``, positions ``[0, window)``: ``[B, Hkv, window, D]`` each."""
@@ -268,15 +269,6 @@ class PagedKVCache:
             return kv[0], kv[1]
         blocks = self.table[slots, : self.blocks_for(window)].reshape(-1)
         return self.gather(layer, blocks, slots.shape[0], window)
-
-    def window(self, layer: int, blocks: Tensor, b: int, window: int) -> tuple[Tensor, Tensor]:
-        """K and V ``[B, Hkv, window, D]`` of slots ``[0, b)`` whose first blocks are ``blocks``:
-        views of the slot regions in contiguous mode (``[B, Hkv]`` fold into one batch dim),
-        else ``gather``."""
-        if not self.contiguous:
-            return self.gather(layer, blocks, b, window)
-        kv = self.regions()[layer, :, :b, :, :window]
-        return kv[0], kv[1]
 
     def gather(self, layer: int, blocks: Tensor, b: int, window: int) -> tuple[Tensor, Tensor]:
         """K and V ``[B, Hkv, window, D]`` of ``b`` slots whose first ``n`` blocks are ``blocks`` ``[B * n]``.

@@ -50,63 +50,61 @@ def _flash_with_kvcache() -> Optional[Callable]:
 
 
 class GatherAttention:
-    """Reference decode attention: gather the window, then SDPA (see module docstring)."""
+    """Reference decode attention: the window's K/V (slot-region views, else a gathered copy), then
+    batched matmuls (see module docstring)."""
 
     name = "gather"
     block_multiple = 1
     in_place = False  # reads a copy of the window: a contiguous cache layout saves the gather
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> "_GatherPlan":
-        # slot regions keep (slot, kv head) pairs at one stride; a gathered window keeps heads outside
-        blocks = None if cache.contiguous else cache.table[:slots, : cache.blocks_for(window)].reshape(-1)
-        return _GatherPlan(blocks, pos, window, dtype, heads_outside=blocks is not None)
+        if cache.contiguous:  # every layer's (slot, kv head) pairs at one stride: folded views, once per step
+            kv = cache.regions()[:, :, :slots, :, :window].flatten(2, 3)  # [L, 2, B * Hkv, W, D]
+            return _GatherPlan(None, kv, pos, window, dtype)
+        return _GatherPlan(cache.table[:slots, : cache.blocks_for(window)].reshape(-1), None, pos, window, dtype)
 
     def attend(self, cache: Any, layer: int, q: Tensor, plan: "_GatherPlan", p: Any) -> Tensor:
-        k, v = cache.window(layer, plan.blocks, q.shape[0], plan.window)  # [B, Hkv, W, D]
-        if p.softcap is not None:  # Gemma 2: tanh soft-cap of the scores
-            return capped_attention(q, k, v, plan.mask(p.window)[:, None, None, :], scale=p.scale, softcap=p.softcap)
         b, hkv, g, d = q.shape
-        if plan.heads_outside:  # batch pairs in (kv head, slot) order: K/V fold without a copy
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         n, w = b * hkv, plan.window
-        scores = torch.baddbmm(plan.batch_mask(p.window, hkv), q.reshape(n, g, d),
-                               k.reshape(n, w, d).transpose(1, 2), alpha=p.scale)  # [N, G, W]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.bmm(probs, v.reshape(n, w, d))  # [N, G, D]
-        return out.view(hkv, b, g, d).transpose(0, 1) if plan.heads_outside else out.view(b, hkv, g, d)
+        if plan.kv is not None:  # batch pairs in (slot, kv head) order
+            k, v = plan.kv[layer].unbind(0)  # [N, W, D] views
+            q3 = q.reshape(n, g, d)
+        else:  # a gathered window keeps heads outside: (kv head, slot) order folds without a copy
+            k, v = (t.transpose(0, 1).reshape(n, w, d) for t in cache.gather(layer, plan.blocks, b, w))
+            q3 = q.transpose(0, 1).reshape(n, g, d)
+        mask = plan.batch_mask(p.window, hkv)  # [N, 1, W]
+        if p.softcap is not None:  # Gemma 2: tanh soft-cap of the scores
+            out = capped_attention(q3, k, v, mask, scale=p.scale, softcap=p.softcap)
+        else:
+            scores = torch.baddbmm(mask, q3, k.transpose(1, 2), alpha=p.scale)  # [N, G, W]
+            out = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)  # [N, G, D]
+        return out.view(b, hkv, g, d) if plan.kv is not None else out.view(hkv, b, g, d).transpose(0, 1)
 
 
 class _GatherPlan:
-    """Per-step data of ``GatherAttention``: the slots' blocks (None: slot regions) and additive
-    masks (slot ``b`` sees positions ``<= pos[b]``, and with a sliding window ``> pos[b] - window``),
-    built once per step for each distinct window the layers use."""
+    """Per-step data of ``GatherAttention``: the K/V views of the slot regions ``kv`` (contiguous
+    cache) or the slots' blocks to gather, and additive masks (slot ``b`` sees positions
+    ``<= pos[b]``, and with a sliding window ``> pos[b] - window``), built once per step for
+    each distinct window the layers use."""
 
-    def __init__(self, blocks: Optional[Tensor], pos: Tensor, window: int, dtype: torch.dtype,
-                 heads_outside: bool) -> None:
-        self.blocks, self.pos, self.window, self.dtype = blocks, pos, window, dtype
-        self.heads_outside = heads_outside
+    def __init__(self, blocks: Optional[Tensor], kv: Optional[Tensor], pos: Tensor, window: int,
+                 dtype: torch.dtype) -> None:
+        self.blocks, self.kv, self.pos, self.window, self.dtype = blocks, kv, pos, window, dtype
         self._masks: dict[Optional[int], Tensor] = {}
-        self._batch_masks: dict[Optional[int], Tensor] = {}
 
-    def mask(self, sliding: Optional[int]) -> Tensor:
-        """``[B, W]`` additive mask (0 or -inf) in the step's dtype."""
+    def batch_mask(self, sliding: Optional[int], hkv: int) -> Tensor:
+        """``[B * Hkv, 1, W]`` additive mask (0 or -inf, the step's dtype) of each (slot, kv head)
+        pair in ``attend``'s batch order."""
         if sliding not in self._masks:
             keys = torch.arange(self.window, device=self.pos.device)
             hidden = keys > self.pos[:, None]  # [B, W]
             if sliding is not None:
                 hidden |= keys <= self.pos[:, None] - sliding
-            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.pos.device)
-            self._masks[sliding] = mask.masked_fill_(hidden, float("-inf"))
-        return self._masks[sliding]
-
-    def batch_mask(self, sliding: Optional[int], hkv: int) -> Tensor:
-        """The mask of each (slot, kv head) pair in ``attend``'s batch order: ``[B * Hkv, 1, W]``."""
-        if sliding not in self._batch_masks:
-            m = self.mask(sliding)
+            m = torch.zeros(hidden.shape, dtype=self.dtype, device=self.pos.device).masked_fill_(hidden, float("-inf"))
             b, w = m.shape
-            m = m.expand(hkv, b, w) if self.heads_outside else m[:, None].expand(b, hkv, w)
-            self._batch_masks[sliding] = m.reshape(b * hkv, 1, w)
-        return self._batch_masks[sliding]
+            m = m[:, None].expand(b, hkv, w) if self.kv is not None else m.expand(hkv, b, w)
+            self._masks[sliding] = m.reshape(b * hkv, 1, w)
+        return self._masks[sliding]
 
 
 class FlashPagedAttention:
