@@ -338,9 +338,10 @@ def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], 
     return qkv
 
 
-# A prefill's MLP runs over row chunks of this many tokens (without TP: each chunk is complete). The
-# [M, 2I] intermediates of a long prefill otherwise take fresh memory from the OS for every layer
-# (glibc returns freed multi-MB blocks), and the page faults cost CPUs a third of a prefill.
+# A prefill's MLP runs over row chunks of this many tokens (without TP: each chunk is complete, so
+# no extra all-reduce). The [M, 2I] intermediates of a long prefill otherwise take fresh pages from
+# the OS in every layer (glibc hands freed multi-MB blocks back): on CPU the page faults were 29%
+# of a 1075-token prefill (docs/benchmarks.md).
 _MLP_ROWS = 256
 
 
