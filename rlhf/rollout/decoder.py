@@ -288,26 +288,16 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-def head_rope(cos: Tensor, sin: Tensor, spec: DecoderSpec) -> tuple[Tensor, Tensor]:
-    """Per-head rope factors ``[..., H + 2Hkv, D]`` for a fused q|k|v tensor.
-
-    q and k heads get ``cos`` / signed ``sin`` (``[..., D]`` rows of the tables), v heads get
-    cos = 1, sin = 0 so that rotating the whole fused tensor leaves v unchanged (exactly).
-    """
-    n_rot = spec.num_heads + spec.num_kv_heads
-    is_rot = (torch.arange(n_rot + spec.num_kv_heads, device=cos.device) < n_rot)[:, None]  # [Hall, 1]
-    c = torch.where(is_rot, cos.unsqueeze(-2), torch.ones((), dtype=cos.dtype, device=cos.device))
-    s = torch.where(is_rot, sin.unsqueeze(-2), torch.zeros((), dtype=sin.dtype, device=sin.device))
-    return c, s
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin = roll(x, R/2) * sin_signed``,
-    on the leading ``R = cos.shape[-1]`` dims of each head (partial rotary: the rest pass through)."""
+def apply_rope_(qk: Tensor, cos: Tensor, sin_signed: Tensor) -> None:
+    """In place on the q and k heads ``qk`` ``[..., Hq + Hkv, D]`` (a view of the fused projection):
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin = roll(x, R/2) * sin_signed``, on
+    the leading ``R = cos.shape[-1]`` dims of each head (partial rotary: the rest pass through).
+    ``cos, sin_signed`` ``[..., 1, R]`` (rows of the tables) broadcast over the heads; v is never
+    touched, so no per-head factor tensors and no copy of the fused tensor are needed."""
     r = cos.shape[-1]
-    if r < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :r], cos, sin_signed), x[..., r:]), dim=-1)
-    return torch.addcmul(x * cos, x.roll(r // 2, dims=-1), sin_signed)
+    x = qk[..., :r] if r < qk.shape[-1] else qk
+    rot = x.roll(r // 2, dims=-1)
+    x.mul_(cos).addcmul_(rot, sin_signed)
 
 
 def _residual_linear(x: Tensor, a: Tensor, w: Tensor, b: Tensor | None, tp_group: Any,
@@ -335,21 +325,31 @@ def _rank(group: Any) -> int:
 def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], cos: Tensor, sin: Tensor) -> Tensor:
     """Fused, normed (qwen3) and rotated q|k|v: ``x`` ``[M, hidden]`` -> ``[*lead, H + 2Hkv, D]``.
 
-    ``lead`` splits the M rows (``(B,)`` or ``(P, Tp)``); ``cos, sin`` are the per-head
-    factors of ``head_rope``, broadcastable to the result.
+    ``lead`` splits the M rows (``(B,)`` or ``(P, Tp)``); ``cos, sin`` ``[*lead, 1, R]``: the rope
+    table rows of each token's position.
     """
     qkv = F.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw.qkv_w, lw.qkv_b)
     qkv = qkv.view(*lead, -1, spec.head_dim)
+    n_qk = spec.num_heads + spec.num_kv_heads
     if lw.qk_norm is not None:  # per-head RMSNorm of q and k (not v) before rope
-        n_qk = spec.num_heads + spec.num_kv_heads
         normed = rms_norm(qkv[..., :n_qk, :], lw.qk_norm, spec.rms_norm_eps)
         qkv = torch.cat((normed, qkv[..., n_qk:, :]), dim=-2)
-    return apply_rope(qkv, cos, sin)
+    apply_rope_(qkv[..., :n_qk, :], cos, sin)
+    return qkv
+
+
+# A prefill's MLP runs over row chunks of this many tokens (without TP: each chunk is complete, so
+# no extra all-reduce). The [M, 2I] intermediates of a long prefill otherwise take fresh pages from
+# the OS in every layer (glibc hands freed multi-MB blocks back): on CPU the page faults were 29%
+# of a 1075-token prefill (docs/benchmarks.md).
+_MLP_ROWS = 256
 
 
 def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any) -> Tensor:
     """``x + down(act(gate(g)) * up(g))``, ``g = RMSNorm(x)``; ``x`` ``[M, hidden]``; routed
     experts in a MoE layer (``rlhf.models.moe``)."""
+    if tp_group is None and x.shape[0] > _MLP_ROWS:
+        return torch.cat([_mlp(spec, lw, rows, None) for rows in x.split(_MLP_ROWS)])
     g = rms_norm(x, lw.post_norm, spec.rms_norm_eps)
     eps, a = spec.rms_norm_eps, spec.arch
     if lw.router_w is not None:
@@ -402,7 +402,7 @@ def prefill(
     """
     p, total = last_index.shape[0], input_ids.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    c, s = head_rope(cos[:, positions], sin[:, positions], spec)  # [K, Ttot, Hall, R] per rope table
+    c, s = cos[:, positions, None], sin[:, positions, None]  # [K, Ttot, 1, R] per rope table
     index = cache.prefill_index(slots, 0, width)  # [M * 2Hkv * width] cache rows, shared by the layers
     masks = arch.Masks(None, width, input_ids.device)
     x = arch.embed(spec.arch, w.embed, input_ids)  # [Ttot, hidden]
@@ -451,7 +451,7 @@ def prefill_chunk(
     n = input_ids.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     positions = torch.arange(start, start + n, device=input_ids.device)
-    c, s = head_rope(cos[:, positions], sin[:, positions], spec)  # [K, c, Hall, R]
+    c, s = cos[:, positions, None], sin[:, positions, None]  # [K, c, 1, R]
     index = cache.prefill_index(slots, start, n)
     window = start + n
     g = h // hkv
@@ -495,7 +495,7 @@ def decode(
     """
     b = tokens.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    c, s = head_rope(cos[:, pos], sin[:, pos], spec)  # [K, B, Hall, R]
+    c, s = cos[:, pos, None], sin[:, pos, None]  # [K, B, 1, R]
     index = cache.decode_index(pos)  # [B * 2Hkv]
     x = arch.embed(spec.arch, w.embed, tokens)  # [B, hidden]
     plan = cache.decode_plan(b, pos, window, x.dtype)  # the attention kernel's per-step data

@@ -17,10 +17,11 @@ requeues a sequence instead of failing (vLLM's PagedAttention with recompute pre
 Kwon et al. 2023). The samples of a prompt share its full blocks (ref-counted).
 
 When the budget holds every slot at ``max_seq_len`` there is nothing to save, and decode
-speed wins: the contiguous mode gives slot ``s`` the fixed blocks ``[s * MB, (s + 1) * MB)``
-so that attention reads the live slots' K/V as one view instead of gathering them per layer
-(see ``PagedKVCache``). Decode attention reads the cache through a kernel
-(``rlhf.rollout.paged_attention``).
+speed wins: the contiguous mode reads each layer's buffer as fixed slot regions
+``[2, S, Hkv, T, D]`` (K of every slot, then V; ``T = MB * BS``), so that attention reads the
+live slots' K/V in place as ``[B * Hkv, W, D]`` batches of one stride (one batched matmul,
+no gather; a slot's heads are neighbours in memory) (see ``PagedKVCache``). Decode attention
+reads the cache through a kernel (``rlhf.rollout.paged_attention``).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ class PagedKVCache:
       can be shared by its samples (``share``, ref-counted: a block returns to the free list
       when its last holder releases it); moving a sequence to another slot moves its table row.
     * contiguous (``start(contiguous=True)``, only when every slot fits at ``max_seq_len``):
-      slot ``s`` always uses the blocks ``[s * MB, (s + 1) * MB)``, so the K/V of slots
-      ``[0, B)`` are one strided view and decode attention reads them without a gather;
-      moving a sequence copies its K/V (compaction, once per finished sequence) instead.
+      the buffer of a layer is read as slot regions ``[2, S, Hkv, T, D]`` instead of blocks
+      (``regions``; the block table is not used), so the K/V of slots ``[0, B)`` are views
+      and decode attention reads them without a gather; moving a sequence copies its K/V
+      (compaction, once per finished sequence) instead.
 
     Args:
         num_blocks: blocks available to sequences (``budget_tokens // block_size``); one
@@ -85,13 +87,18 @@ class PagedKVCache:
         self.num_kv_heads, self.block_size, self.head_dim = num_kv_heads, block_size, head_dim
         self.max_seq_len, self.blocks_per_seq = max_seq_len, blocks_per_seq
         self.scratch = num_blocks
+        self._rows_of = [self.kv[i].view(-1, head_dim) for i in range(num_layers)]  # a layer's K/V rows
         self.table = torch.full((num_slots, blocks_per_seq), self.scratch, dtype=torch.int64, device=device)
         self.owned: list[list[int]] = [[] for _ in range(num_slots)]  # host mirror of the table rows
         self.refs = [0] * num_blocks  # holders of each block (slots and parked sequences)
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.contiguous = False
+        self._regions: Tensor | None = None
         self._used = 0  # blocks held (contiguous mode)
         self._head_rows = torch.arange(2 * num_kv_heads, device=device) * ((num_blocks + 1) * block_size)
+        # contiguous mode: row of (slot 0, K/V head j, position 0) in a layer's buffer read as regions
+        t, j = blocks_per_seq * block_size, torch.arange(2 * num_kv_heads, device=device)
+        self._region_rows = ((j // num_kv_heads) * num_slots * num_kv_heads + j % num_kv_heads) * t
         self.attention = attention or GatherAttention()
         self._window = torch.empty(0, dtype=dtype, device=device)  # gather buffer, reused on CPU
 
@@ -120,11 +127,8 @@ class PagedKVCache:
         if self.num_free != self.num_blocks:
             raise RuntimeError("PagedKVCache.start: blocks of an earlier call are still held")
         self.contiguous = contiguous and self.fits_every_slot
-        if self.contiguous:
-            mb = self.blocks_per_seq
-            self.table.copy_(torch.arange(self.num_slots * mb, device=self.table.device).view(-1, mb))
-        else:
-            self.table.fill_(self.scratch)
+        self.table.fill_(self.scratch)  # (contiguous mode addresses slot regions, not the table)
+        self._regions = self._region_view() if self.contiguous else None
 
     # ------------------------------------------------------------------ blocks
 
@@ -203,15 +207,12 @@ class PagedKVCache:
     def move(self, src: list[int], dst: list[int]) -> None:
         """Slot ``dst[i]`` takes over the sequence of slot ``src[i]`` (``dst`` slots are empty)."""
         dev = self.table.device
-        if self.contiguous:  # copy the K/V between the slots' regions, all layers at once
-            mb = self.blocks_per_seq
-            frm = [a * mb + c for a in src for c in range(len(self.owned[a]))]
-            to = [b * mb + c for a, b in zip(src, dst) for c in range(len(self.owned[a]))]
-            if frm:
-                self.kv.index_copy_(2, torch.tensor(to, device=dev),
-                                    self.kv.index_select(2, torch.tensor(frm, device=dev)))
+        if self.contiguous:  # copy the K/V the sequence holds between the slots' regions, all layers at once
+            mb, regions = self.blocks_per_seq, self.regions()
             for a, b in zip(src, dst):
-                self.owned[b] = [b * mb + c for c in range(len(self.owned[a]))]
+                n = len(self.owned[a])
+                regions[:, :, b, :, : n * self.block_size].copy_(regions[:, :, a, :, : n * self.block_size])
+                self.owned[b] = [b * mb + c for c in range(n)]
                 self.owned[a] = []
             return
         s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
@@ -222,9 +223,25 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ addressing
 
+    def regions(self) -> Tensor:
+        """Every layer's buffer read as slot regions, ``[L, 2, S, Hkv, T, D]`` views (contiguous mode):
+        slot ``s`` keeps K (``[:, 0]``) and V (``[:, 1]``) of its positions ``[0, T)`` there."""
+        assert self._regions is not None, "slot regions exist in contiguous mode only"
+        return self._regions
+
+    def _region_view(self) -> Tensor:
+        mb, h, d = self.blocks_per_seq, self.num_kv_heads, self.head_dim
+        size = 2 * self.num_slots * h * mb * self.block_size * d  # <= a layer's buffer when every slot fits
+        return self.kv.view(self.num_layers, -1)[:, :size].view(self.num_layers, 2, self.num_slots, h, -1, d)
+
     def rows(self, slots: Tensor, positions: Tensor) -> Tensor:
         """Rows of ``kv[layer].view(-1, D)`` holding K and V of ``positions`` ``[..., T]`` of
-        ``slots`` ``[...]``: ``[..., 2Hkv, T]``. Positions a slot does not own hit the scratch block."""
+        ``slots`` ``[...]``: ``[..., 2Hkv, T]``. Positions a slot does not own hit the scratch block
+        (paged mode) or its own region (contiguous mode)."""
+        if self.contiguous:
+            t = self.blocks_per_seq * self.block_size
+            flat = slots[..., None] * (self.num_kv_heads * t) + positions.clamp(max=t - 1)  # [..., T]
+            return flat[..., None, :] + self._region_rows[:, None]
         cols = (positions // self.block_size).clamp(max=self.table.shape[1] - 1)
         block = self.table[slots[..., None], cols]  # [..., T]
         flat = block * self.block_size + positions % self.block_size  # [..., T] row of each position in head 0
@@ -243,22 +260,15 @@ class PagedKVCache:
 
     def write(self, layer: int, index: Tensor, kv: Tensor) -> None:
         """Store ``kv`` (``[M, 2Hkv, T, D]`` or ``[B, 2Hkv, D]``) at ``index`` rows."""
-        self.kv[layer].view(-1, self.head_dim).index_copy_(0, index, kv.reshape(-1, self.head_dim))
+        self._rows_of[layer].index_copy_(0, index, kv.reshape(-1, self.head_dim))
 
     def view(self, layer: int, slots: Tensor, window: int) -> tuple[Tensor, Tensor]:
         """K and V of slots ``slots`` ``[B]``, positions ``[0, window)``: ``[B, Hkv, window, D]`` each."""
+        if self.contiguous:
+            kv = self.regions()[layer, :, slots, :, :window]
+            return kv[0], kv[1]
         blocks = self.table[slots, : self.blocks_for(window)].reshape(-1)
         return self.gather(layer, blocks, slots.shape[0], window)
-
-    def window(self, layer: int, blocks: Tensor, b: int, window: int) -> tuple[Tensor, Tensor]:
-        """K and V ``[B, Hkv, window, D]`` of slots ``[0, b)`` whose first blocks are ``blocks``:
-        strided views in contiguous mode, else ``gather``."""
-        if not self.contiguous:
-            return self.gather(layer, blocks, b, window)
-        h, mb = self.num_kv_heads, self.blocks_per_seq
-        kv = self.kv[layer, :, : self.num_slots * mb].view(2 * h, self.num_slots, mb * self.block_size, self.head_dim)
-        kv = kv[:, :b, :window].transpose(0, 1)
-        return kv[:, :h], kv[:, h:]
 
     def gather(self, layer: int, blocks: Tensor, b: int, window: int) -> tuple[Tensor, Tensor]:
         """K and V ``[B, Hkv, window, D]`` of ``b`` slots whose first ``n`` blocks are ``blocks`` ``[B * n]``.

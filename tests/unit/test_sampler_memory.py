@@ -176,3 +176,23 @@ def test_fresh_sampler_per_step_by_default(free):
     from rlhf.config import RolloutConfig
 
     assert RolloutConfig().free_cache_engine is free
+
+
+def test_prefill_mlp_over_row_chunks_matches_one_pass(monkeypatch):
+    """The MLP over row chunks (bounded temporaries in long prefills, ``decoder._MLP_ROWS``) gives
+    the tokens and log-probs of one pass over all rows."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)
+    whole = _sampler().generate(PROMPTS, params)
+    rows: list[int] = []
+    mlp = decoder._mlp
+
+    def spy(spec, lw, x, tp_group):
+        rows.append(x.shape[0])
+        return mlp(spec, lw, x, tp_group)
+
+    monkeypatch.setattr(decoder, "_mlp", spy)
+    monkeypatch.setattr(decoder, "_MLP_ROWS", 4)  # the 20-token prefill in 5 chunks, 10-slot decode steps in 3
+    chunked = _sampler().generate(PROMPTS, params)
+    assert max(rows) > 4 and 4 in rows
+    assert torch.equal(chunked.response_ids, whole.response_ids)
+    torch.testing.assert_close(chunked.log_probs, whole.log_probs, atol=1e-5, rtol=0)
