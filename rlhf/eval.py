@@ -9,6 +9,11 @@ of ranks. Metrics (rlhf.evaluation): pass@1 (mean over samples), unbiased pass@k
 2021), maj@k (needs a reward that returns ``pred``, e.g. ``math``), mean response length and
 truncation rate, per data_source and over all. ``--out DIR`` writes ``summary.json`` and
 ``generations.jsonl`` (one row per sample).
+
+A policy trained with tools (``rollout.multi_turn``) is evaluated with them:
+``--tool-config configs/tools/calculator.yaml`` lists the tools in the prompt's chat template and
+runs the same agent loop as training (``--max-assistant-turns``, ``--max-tool-response-length``,
+verl's names); the summary then carries the tool-use metrics (``agent/tool_calls_per_traj``, ...).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import time
 from pathlib import Path
 
-from rlhf.config import ConfigError, RolloutConfig
+from rlhf.config import ConfigError, MultiTurnConfig, RolloutConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +50,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reward-workers", type=int, default=4, help="reward processes per rank (0: in-process)")
     ap.add_argument("--reward-timeout", type=float, default=30.0, help="seconds per reward call; then it scores 0")
+    tools = MultiTurnConfig()
+    ap.add_argument("--tool-config", default="", help="tools yaml (rollout.multi_turn.tool_config_path): "
+                                                      "multi-turn generation with these tools")
+    ap.add_argument("--max-assistant-turns", type=int, default=tools.max_assistant_turns)
+    ap.add_argument("--max-tool-response-length", type=int, default=tools.max_tool_response_length,
+                    help="characters of a tool result kept")
+    ap.add_argument("--tool-workers", type=int, default=tools.num_workers, help="tool processes per rank")
+    ap.add_argument("--tool-timeout", type=float, default=tools.tool_timeout_s, help="seconds per tool call")
     args = ap.parse_args(argv)
     if args.n < 1:
         raise ConfigError(f"--n must be >= 1, got {args.n}")
@@ -57,6 +70,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     """Run the evaluation on every rank; rank 0 returns ``{"summary", "generations"}`` (others: {})."""
     import torch
 
+    from rlhf.agent.rollout import make_agent
+    from rlhf.agent.tools import load_tool_config, tool_schemas
     from rlhf.checkpoint_export import hf_model_dir
     from rlhf.data.dataset import load_prompt_dataset
     from rlhf.evaluation import format_table, score_batch, summarize
@@ -67,6 +82,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     from rlhf.rollout.reshard import RolloutLayout
 
     env = init_distributed(args.device)
+    # checked before any work: every failure is one line naming --tool-config
+    tools = tool_schemas(load_tool_config(args.tool_config, "--tool-config")) if args.tool_config else None
     dtype = args.dtype or ("bfloat16" if env.device.type == "cuda" else "float32")
     try:
         scorer = make_scorer(args.reward, num_workers=args.reward_workers, timeout_s=args.reward_timeout)
@@ -75,9 +92,13 @@ def evaluate(args: argparse.Namespace) -> dict:
     with hf_model_dir(args.model) as model_dir:  # a checkpoint dir is exported to a temporary directory
         tokenizer = load_tokenizer(model_dir, key="--model")
         model = load_causal_lm(model_dir, dtype=dtype, key="--model").to(env.device).eval()
+    multi_turn = MultiTurnConfig(enable=bool(args.tool_config), tool_config_path=args.tool_config,
+                                 max_assistant_turns=args.max_assistant_turns,
+                                 max_tool_response_length=args.max_tool_response_length,
+                                 num_workers=args.tool_workers, tool_timeout_s=args.tool_timeout)
     ds = load_prompt_dataset(args.data, tokenizer, prompt_key=args.prompt_key, max_prompt_length=args.max_prompt_length,
                              truncation="error", filter_overlong_prompts=True,
-                             apply_chat_template=not args.no_chat_template)
+                             apply_chat_template=not args.no_chat_template, tools=tools)
     if env.is_main:
         print(f"[rlhf.eval] {ds.stats.summary()}", flush=True)
     n_prompts = min(len(ds), args.limit) if args.limit > 0 else len(ds)
@@ -87,13 +108,19 @@ def evaluate(args: argparse.Namespace) -> dict:
                           extra_infos=[e.extra_info for e in mine])
     rcfg = RolloutConfig(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tp=args.tp,
                          max_num_seqs=args.max_num_seqs, seed=args.seed)
+    layout = RolloutLayout.build(args.tp, env.device.type)
     engine = RolloutEngine(rcfg, tokenizer, max_prompt_length=args.max_prompt_length,
-                           max_response_length=args.max_new_tokens, device=env.device, dtype=model.dtype,
-                           layout=RolloutLayout.build(args.tp, env.device.type))
+                           max_response_length=args.max_new_tokens, device=env.device, dtype=model.dtype, layout=layout)
+    agent = make_agent(multi_turn, tokenizer, layout)
+    turns = agent.turns() if agent is not None else None
     t0 = time.perf_counter()
     with torch.no_grad():
-        batch, _ = engine.generate(model, model.config, prompts, step=0, n=args.n, temperature=args.temperature)
+        batch, _ = engine.generate(model, model.config, prompts, step=0, n=args.n, temperature=args.temperature,
+                                   turns=turns)
     seconds = time.perf_counter() - t0
+    tool_use = agent.metrics(batch, turns) if agent is not None else {}  # global: every rank takes part
+    if agent is not None:
+        agent.close()
     records = score_batch(scorer, batch)
     scorer.close()
     text_by_key = {e.index: e.prompt_text for e in mine}
@@ -106,6 +133,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     rows = sorted((r for p in pieces for r in p[1]), key=lambda r: (r["data_source"], r["key"], r["sample"]))
     summary = summarize(records)
     print(format_table(summary), flush=True)
+    if tool_use:
+        summary["tool_use"] = tool_use  # beside the data sources in summary.json
+        print("[rlhf.eval] " + ", ".join(f"{k} {v:.4g}" for k, v in tool_use.items() if "tool_errors/" not in k),
+              flush=True)
     print(f"[rlhf.eval] {len(records)} samples of {n_prompts} prompts in {seconds:.2f} s on {env.world_size} rank(s)",
           flush=True)
     if args.out:

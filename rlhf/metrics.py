@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 import torch
 
-from rlhf.trackers import flatten_config, mlflow_name, tensorboard_config, wandb_run_id
+from rlhf.trackers import flatten_config, mlflow_name, mlflow_start_run, tensorboard_config, wandb_run_id
 
 BACKENDS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")
 # Backend -> (module that must be importable, pip package).
@@ -179,9 +179,7 @@ class MetricsLogger:
                 if mlflow.get_experiment_by_name(project) is None:
                     mlflow.create_experiment(project, (self.output_dir / "mlartifacts").resolve().as_uri())
             mlflow.set_experiment(project)
-            mlflow.start_run(run_name=experiment)
-            if config:
-                mlflow.log_params(flatten_config(config))
+            mlflow_start_run(mlflow, self.output_dir, experiment, flatten_config(config) if config else {})
             self._mlflow = mlflow
         if "wandb" in self.backends:
             try:

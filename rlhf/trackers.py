@@ -10,6 +10,9 @@
   run id is kept in the output directory (:func:`wandb_run_id`): the first job of a
   directory draws one, every later job there reuses it (``resume="allow"``); a fresh
   directory (or one whose outputs were deleted) is a new run, never an old run continued.
+  mlflow draws its own run ids, so the id it gave the directory's first job is kept the same
+  way (``<output_dir>/mlflow_run_id``) and a later job reopens that run
+  (:func:`mlflow_start_run`); a stored id that the tracking store no longer has starts a new run.
 """
 
 from __future__ import annotations
@@ -68,3 +71,36 @@ def tensorboard_config(writer: Any, config: Mapping[str, Any], metric_names: Seq
         writer.file_writer.add_summary(summary)
     text = yaml.safe_dump(dict(config), sort_keys=False)
     writer.add_text("config", "    " + text.replace("\n", "\n    "))  # a markdown code block
+
+
+def mlflow_start_run(mlflow: Any, output_dir: str | Path, run_name: str, params: Mapping[str, Any]) -> str:
+    """Start the mlflow run of ``output_dir`` (reopened when an earlier job there started it) and log
+    ``params``; returns the run id.
+
+    mlflow refuses to change a logged parameter, and a resumed job may legitimately differ (a longer
+    ``trainer.total_training_steps``): parameters the run already has keep their first value, and
+    the keys whose value changed are listed in the run's tag ``rlhf.params_changed_on_resume``.
+    """
+    path = Path(output_dir) / "mlflow_run_id"
+    stored = path.read_text().strip() if path.is_file() else ""
+    old: dict[str, str] | None = None
+    if stored:
+        try:
+            run = mlflow.tracking.MlflowClient().get_run(stored)
+        except mlflow.exceptions.MlflowException:  # another tracking store, or the run was deleted there
+            run = None
+        if run is not None and run.info.lifecycle_stage == "active":
+            old = dict(run.data.params)
+    if old is None:
+        run_id = mlflow.start_run(run_name=run_name).info.run_id
+        path.write_text(run_id + "\n")
+        old = {}
+    else:
+        run_id = mlflow.start_run(run_id=stored).info.run_id
+    new = {k: v for k, v in params.items() if k not in old}
+    if new:
+        mlflow.log_params(new)
+    changed = sorted(k for k, v in params.items() if k in old and old[k] != str(v))
+    if changed:
+        mlflow.set_tag("rlhf.params_changed_on_resume", ", ".join(changed))
+    return run_id

@@ -72,6 +72,62 @@ def _resume_mode(v: Any) -> dict:
     raise ConfigError(f"verl key 'trainer.resume_mode={v}': expected auto, disable or resume_path")
 
 
+# verl's algorithm.rollout_correction (docs/algo/rollout_corr.md), its older loss_type included.
+_ROLLOUT_CORRECTION_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+                            "rollout_rs_threshold", "rollout_rs_threshold_lower", "rollout_token_veto_threshold",
+                            "bypass_mode", "use_policy_gradient", "loss_type")
+
+
+def _rollout_correction(v: Any) -> dict:
+    """verl's ``algorithm.rollout_correction`` block as native keys.
+
+    Decoupled mode (``bypass_mode: false``) with token-level weights is truncated importance
+    sampling against the recomputed old policy: ``actor.tis_imp_ratio_cap``. Bypass mode is
+    ``actor.policy_loss: bypass_mode``, with the PPO loss (the ratio against the rollout policy is
+    the weight) or, ``use_policy_gradient`` / ``loss_type: reinforce``, REINFORCE with truncated
+    token- or sequence-level weights. Rejection sampling, the veto, batch-normalised weights and
+    sequence-level weights in decoupled mode are refused: the results would differ.
+    """
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"verl key 'algorithm.rollout_correction={v}': expected a mapping of its settings")
+    key = "verl key 'algorithm.rollout_correction."
+    unknown = sorted(set(v) - set(_ROLLOUT_CORRECTION_KEYS))
+    if unknown:
+        raise ConfigError(f"{key}{unknown[0]}' has no equivalent here (README: 'Coming from verl')")
+    for name in ("rollout_rs", "rollout_token_veto_threshold"):
+        if v.get(name) is not None:
+            raise ConfigError(f"{key}{name}={v[name]}' is not supported here: rejection sampling is not "
+                              "implemented (importance weights only)")
+    if v.get("rollout_is_batch_normalize"):
+        raise ConfigError(f"{key}rollout_is_batch_normalize=True' is not supported here: weights are not "
+                          "batch-normalised")
+    level = v.get("rollout_is")
+    if level not in (None, "token", "sequence"):
+        raise ConfigError(f"{key}rollout_is={level}': expected token, sequence or null")
+    loss_type = v.get("loss_type")
+    if loss_type not in (None, "ppo_clip", "reinforce"):
+        raise ConfigError(f"{key}loss_type={loss_type}': expected ppo_clip or reinforce")
+    threshold = 2.0 if v.get("rollout_is_threshold") is None else float(v["rollout_is_threshold"])
+    reinforce = bool(v.get("use_policy_gradient")) or loss_type == "reinforce"
+    if not v.get("bypass_mode"):
+        if reinforce:
+            raise ConfigError(f"{key}use_policy_gradient=True' is supported with bypass_mode=True only")
+        if level == "sequence":
+            raise ConfigError(f"{key}rollout_is=sequence' with bypass_mode=False is not supported here: "
+                              "decoupled mode weights tokens (rollout_is=token, actor.tis_imp_ratio_cap)")
+        return {"actor.tis_imp_ratio_cap": threshold} if level == "token" else {}
+    if not reinforce:
+        if level is not None:
+            raise ConfigError(f"{key}rollout_is={level}' with bypass_mode and the PPO loss is not supported "
+                              "here: its ratio to the rollout policy is the weight; set rollout_is=null, or "
+                              "use_policy_gradient=True for weighted REINFORCE")
+        return {"actor.policy_loss": "bypass_mode", "actor.rollout_correction_loss_type": "ppo_clip"}
+    return {"actor.policy_loss": "bypass_mode", "actor.rollout_correction_loss_type": "reinforce",
+            "actor.rollout_is": level or "", "actor.rollout_is_threshold": threshold}
+
+
 _OFFLOAD = "model.param_offload moves parameters, gradients and optimizer state together"
 _PERF = "a performance switch of verl's engines; no effect on the results here"
 _SAMPLER = "the built-in KV-cache sampler generates (no inference engine)"
@@ -275,6 +331,8 @@ RULES: dict[str, Rule] = {
     "custom_reward_function.name": to("reward.reward_fn", "path:name"),
     "custom_reward_function.reward_kwargs": to("reward.reward_kwargs"),
     # ---------------------------------------------------------------- algorithm, data
+    "algorithm.rollout_correction": to("actor.tis_imp_ratio_cap", "importance weights against the rollout policy",
+                                       convert=_rollout_correction),
     "algorithm.use_pf_ppo": only((False,), "no preference-feedback PPO", "PF-PPO reweighting is not supported"),
     "algorithm.pf_ppo": ignored("PF-PPO is off"),
     "data.tokenizer": to("model.tokenizer_path"),

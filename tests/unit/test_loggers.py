@@ -167,3 +167,34 @@ def test_wandb_names_hyperparameters_and_resume_continue_one_run(tmp_path, monke
         pass
     (other,) = (tmp_path / "other" / "wandb").glob("offline-run-*/run-*.wandb")
     assert other.name != files[0].name
+
+
+def test_mlflow_resumed_job_continues_its_run(tmp_path, monkeypatch):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_ids = []
+    # a job, then its resumed continuation in the same output_dir with one setting changed
+    for (first, last), steps in (((1, 2), 4), ((3, 4), 8)):
+        config = {**CONFIG, "trainer": {**CONFIG["trainer"], "total_training_steps": steps}}
+        with MetricsLogger(tmp_path, backends=("mlflow",), total_steps=steps, project="proj", experiment="exp",
+                           config=config) as logger:
+            for step in range(first, last + 1):
+                logger.log(step, {"reward/mean": step / 10})
+            run_ids.append(mlflow.active_run().info.run_id)
+    assert run_ids[0] == run_ids[1]
+    client = MlflowClient(tracking_uri=f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
+    history = client.get_metric_history(run_ids[0], "reward/mean")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    run = client.get_run(run_ids[0])
+    # mlflow cannot change a parameter: the first value stays, the change is named in a tag
+    assert run.data.params["trainer.total_training_steps"] == "4"
+    assert run.data.tags["rlhf.params_changed_on_resume"] == "trainer.total_training_steps"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    # a stored id the store no longer has (run deleted) starts a new run; another directory is another run
+    client.delete_run(run_ids[0])
+    with MetricsLogger(tmp_path, backends=("mlflow",), total_steps=1, project="proj", experiment="exp"):
+        assert mlflow.active_run().info.run_id != run_ids[0]
+    with MetricsLogger(tmp_path / "other", backends=("mlflow",), total_steps=1, project="proj", experiment="exp"):
+        assert mlflow.active_run().info.run_id != run_ids[0]

@@ -208,3 +208,36 @@ def test_readme_verl_table_matches_the_rules():
             assert key in RULES, key
             if target and RULES[key].native:
                 assert RULES[key].native == target.group(1), (key, RULES[key].native)
+
+
+@pytest.mark.parametrize("block, want", [
+    # decoupled token-level truncated IS is our TIS against the recomputed old policy
+    ({"rollout_is": "token", "rollout_is_threshold": 3.0}, {"tis_imp_ratio_cap": 3.0, "policy_loss": "vanilla"}),
+    # verl's defaults (metrics only) change nothing
+    ({"rollout_is": None, "rollout_rs": None, "bypass_mode": False, "rollout_is_batch_normalize": False},
+     {"tis_imp_ratio_cap": -1.0, "policy_loss": "vanilla"}),
+    ({"bypass_mode": True}, {"policy_loss": "bypass_mode", "rollout_correction_loss_type": "ppo_clip"}),
+    ({"bypass_mode": True, "use_policy_gradient": True, "rollout_is": "sequence", "rollout_is_threshold": 5.0},
+     {"policy_loss": "bypass_mode", "rollout_correction_loss_type": "reinforce", "rollout_is": "sequence",
+      "rollout_is_threshold": 5.0}),
+    ({"bypass_mode": True, "loss_type": "reinforce"},
+     {"rollout_correction_loss_type": "reinforce", "rollout_is": "", "tis_imp_ratio_cap": -1.0}),
+])
+def test_rollout_correction_block_maps_to_ours(block, want):
+    overrides = [f"algorithm.rollout_correction.{k}={'null' if v is None else v}" for k, v in block.items()]
+    actor = load_config(None, REQ + overrides).actor
+    assert {k: getattr(actor, k) for k in want} == want
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("rollout_rs=token", "'algorithm.rollout_correction.rollout_rs=token' is not supported here: rejection sampling"),
+    ("rollout_token_veto_threshold=1e-4", "rollout_token_veto_threshold=0.0001' is not supported here"),
+    ("rollout_is_batch_normalize=true", "weights are not batch-normalised"),
+    ("rollout_is=sequence", "'algorithm.rollout_correction.rollout_is=sequence' with bypass_mode=False"),
+    ("use_policy_gradient=true", "use_policy_gradient=True' is supported with bypass_mode=True only"),
+    ("no_such=1", "verl key 'algorithm.rollout_correction.no_such' has no equivalent here"),
+])
+def test_rollout_correction_refusals(override, msg):
+    with pytest.raises(ConfigError, match=re.escape(msg)) as e:
+        load_config(None, REQ + ["algorithm.rollout_correction." + override])
+    assert "\n" not in str(e.value)
