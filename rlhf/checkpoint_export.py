@@ -11,6 +11,11 @@ or a process group, and writes what ``AutoModelForCausalLM.from_pretrained`` loa
 run gives the merged model in ``--out`` and the PEFT adapter in ``--out/adapter``, as the
 run's own ``hf_export`` does. The optimizer state is never read.
 
+``--role critic`` writes a PPO run's critic instead (verl's merger of the ``critic`` directory):
+an ``AutoModelForTokenClassification`` with ``num_labels=1`` whose ``score`` head gives the value
+at every position, based on the run's ``critic.model_path`` (or ``model.path``). It loads as
+``critic.model_path`` of a later run, which then starts from the trained values.
+
 ``python -m rlhf.eval --model <checkpoint dir>`` uses :func:`hf_model_dir` to export into a
 temporary directory first.
 """
@@ -66,9 +71,9 @@ def read_model_state(ckpt: Path, role: str = "actor") -> dict[str, torch.Tensor]
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional[str] = None,
-                      run_config: Optional[str] = None) -> Path:
-    """Write the actor of checkpoint ``ckpt`` as an HF directory ``out``; returns ``out``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+                      run_config: Optional[str] = None, role: str = "actor") -> Path:
+    """Write ``role`` (``actor`` or ``critic``) of checkpoint ``ckpt`` as an HF directory ``out``; returns ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     from rlhf.checkpoint import hf_model_from_state_dict
     from rlhf.models.hub import resolve_model_path
@@ -80,18 +85,29 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
                           "global_step_N with model_optim/)")
     if not (ckpt / "COMPLETE").is_file():
         raise ConfigError(f"--ckpt {ckpt}: an incomplete checkpoint (no COMPLETE marker: the save was interrupted)")
-    model_cfg: dict[str, Any] = _run_config(ckpt, run_config).get("model") or {}
+    if role not in ("actor", "critic"):
+        raise ConfigError(f"--role {role}: expected actor or critic")
+    run = _run_config(ckpt, run_config)
+    model_cfg: dict[str, Any] = run.get("model") or {}
     base = model_path or model_cfg.get("path", "")
+    if role == "critic":
+        base = model_path or (run.get("critic") or {}).get("model_path") or base
     key = "--model-path" if model_path else "model.path of the run's config.yaml (or --model-path)"
     base_dir = check_model_dir(resolve_model_path(base, key), key)
     trust = bool(model_cfg.get("trust_remote_code", False))
     tok_dir = model_path or model_cfg.get("tokenizer_path") or base
     tokenizer = load_tokenizer(str(resolve_model_path(tok_dir, "model.tokenizer_path")), trust)
     config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=trust)
-    sd = read_model_state(ckpt)
+    sd = read_model_state(ckpt, role)
     config.dtype = next(iter(sd.values())).dtype  # the master weights' dtype, as the run's hf_export
     out.mkdir(parents=True, exist_ok=True)
-    if any(".lora_" in k for k in sd):
+    if role == "critic":  # as rlhf.critic.load_value_model builds it
+        config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=trust, num_labels=1,
+                                            classifier_dropout=0.0, dtype=config.dtype)
+        config.architectures = None  # from_config picks the token-classification class; saving names it
+        hf_model_from_state_dict(AutoModelForTokenClassification, config, sd).save_pretrained(
+            str(out), safe_serialization=True)
+    elif any(".lora_" in k for k in sd):
         _write_lora(sd, config, model_cfg, out)
     else:
         hf_model_from_state_dict(AutoModelForCausalLM, config, sd).save_pretrained(str(out), safe_serialization=True)
@@ -149,16 +165,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlhf.checkpoint", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="write a checkpoint's actor as an HF model directory")
+    ex = sub.add_parser("export", help="write a checkpoint's actor (or critic) as an HF model directory")
     ex.add_argument("--ckpt", required=True, help="<output_dir>/checkpoints/global_step_N")
     ex.add_argument("--out", required=True, help="directory for config, safetensors and tokenizer")
     ex.add_argument("--model-path", help="base model directory (config + tokenizer); default: the run's model.path")
     ex.add_argument("--run-config", help="the run's config.yaml; default: <ckpt>/../../config.yaml")
+    ex.add_argument("--role", default="actor", choices=["actor", "critic"],
+                    help="critic: the PPO critic as a token-classification model (num_labels=1)")
     args = ap.parse_args(argv)
 
     def export() -> None:
-        out = export_checkpoint(args.ckpt, args.out, model_path=args.model_path, run_config=args.run_config)
+        out = export_checkpoint(args.ckpt, args.out, model_path=args.model_path, run_config=args.run_config,
+                                role=args.role)
         adapter = " (merged; PEFT adapter in adapter/)" if (out / "adapter").is_dir() else ""
-        print(f"[rlhf] exported {args.ckpt} to {out}{adapter}", flush=True)
+        print(f"[rlhf] exported the {args.role} of {args.ckpt} to {out}{adapter}", flush=True)
 
     run_main(export)

@@ -33,8 +33,6 @@ def validate(cfg: Config) -> None:
         need(mt.max_tool_response_length >= 1, "rollout.multi_turn.max_tool_response_length", "must be >= 1")
         need(mt.num_workers >= 0, "rollout.multi_turn.num_workers", "must be >= 0 (0 = in-process)")
         need(mt.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", "must be > 0 seconds")
-        need(cfg.trainer.mode == "colocated", "rollout.multi_turn.enable",
-             "multi-turn rollouts need trainer.mode colocated (one_step_off does not run tools yet)")
     need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
     need(cfg.actor.ppo_mini_batch_size > 0, "actor.ppo_mini_batch_size", "must be > 0")
     need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",

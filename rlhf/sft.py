@@ -8,9 +8,11 @@ normalised by the global number of such tokens of the batch, so it is independen
 
 Model settings shared with RL: LoRA (``model.lora_rank``: only the adapters train; the
 export holds the merged model and the PEFT adapter), ``model.param_offload``,
-``model.enable_gradient_checkpointing``, ``model.trust_remote_code``. Layout: data
-parallel only; tensor / pipeline / sequence parallelism and padding-free batches are
-refused in one line at load time, never ignored.
+``model.enable_gradient_checkpointing``, ``model.trust_remote_code``, and
+``model.use_remove_padding`` (verl's name): the real tokens of a micro-batch are packed into
+one row with per-sequence attention (:mod:`rlhf.models.packed`, the RL trainer's padding-free
+path), so pads cost nothing; same loss as the padded pass. Layout: data parallel only;
+tensor / pipeline / sequence parallelism are refused in one line at load time, never ignored.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import check_model_dir, load_causal_lm, load_tokenizer
 from rlhf.models.logprobs import position_ids_from_mask
 from rlhf.models.lora import apply_lora
+from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallelize import parallelize_model
 from rlhf.optim import build_optimizer, build_scheduler, clip_grad_norm
 from rlhf.parallel import ParallelDims, all_reduce_sum, init_distributed
@@ -92,11 +95,9 @@ def validate_sft(cfg: SFTConfig) -> None:
         raise ConfigError("config key 'model.lora_rank': must be >= 0")
     # Settings of the shared model / parallel sections that SFT does not implement: refused, not ignored.
     for key, value, default in (("parallel.tp", cfg.parallel.tp, 1), ("parallel.pp", cfg.parallel.pp, 1),
-                                ("parallel.sp", cfg.parallel.sp, 1),
-                                ("model.use_remove_padding", cfg.model.use_remove_padding, False)):
+                                ("parallel.sp", cfg.parallel.sp, 1)):
         if value != default:
-            raise ConfigError(f"config key '{key}': SFT runs padded batches, data parallel only; set {key}={default} "
-                              f"(got {value})")
+            raise ConfigError(f"config key '{key}': SFT runs data parallel only; set {key}={default} (got {value})")
 
 
 def _read_rows(path: str) -> list:
@@ -176,6 +177,38 @@ def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
     return ids, attn, loss_mask
 
 
+def collate_split(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """The RL trainer's layout: left-padded prompts then right-padded responses, ``input_ids`` and
+    ``attention_mask [B, P + R]`` and the loss mask of the responses ``[B, R]``."""
+    P = max(len(p) for p, _, _ in examples)
+    R = max(len(r) for _, r, _ in examples)
+    ids = torch.full((len(examples), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), P + R), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), R), dtype=torch.float32)
+    for i, (p, r, m) in enumerate(examples):
+        ids[i, P - len(p):P], ids[i, P:P + len(r)] = torch.tensor(p), torch.tensor(r)
+        attn[i, P - len(p):P + len(r)] = 1
+        loss_mask[i, :len(r)] = torch.tensor(m, dtype=torch.float32)
+    return ids, attn, loss_mask
+
+
+def sft_loss(model: torch.nn.Module, examples: list[Example], pad_id: int, n_tok: torch.Tensor, device: torch.device,
+             *, packed: bool) -> torch.Tensor:
+    """Cross-entropy summed over the loss-masked response tokens of ``examples``, divided by ``n_tok``
+    (the global count of such tokens of the step). ``packed``: padding-free (one packed row, per
+    sequence attention, logits only where a response token is predicted); else a padded batch."""
+    if packed:
+        ids, attn, rmask = (t.to(device) for t in collate_split(examples, pad_id))
+        log_probs, _ = packed_forward_log_probs(model, ids, attn, response_length=rmask.shape[1])
+        return -(log_probs * rmask).sum() / n_tok
+    ids, attn, lmask = (t.to(device) for t in collate(examples, pad_id))
+    # Predict token t+1 from position t: shift the loss mask by one.
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
+                   use_cache=False).logits[:, :-1].float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return (ce * lmask[:, 1:].reshape(-1)).sum() / n_tok
+
+
 def _setup(cfg: SFTConfig) -> tuple:
     """Everything a dry run checks: process group and layout, model directory, tokenizer, data."""
     env = init_distributed(cfg.trainer.device)
@@ -228,20 +261,15 @@ def run_sft(cfg: SFTConfig, *, dry_run: bool = False) -> dict:
     model.train()
     last = {}
     for step in range(1, total + 1):
-        rows = loader.shard(loader.next_batch(), dp_rank, dims.dp)
-        ids, attn, lmask = (t.to(env.device) for t in collate([data[i] for i in rows], tokenizer.pad_token_id))
-        # Predict token t+1 from position t: shift the loss mask by one.
-        targets, tmask = ids[:, 1:], lmask[:, 1:]
-        n_tok = all_reduce_sum(tmask.sum().double(), dp_group)
+        examples = [data[i] for i in loader.shard(loader.next_batch(), dp_rank, dims.dp)]
+        n_tok = all_reduce_sum(torch.tensor(float(sum(sum(m) for _, _, m in examples)), dtype=torch.float64,
+                                            device=env.device), dp_group)
         opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         mbs = cfg.sft.micro_batch_size_per_gpu
-        for s in range(0, ids.shape[0], mbs):
-            sl = slice(s, s + mbs)
-            logits = model(input_ids=ids[sl], attention_mask=attn[sl], position_ids=position_ids_from_mask(attn[sl]),
-                           use_cache=False).logits[:, :-1].float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[sl].reshape(-1), reduction="none")
-            loss = (ce * tmask[sl].reshape(-1)).sum() / n_tok
+        for s in range(0, len(examples), mbs):
+            loss = sft_loss(model, examples[s:s + mbs], tokenizer.pad_token_id, n_tok, env.device,
+                            packed=cfg.model.use_remove_padding)
             (loss * grad_scale(mesh["dp"])).backward()
             loss_sum += loss.detach().double()
         all_reduce_sum(loss_sum, dp_group)

@@ -6,7 +6,9 @@ the global prompt batch is split over the rollout replicas, the generated rows a
 exchanged inside the group, and each rank sends its partner the rows of the partner's
 dp rank. Sampling is keyed by (seed, batch number, prompt, sample), so B_j with weights
 theta is the same batch colocated mode would draw at step j with theta. See
-pipeline.py for the message order.
+pipeline.py for the message order. With ``rollout.multi_turn`` the rollout ranks run the
+agent loop and its tools (their own worker processes); the tool-use metrics travel with
+the batch, summed over the rollout role as colocated mode sums them over the training ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlhf.agent.rollout import make_agent
 from rlhf.async_rl.pipeline import Schedule
 from rlhf.async_rl.roles import Roles
 from rlhf.async_rl.transfer import WeightReceiver, send_object
@@ -52,6 +55,7 @@ class RolloutWorker:
         self.weights = WeightReceiver(roles.partner, self.device,
                                       (m.lora_alpha, m.lora_rank) if m.lora_rank else None, roles.pair_group)
         self.dp_rank, self.dp = roles.mesh["dp"].get_local_rank(), roles.mesh["dp"].size()
+        self.agent = make_agent(cfg.rollout.multi_turn, self.tokenizer, roles.layout)
         self.idle_s = 0.0  # time spent waiting on the partner since the last batch was sent
 
     def _recv_weights(self) -> dict[str, torch.Tensor]:
@@ -67,9 +71,12 @@ class RolloutWorker:
         local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dp,
                                            c.actor.ppo_mini_batch_size)
         t0 = time.perf_counter()
+        turns = self.agent.turns() if self.agent is not None else None
         batch, stats = self.engine.sample(weights, self.hf_config, prompt_batch(global_idx, self.data.examples),
                                           step=step, n=c.rollout.n, temperature=c.rollout.temperature,
-                                          local_rows=local_rows)
+                                          local_rows=local_rows, turns=turns)
+        if turns is not None:  # each rank holds its partner's dp rows: sum over the role's dp ranks
+            stats.update(self.agent.metrics(batch, turns, self.roles.mesh["dp"].get_group()))
         stats["async/rollout_generate_s"] = time.perf_counter() - t0
         stats["async/rollout_idle_s"] = self.idle_s
         t1 = time.perf_counter()
@@ -79,6 +86,13 @@ class RolloutWorker:
         self.idle_s = time.perf_counter() - t1
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self.agent is not None:
+                self.agent.close()
+
+    def _run(self) -> None:
         sched = Schedule.of(self.start, self.total_steps, self.cfg.trainer.stop_after_steps)
         if sched.idle:
             return

@@ -3,18 +3,32 @@ rollouts with tool calls, tool-use metrics logged, sampler log-probs equal to th
 
 from __future__ import annotations
 
+import pytest
+
 from tests.e2e.conftest import grpo_args, run_script, train_steps
 
+AGENT = ("agent/tool_calls_per_traj", "agent/turns_per_traj", "agent/observation_tokens_per_traj",
+         "agent/tool_error_rate")
 
-def test_grpo_with_tools_runs_and_logs_tool_use(tool_assets, tmp_path):
-    out = tmp_path / "run"
-    args = grpo_args(tool_assets, out, **{
-        "model.path": tool_assets / "tool_model", "data.max_response_length": 128, "rollout.n": 2,
-        "rollout.multi_turn.enable": True, "rollout.multi_turn.tool_config_path": tool_assets / "tools.yaml",
-        "rollout.multi_turn.num_workers": 1, "reward.reward_fn": "gsm8k", "trainer.test_freq": 2})
-    r = run_script("train_grpo.py", args, nproc=2)
+
+def _args(assets, out, **over):
+    return grpo_args(assets, out, **{
+        "model.path": assets / "tool_model", "data.max_response_length": 128, "rollout.n": 2,
+        "rollout.multi_turn.enable": True, "rollout.multi_turn.tool_config_path": assets / "tools.yaml",
+        "rollout.multi_turn.num_workers": 1, "reward.reward_fn": "gsm8k", "trainer.test_freq": 2,
+        "actor.tis_imp_ratio_cap": 2.0, **over})
+
+
+@pytest.fixture(scope="module")
+def colocated(tool_assets, tmp_path_factory) -> dict[int, dict]:
+    out = tmp_path_factory.mktemp("tools_colocated")
+    r = run_script("train_grpo.py", _args(tool_assets, out), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    steps = train_steps(out / "metrics.jsonl")
+    return train_steps(out / "metrics.jsonl")
+
+
+def test_grpo_with_tools_runs_and_logs_tool_use(colocated):
+    steps = colocated
     assert sorted(steps) == [1, 2]
     for row in steps.values():
         assert row["agent/tool_calls_per_traj"] > 0.5 and row["agent/observation_tokens_per_traj"] > 5
@@ -22,6 +36,20 @@ def test_grpo_with_tools_runs_and_logs_tool_use(tool_assets, tmp_path):
         assert row["agent/tool_errors/timeout"] == row["agent/tool_errors/crash"] == 0
         assert row["rollout/logprob_diff_max"] < 1e-3  # stitched trajectories: sampler = trainer
     assert steps[2]["val/agent/tool_calls_per_traj"] > 0.5
+
+
+def test_one_step_off_with_tools_first_step_equals_colocated(tool_assets, colocated, tmp_path):
+    """2 training + 2 rollout ranks: the rollout ranks run the tools; B_1 (theta_0, no lag) is colocated's
+    step 1 exactly, tool-use metrics included (summed over the rollout role)."""
+    r = run_script("train_grpo.py", _args(tool_assets, tmp_path, **{"trainer.mode": "one_step_off"}), nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lagged = train_steps(tmp_path / "metrics.jsonl")
+    assert sorted(lagged) == [1, 2]
+    for key in AGENT + ("reward/mean", "actor/loss", "actor/grad_norm", "response_length/mean"):
+        a, b = colocated[1][key], lagged[1][key]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+    assert lagged[2]["async/policy_lag"] == 1.0 and lagged[2]["agent/tool_calls_per_traj"] > 0.5
+    assert lagged[2]["val/agent/tool_calls_per_traj"] > 0.5  # the training ranks validate with their own tools
 
 
 def test_eval_cli_runs_the_agent_loop_with_tools(tool_assets, tmp_path):

@@ -38,7 +38,7 @@ def test_export_equals_the_runs_hf_export(grpo_run, tiny_assets, tmp_path):
     ckpt = grpo_run / "checkpoints" / "global_step_1"
     r = _module("rlhf.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"exported {ckpt} to {tmp_path / 'hf'}" in r.stdout and "Warning" not in r.stderr
+    assert f"exported the actor of {ckpt} to {tmp_path / 'hf'}" in r.stdout and "Warning" not in r.stderr
     got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(grpo_run / "hf_export" / "model.safetensors")
     assert sorted(got) == sorted(want)
     for name in want:
@@ -88,3 +88,43 @@ def test_export_errors_are_one_line(grpo_run, tmp_path):
     with pytest.raises(ConfigError, match=r"model.path of the run's config.yaml \(or --model-path\): model directory "
                                           r"not found: /moved/away"):
         export_checkpoint(partial, tmp_path / "x")
+
+
+def test_critic_export_is_a_value_model_a_later_run_starts_from(grpo_run, tiny_assets, tmp_path, parity_reward):
+    """``--role critic`` of a PPO checkpoint: the trained critic's tensors, loadable as ``critic.model_path``
+    (values equal to the checkpoint's critic, not to a fresh head's zeros)."""
+    from transformers import AutoModelForTokenClassification
+
+    from rlhf.checkpoint_export import read_model_state
+    from rlhf.critic import load_value_model
+
+    out = tmp_path / "ppo"
+    args = grpo_args(tiny_assets, out, **{"algorithm.adv_estimator": "gae", "critic.lr": 1e-2, "critic.ppo_mini_batch_size": 4,
+                                          "critic.ppo_micro_batch_size_per_gpu": 4,
+                                          "trainer.total_training_steps": 1, "checkpoint.save_freq": 1,
+                                          "data.val_files": "", "reward.num_workers": 0,
+                                          "reward.reward_fn": parity_reward})  # varied rewards: the critic learns
+    r = run_script("train_ppo.py", args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = out / "checkpoints" / "global_step_1"
+    r = _module("rlhf.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "critic"), "--role", "critic")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"exported the critic of {ckpt}" in r.stdout
+    want = read_model_state(ckpt, "critic")
+    exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic").eval()
+    assert exported.config.num_labels == 1 and exported.config.architectures[0].endswith("ForTokenClassification")
+    got = exported.state_dict()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    assert want["score.weight"].abs().sum() > 0  # trained from the zero-initialised head
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+    critic = load_value_model(str(tmp_path / "critic")).eval()
+    with torch.no_grad():
+        values = critic(input_ids=ids).logits
+        assert torch.equal(values, exported(input_ids=ids).logits) and values.abs().sum() > 0
+    # a GRPO checkpoint has no critic: one line
+    from rlhf.checkpoint_export import export_checkpoint
+    from rlhf.config import ConfigError
+
+    with pytest.raises(ConfigError, match="holds no 'critic' model"):
+        export_checkpoint(grpo_run / "checkpoints" / "global_step_1", tmp_path / "x", role="critic")

@@ -104,8 +104,7 @@ def test_multi_turn_config_is_checked():
     assert cfg.rollout.multi_turn.max_assistant_turns == 3 and cfg.rollout.multi_turn.max_user_turns is None
     for bad, key in ((["rollout.multi_turn.enable=true"], "tool_config_path"),
                      (["rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls"),
-                     (["rollout.multi_turn.tool_response_truncate_side=top"], "tool_response_truncate_side"),
-                     (["trainer.mode=one_step_off"], "multi_turn.enable")):
+                     (["rollout.multi_turn.tool_response_truncate_side=top"], "tool_response_truncate_side")):
         over = base + ["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=t.yaml"] + bad
         if key == "tool_config_path":
             over = base + bad
