@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
-import torch.nn.functional as F
 
 from rlhf.config import ConfigError, ModelConfig, ParallelConfig, _f
 from rlhf.config_checks import check_logger
@@ -34,7 +33,7 @@ from rlhf.data.loader import PromptLoader
 from rlhf.metrics import MetricsLogger
 from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import check_model_dir, load_causal_lm, load_tokenizer
-from rlhf.models.logprobs import position_ids_from_mask
+from rlhf.models.logprobs import forward_log_probs
 from rlhf.models.lora import apply_lora
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallelize import parallelize_model
@@ -164,22 +163,8 @@ def tokenize_sft(rows: list, tokenizer, s: SFTSettings) -> tuple[list[Example], 
 
 
 def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Right-padded input_ids, attention_mask and the loss mask (response tokens, not tool results), [B, L]."""
-    L = max(len(p) + len(r) for p, r, _ in examples)
-    ids = torch.full((len(examples), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(examples), L), dtype=torch.long)
-    loss_mask = torch.zeros((len(examples), L), dtype=torch.float32)
-    for i, (p, r, m) in enumerate(examples):
-        seq = p + r
-        ids[i, :len(seq)] = torch.tensor(seq)
-        attn[i, :len(seq)] = 1
-        loss_mask[i, len(p):len(seq)] = torch.tensor(m, dtype=torch.float32)
-    return ids, attn, loss_mask
-
-
-def collate_split(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
     """The RL trainer's layout: left-padded prompts then right-padded responses, ``input_ids`` and
-    ``attention_mask [B, P + R]`` and the loss mask of the responses ``[B, R]``."""
+    ``attention_mask [B, P + R]``, and the loss mask of the responses ``[B, R]`` (0 on tool results)."""
     P = max(len(p) for p, _, _ in examples)
     R = max(len(r) for _, r, _ in examples)
     ids = torch.full((len(examples), P + R), pad_id, dtype=torch.long)
@@ -195,18 +180,13 @@ def collate_split(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, .
 def sft_loss(model: torch.nn.Module, examples: list[Example], pad_id: int, n_tok: torch.Tensor, device: torch.device,
              *, packed: bool) -> torch.Tensor:
     """Cross-entropy summed over the loss-masked response tokens of ``examples``, divided by ``n_tok``
-    (the global count of such tokens of the step). ``packed``: padding-free (one packed row, per
-    sequence attention, logits only where a response token is predicted); else a padded batch."""
-    if packed:
-        ids, attn, rmask = (t.to(device) for t in collate_split(examples, pad_id))
-        log_probs, _ = packed_forward_log_probs(model, ids, attn, response_length=rmask.shape[1])
-        return -(log_probs * rmask).sum() / n_tok
-    ids, attn, lmask = (t.to(device) for t in collate(examples, pad_id))
-    # Predict token t+1 from position t: shift the loss mask by one.
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn),
-                   use_cache=False).logits[:, :-1].float()
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-    return (ce * lmask[:, 1:].reshape(-1)).sum() / n_tok
+    (the global count of such tokens of the step), through the RL trainer's log-prob passes:
+    ``packed`` padding-free (one packed row, per-sequence attention), else the padded batch; both
+    project to the vocabulary only where a response token is predicted."""
+    ids, attn, mask = (t.to(device) for t in collate(examples, pad_id))
+    forward = packed_forward_log_probs if packed else forward_log_probs
+    log_probs, _ = forward(model, ids, attn, response_length=mask.shape[1])
+    return -(log_probs * mask).sum() / n_tok
 
 
 def _setup(cfg: SFTConfig) -> tuple:

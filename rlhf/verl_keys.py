@@ -135,18 +135,14 @@ _ONE_SETTING = ("the actor, reference and rollout share one log-prob micro-batch
                 "actor.log_prob_micro_batch_size_per_gpu")
 
 _AR, _A, _R = "actor_rollout_ref.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+_OVERLONG_BUFFER = ("reward_model.overlong_buffer", "reward_model.reward_kwargs.overlong_buffer_cfg",
+                    "reward.reward_kwargs.overlong_buffer_cfg")
 
 RULES: dict[str, Rule] = {
     # ---------------------------------------------------------------- actor_rollout_ref.model
-    _AR + "model.path": to("model.path"),
-    _AR + "model.tokenizer_path": to("model.tokenizer_path"),
-    _AR + "model.trust_remote_code": to("model.trust_remote_code"),
-    _AR + "model.attn_implementation": to("model.attn_implementation"),
-    _AR + "model.enable_gradient_checkpointing": to("model.enable_gradient_checkpointing"),
-    _AR + "model.use_remove_padding": to("model.use_remove_padding"),
-    _AR + "model.lora_rank": to("model.lora_rank"),
-    _AR + "model.lora_alpha": to("model.lora_alpha"),
-    _AR + "model.target_modules": to("model.target_modules"),
+    **{_AR + "model." + k: to("model." + k) for k in (
+        "path", "tokenizer_path", "trust_remote_code", "attn_implementation", "enable_gradient_checkpointing",
+        "use_remove_padding", "lora_rank", "lora_alpha", "target_modules")},
     _AR + "model.hf_config_path": only((None,), "the config comes from model.path",
                                        "a config other than the checkpoint's is not supported"),
     _AR + "model.custom_chat_template": only((None,), "the tokenizer's chat template is used",
@@ -176,14 +172,9 @@ RULES: dict[str, Rule] = {
     _A + "policy_loss.loss_mode": to("actor.policy_loss"),
     **{_A + "policy_loss." + k: to("actor." + k) for k in (
         "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")},
-    _A + "optim.lr": to("actor.lr"),
-    _A + "optim.weight_decay": to("actor.weight_decay"),
-    _A + "optim.betas": to("actor.betas"),
-    _A + "optim.lr_warmup_steps": to("actor.lr_warmup_steps"),
-    _A + "optim.lr_warmup_steps_ratio": to("actor.lr_warmup_steps_ratio"),
-    _A + "optim.warmup_style": to("actor.warmup_style"),
+    **{_A + "optim." + k: to("actor." + k) for k in (
+        "lr", "weight_decay", "betas", "lr_warmup_steps", "lr_warmup_steps_ratio", "warmup_style", "min_lr_ratio")},
     _A + "optim.lr_scheduler_type": to("actor.warmup_style"),
-    _A + "optim.min_lr_ratio": to("actor.min_lr_ratio"),
     _A + "optim.clip_grad": to("actor.grad_clip"),
     _A + "optim.num_cycles": only((0.5,), "half a cosine cycle, as here", "only num_cycles=0.5 (one half cosine)"),
     _A + "optim.total_training_steps": ignored("set by the trainer (trainer.total_training_steps)"),
@@ -262,11 +253,8 @@ RULES: dict[str, Rule] = {
     **{_R + "multi_turn." + k: ignored("token-in / token-out: turns extend the exact token ids, never re-rendered")
        for k in ("use_inference_chat_template", "tokenization_sanity_check_mode")},
     # ---------------------------------------------------------------- critic
-    "critic.optim.lr": to("critic.lr"),
-    "critic.optim.weight_decay": to("critic.weight_decay"),
-    "critic.optim.lr_warmup_steps": to("critic.lr_warmup_steps"),
-    "critic.optim.lr_warmup_steps_ratio": to("critic.lr_warmup_steps_ratio"),
-    "critic.optim.warmup_style": to("critic.warmup_style"),
+    **{"critic.optim." + k: to("critic." + k) for k in (
+        "lr", "weight_decay", "lr_warmup_steps", "lr_warmup_steps_ratio", "warmup_style")},
     "critic.optim.lr_scheduler_type": to("critic.warmup_style"),
     "critic.optim.clip_grad": to("critic.grad_clip"),
     "critic.optim.betas": only(([0.9, 0.999],), "AdamW betas (0.9, 0.999)", "the critic's AdamW betas are fixed at (0.9, 0.999)"),
@@ -305,21 +293,14 @@ RULES: dict[str, Rule] = {
     "reward_model.model.input_tokenizer": ignored("responses are decoded with the actor's tokenizer"),
     "reward_model.reward_manager": ignored("rule-based rewards run in a worker pool (reward.num_workers)"),
     "reward_model.launch_reward_fn_async": ignored("see reward.score_during_generation"),
-    "reward_model.overlong_buffer.enable": to("reward.overlong_buffer_enable"),
-    "reward_model.overlong_buffer.len": to("reward.overlong_buffer_len"),
-    "reward_model.overlong_buffer.penalty_factor": to("reward.overlong_penalty_factor"),
-    "reward_model.overlong_buffer.log": ignored("reward shaping is logged"),
-    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": to("reward.overlong_buffer_enable"),
-    "reward_model.reward_kwargs.overlong_buffer_cfg.len": to("reward.overlong_buffer_len"),
-    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": to("reward.overlong_penalty_factor"),
-    "reward_model.reward_kwargs.overlong_buffer_cfg.log": ignored("reward shaping is logged"),
+    # DAPO's overlong buffer, in each of the three places verl versions put it
+    **{f"{where}.{k}": to(native) for where in _OVERLONG_BUFFER for k, native in (
+        ("enable", "reward.overlong_buffer_enable"), ("len", "reward.overlong_buffer_len"),
+        ("penalty_factor", "reward.overlong_penalty_factor"))},
+    **{f"{where}.log": ignored("reward shaping is logged") for where in _OVERLONG_BUFFER},
     "reward_model.reward_kwargs.max_resp_len": follows("data.max_response_length"),
-    "reward.reward_manager": ignored("rule-based rewards run in a worker pool (reward.num_workers)"),
-    "reward.reward_kwargs.overlong_buffer_cfg.enable": to("reward.overlong_buffer_enable"),
-    "reward.reward_kwargs.overlong_buffer_cfg.len": to("reward.overlong_buffer_len"),
-    "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": to("reward.overlong_penalty_factor"),
-    "reward.reward_kwargs.overlong_buffer_cfg.log": ignored("reward shaping is logged"),
     "reward.reward_kwargs.max_resp_len": follows("data.max_response_length"),
+    "reward.reward_manager": ignored("rule-based rewards run in a worker pool (reward.num_workers)"),
     "reward_model.sandbox_fusion.url": only((None,), "no sandbox", "sandbox-fusion code execution is not supported"),
     **{"reward_model." + k: ignored(_PERF) for k in (
         "model.fsdp_config", "model.use_remove_padding", "model.trust_remote_code", "model.use_shm",

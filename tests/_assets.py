@@ -29,7 +29,7 @@ def write_tool_assets(d: Path, *, steps: int = 100, n_demos: int = 16, seed: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.data.arithmetic import tool_call
-    from rlhf.sft import SFTSettings, collate, tokenize_sft
+    from rlhf.sft import SFTSettings, sft_loss, tokenize_sft
 
     write_tiny_assets(d, n_train=64, n_val=16)
     (d / "tools.yaml").write_text(TOOL_CONFIG)
@@ -42,15 +42,12 @@ def write_tool_assets(d: Path, *, steps: int = 100, n_demos: int = 16, seed: int
             {"role": "assistant", "content": tool_call(f"{a}+{b}")}, {"role": "tool", "content": answer},
             {"role": "assistant", "content": f"#### {answer}"}]})
     examples, _ = tokenize_sft(rows, tok, SFTSettings(max_length=256))
-    ids, attn, mask = collate(examples, tok.pad_token_id)
+    n_tok = torch.tensor(float(sum(sum(m) for _, _, m in examples)))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(d / "model")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(steps):
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                               reduction="none")
-        loss = (ce * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+        loss = sft_loss(model, examples, tok.pad_token_id, n_tok, torch.device("cpu"), packed=False)
         opt.zero_grad()
         loss.backward()
         opt.step()

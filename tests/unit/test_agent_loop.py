@@ -12,10 +12,9 @@ from rlhf.agent.demos import tokenize_demo
 from rlhf.agent.format import ObservationFormat, truncate
 from rlhf.agent.loop import AgentLoop
 from rlhf.agent.runner import SerialTools, ToolPool
-from rlhf.agent.tools import read_tool_config
 from rlhf.data.arithmetic import tool_call
 from rlhf.data.char_tokenizer import build_char_tokenizer
-from tests.unit.test_tool_pool import TOOL as MOODY_TOOL
+from tests.unit.test_tool_pool import moody_and_calculator
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id
@@ -23,10 +22,7 @@ EOS = TOK.eos_token_id
 
 @pytest.fixture(scope="module")
 def specs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tools")
-    (d / "moody.py").write_text(MOODY_TOOL)
-    (d / "tools.yaml").write_text(f"tools:\n  - class_name: calculator\n  - class_name: {d / 'moody.py'}:Moody\n")
-    return read_tool_config(str(d / "tools.yaml"))
+    return moody_and_calculator(tmp_path_factory.mktemp("tools"))
 
 
 def enc(text: str) -> list[int]:
@@ -152,13 +148,13 @@ def test_sft_rows_mask_tool_results_out_of_the_loss(tmp_path):
             {"prompt": "x", "response": [{"role": "tool", "content": "1"}]}]
     examples, stats = tokenize_sft(rows, TOK, SFTSettings(max_length=256))
     assert stats["n_loaded"] == 2 and stats["n_malformed"] == 1
-    ids, attn, loss_mask = collate(examples, TOK.pad_token_id)
-    p = len(examples[0][0])
+    ids, attn, loss_mask = collate(examples, TOK.pad_token_id)  # [B, P + R], loss mask [B, R]
+    P = ids.shape[1] - loss_mask.shape[1]
     obs = enc("<|user|><tool_response>42</tool_response><|assistant|>")
-    start = p + len(enc(tool_call("6*7"))) + 1
-    assert ids[0, start:start + len(obs)].tolist() == obs
+    start = len(enc(tool_call("6*7"))) + 1  # in response coordinates
+    assert ids[0, P + start:P + start + len(obs)].tolist() == obs
     assert loss_mask[0, start:start + len(obs)].sum() == 0
-    assert loss_mask[0, p:start].all() and loss_mask[0, start + len(obs):int(attn[0].sum())].all()
+    assert loss_mask[0, :start].all() and loss_mask[0, start + len(obs):int(attn[0].sum()) - len(examples[0][0])].all()
     assert loss_mask[1].sum() == len(enc("#### 2")) + 1
 
 

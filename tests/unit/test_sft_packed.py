@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from rlhf.sft import collate, collate_split, sft_loss
+from rlhf.sft import collate, sft_loss
 
 
 def _model() -> torch.nn.Module:
@@ -29,14 +29,13 @@ def _examples() -> list:
     return out
 
 
-def test_split_layout_holds_the_same_tokens_as_the_padded_one():
+def test_layout_holds_prompt_then_response_with_the_loss_mask_on_the_response():
     ex = _examples()
-    ids, attn, mask = collate(ex, 0)
-    sids, sattn, rmask = collate_split(ex, 0)
+    ids, attn, rmask = collate(ex, 0)
     for i, (p, r, m) in enumerate(ex):
-        assert sids[i][sattn[i].bool()].tolist() == ids[i][attn[i].bool()].tolist() == p + r
+        assert ids[i][attn[i].bool()].tolist() == p + r
         assert rmask[i, :len(r)].tolist() == m and rmask[i, len(r):].sum() == 0
-    assert rmask.sum() == mask.sum()
+    assert rmask.sum() == sum(sum(m) for _, _, m in ex)
 
 
 def test_packed_loss_and_gradients_equal_the_padded_pass():

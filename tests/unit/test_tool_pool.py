@@ -31,12 +31,16 @@ class Moody(Tool):
 '''
 
 
-@pytest.fixture(scope="module")
-def specs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("moody")
+def moody_and_calculator(d):
+    """The specs of a tools yaml in ``d`` with the Moody test tool and the calculator."""
     (d / "moody.py").write_text(TOOL)
     (d / "tools.yaml").write_text(f"tools:\n  - class_name: {d / 'moody.py'}:Moody\n  - class_name: calculator\n")
     return read_tool_config(str(d / "tools.yaml"))
+
+
+@pytest.fixture(scope="module")
+def specs(tmp_path_factory):
+    return moody_and_calculator(tmp_path_factory.mktemp("moody"))
 
 
 def test_failures_are_observations_of_their_kind_and_the_rest_is_answered(specs):
