@@ -42,3 +42,18 @@ def test_lora_sft_trains_only_the_adapters(tiny_assets, tmp_path):
 ])
 def test_sft_dry_run_checks_model_and_data(tiny_assets, tmp_path, over, expect):
     assert expect in _error_line(run_script("train_sft.py", ["--dry-run"] + sft_args(tiny_assets, tmp_path, **over)))
+
+
+def test_sft_on_one_and_two_ranks_gives_the_same_model(tiny_assets, tmp_path):
+    """The loss is normalised by the step's global token count, so the data-parallel split (and the
+    micro-batches it implies) leaves the trained weights equal up to float rounding."""
+    weights = []
+    for nproc in (1, 2):
+        out = tmp_path / f"sft_{nproc}"
+        r = run_script("train_sft.py", sft_args(tiny_assets, out, **{"sft.micro_batch_size_per_gpu": 4}), nproc=nproc)
+        assert r.returncode == 0, r.stderr[-3000:]
+        weights.append(load_file(out / "hf_export" / "model.safetensors"))
+    base = load_file(tiny_assets / "model" / "model.safetensors")
+    assert any(not torch.equal(base[k], weights[0][k]) for k in base)  # it trained
+    for k in weights[0]:
+        assert torch.allclose(weights[0][k], weights[1][k], rtol=1e-4, atol=1e-5), k
