@@ -7,8 +7,8 @@ quickstart (README's "Results", a change to SFT, sampling or a loss) is made fro
 
 For each seed ``k`` it runs the whole pipeline of ``launch/quickstart.sh`` on ``--nproc`` CPU
 ranks: SFT with ``sft.seed=k trainer.seed=k``, then GRPO from that model with
-``rollout.seed=k data.seed=k+1``; seed 0 is exactly the quickstart's defaults. Printed per
-seed: the SFT loss (mean of the last ``--tail`` steps, every step logged, so one noisy batch
+``rollout.seed=k data.seed=k+1``; seed 0 is exactly the quickstart's defaults. Printed first:
+the lowest SFT loss the teacher's demonstrations allow (:func:`sft_loss_floor`); then per seed: the SFT loss (mean of the last ``--tail`` steps, every step logged, so one noisy batch
 does not decide it), greedy val accuracy after SFT and after GRPO; then mean, sample std, min
 and max of each. ``--sft-override`` / ``--grpo-override`` try another recipe on the same
 seeds; ``--sft-model DIR`` skips SFT and starts every GRPO seed from one model (the GRPO
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -52,6 +53,27 @@ def _torchrun(nproc: int, script: str, config: str, overrides: list[str]) -> lis
 def _stats(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
             "min": min(values), "max": max(values)}
+
+
+def sft_loss_floor(sft_file: Path, carry_error: float = 0.6) -> float:
+    """The lowest mean per-token SFT loss any model can reach on the quickstart's demonstrations.
+
+    The teacher's only randomness is one binary choice per carry problem (keep the carry with
+    probability 1 - ``carry_error``; every later token follows from it), so the floor is that
+    choice's entropy summed over carry problems, divided by all response tokens (the char
+    tokenizer: one per character, plus EOS). A warm start near it has learnt the teacher's
+    distribution; one well above it has not, and GRPO then has more to fix.
+    """
+    from rlhf.data.synthetic import AdditionProblem
+
+    h = -(carry_error * math.log(carry_error) + (1 - carry_error) * math.log(1 - carry_error))
+    carries = tokens = 0
+    for line in sft_file.read_text().splitlines():
+        row = json.loads(line)
+        a, b = row["prompt"][0]["content"].rstrip("=").split("+")
+        carries += AdditionProblem(int(a), int(b)).has_carry
+        tokens += len(row["response"]) + 1
+    return carries * h / tokens
 
 
 def one_seed(k: int, args, out: Path) -> dict:
@@ -97,6 +119,8 @@ def main() -> None:
     _run([sys.executable, "-m", "rlhf.data.synthetic", "--out", str(data), "--n-sft", "8000"], out / "data.log")
     _run([sys.executable, "-m", "rlhf.models.tiny", "--out", args.init], out / "init.log")
 
+    floor = sft_loss_floor(data / "sft.jsonl")
+    print(f"SFT loss floor of the teacher's demonstrations: {floor:.4f} nats/token", flush=True)
     rows = []
     for k in range(args.first_seed, args.first_seed + args.seeds):
         rows.append(one_seed(k, args, out))
@@ -109,7 +133,7 @@ def main() -> None:
     for key, s in figures.items():
         print(f"{key}: mean {s['mean']:.4f}  std {s['std']:.4f}  min {s['min']:.4f}  max {s['max']:.4f}")
     print(json.dumps({"bench": "quickstart_seeds", "nproc": args.nproc, "sft_override": args.sft_override,
-                      "grpo_override": args.grpo_override, "sft_model": args.sft_model, "seeds": rows,
+                      "grpo_override": args.grpo_override, "sft_model": args.sft_model, "sft_loss_floor": floor, "seeds": rows,
                       **figures, "load_avg_1m": os.getloadavg()[0]}))
 
 
