@@ -8,7 +8,8 @@ quickstart (README's "Results", a change to SFT, sampling or a loss) is made fro
 For each seed ``k`` it runs the whole pipeline of ``launch/quickstart.sh`` on ``--nproc`` CPU
 ranks: SFT with ``sft.seed=k trainer.seed=k``, then GRPO from that model with
 ``rollout.seed=k data.seed=k+1``; seed 0 is exactly the quickstart's defaults. Printed first:
-the lowest SFT loss the teacher's demonstrations allow (:func:`sft_loss_floor`); then per seed: the SFT loss (mean of the last ``--tail`` steps, every step logged, so one noisy batch
+the lowest SFT loss the teacher's demonstrations allow (:func:`sft_loss_floor`); then per
+seed: the SFT loss (mean of the last ``--tail`` steps, every step logged, so one noisy batch
 does not decide it), greedy val accuracy after SFT and after GRPO; then mean, sample std, min
 and max of each. ``--sft-override`` / ``--grpo-override`` try another recipe on the same
 seeds; ``--sft-model DIR`` skips SFT and starts every GRPO seed from one model (the GRPO
