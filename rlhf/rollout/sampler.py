@@ -11,6 +11,7 @@ attention window so that its shapes are static, and is captured once as a CUDA g
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhf.models import moe
 from rlhf.rollout import decoder, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
@@ -43,6 +45,23 @@ class RolloutOutput:
     truncated: Tensor  # [N] bool: hit max_new_tokens without a stop
     prompt_index: Tensor  # [N] long: index into `prompts`
     stats: dict[str, float] = field(default_factory=dict)
+
+
+def graph_blocker(spec: decoder.DecoderSpec, dtype: torch.dtype, device_type: str,
+                  capability: tuple[int, int] | None) -> str | None:
+    """Why the decode step of this model cannot be captured in a CUDA graph here (None: it can).
+
+    MoE experts run torch's ``grouped_mm``, sync-free only for bf16 on sm90 / sm100
+    (``rlhf.models.moe.grouped_mm_mode``); elsewhere it copies the expert offsets to the host,
+    which capture forbids, so such a sampler decodes eagerly instead."""
+    m = spec.arch.moe
+    if m is None:
+        return None
+    sizes = (spec.hidden_size, 2 * m.intermediate_size, m.intermediate_size)
+    if moe.grouped_mm_mode(dtype, device_type, capability, sizes) == "sync_free":
+        return None
+    return (f"CUDA graphs off for this MoE model: torch grouped_mm is capturable only in bf16 on sm90/sm100 "
+            f"(here {dtype}, capability {capability}, sizes {sizes}); decoding eagerly")
 
 
 def cuda_free_memory(device: torch.device) -> int:
@@ -147,6 +166,11 @@ class Sampler:
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_bytes = kv_cache_bytes
         self.decode_attention = decode_attention or paged_attention.decode_attention(self.device, self.dtype)
+        if use_cuda_graph:
+            blocker = graph_blocker(self.spec, self.dtype, "cuda", torch.cuda.get_device_capability(self.device))
+            if blocker is not None:
+                warnings.warn(blocker, stacklevel=2)
+                use_cuda_graph = False
         mult = self.decode_attention.block_multiple
         self.block_size = -(-block_size // mult) * mult
         self.slot_regions = slot_regions

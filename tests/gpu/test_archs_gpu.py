@@ -33,3 +33,25 @@ def test_cuda_graph_sampler_matches_hf_fp32_and_eager_bf16(kind):
     b = Sampler(model.config, bf16, pad_token_id=PAD, device="cuda", max_num_seqs=16,
                 use_cuda_graph=True).generate(prompts, greedy)
     assert (a.response_ids == b.response_ids).float().mean().item() >= 0.95
+
+
+@torch.no_grad()
+def test_moe_decode_is_captured_in_bf16_on_sm90_and_decoded_eagerly_otherwise():
+    """grouped_mm is sync-free (capturable) only in bf16 on sm90/sm100 (rlhf.models.moe.grouped_mm_mode):
+    there the MoE decode step is a CUDA graph; elsewhere (fp32, other GPUs) the sampler warns and decodes eagerly."""
+    model = tiny_model("qwen3_moe").cuda()
+    prompts = random_prompts(8, model.config.vocab_size, lo=2, hi=12, seed=5)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    with pytest.warns(UserWarning, match="CUDA graphs off"):
+        s32 = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=16,
+                      use_cuda_graph=True)
+    assert not s32.use_cuda_graph
+    s32.generate(prompts, greedy)
+    bf16 = {k: v.bfloat16() for k, v in model.state_dict().items()}
+    if torch.cuda.get_device_capability() not in ((9, 0), (10, 0)):
+        pytest.skip("grouped_mm is sync-free only on sm90 / sm100")
+    a = Sampler(model.config, bf16, pad_token_id=PAD, device="cuda", max_num_seqs=16).generate(prompts, greedy)
+    s = Sampler(model.config, bf16, pad_token_id=PAD, device="cuda", max_num_seqs=16, use_cuda_graph=True)
+    b = s.generate(prompts, greedy)
+    assert s.use_cuda_graph and s._graphs  # captured, not silently eager
+    assert (a.response_ids == b.response_ids).float().mean().item() >= 0.95
