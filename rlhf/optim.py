@@ -43,13 +43,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmu
                                                    style=style, min_lr_ratio=min_lr_ratio))
 
 
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """Global gradient norm over (DTensor) parameters, clipped in place; returns the norm."""
-    params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm
+def clip_grad_norm(params, max_norm: float, *, device: torch.device | None = None, group=None) -> torch.Tensor:
+    """Global gradient norm over (DTensor) parameters, clipped in place; returns the norm.
+
+    The trainer's helper (:func:`rlhf.models.parallelize.clip_grad_norm_`) for a layout with no
+    pipeline stages (SFT): every rank of ``group`` (default: world) holds part of one stage. The
+    norm is reduced on ``device`` (the compute device), so gradients kept on the host by
+    ``model.param_offload`` are never all-reduced as CPU tensors over NCCL.
+    """
+    import torch.distributed as dist
+
+    from rlhf.models.parallelize import clip_grad_norm_
+
+    stage_ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+    return clip_grad_norm_(list(params), max_norm, stage_ranks=stage_ranks, group=group, device=device)
 
 
 class NonFiniteError(RuntimeError):

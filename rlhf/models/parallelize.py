@@ -195,8 +195,8 @@ def global_grad_norm(params: list[nn.Parameter], *, stage_ranks: int, group: Opt
         device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        total += local.double().pow(2).sum() / _replication(g, stage_ranks)
+        local = g.to_local() if isinstance(g, DTensor) else g  # on the host under param_offload
+        total += (local.double().pow(2).sum() / _replication(g, stage_ranks)).to(device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt().float()
