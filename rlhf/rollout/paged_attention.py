@@ -58,6 +58,10 @@ class GatherAttention:
     block_multiple = 1
     in_place = False  # reads a copy of the window: a contiguous cache layout saves the gather
 
+    def graph_key(self, window: int, contiguous: bool) -> tuple:
+        """What a captured decode step depends on: the window's shapes and the cache mode."""
+        return (window, contiguous)
+
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> "_GatherPlan":
         if cache.contiguous:  # every layer's (slot, kv head) pairs at one stride: folded views, once per step
             kv = cache.regions()[:, :, :slots, :, :window].flatten(2, 3)  # [L, 2, B * Hkv, W, D]
@@ -124,6 +128,11 @@ class FlashPagedAttention:
         if fn is None:
             raise ImportError("FlashPagedAttention needs flash-attn: pip install flash-attn --no-build-isolation")
         self.fn = fn
+
+    def graph_key(self, window: int, contiguous: bool) -> tuple:
+        """The window is not an input of this kernel (the whole block table and the lengths are):
+        one captured decode step serves every window."""
+        return (None, contiguous)
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> tuple:
         return cache.table[:slots].to(torch.int32), (pos + 1).to(torch.int32)

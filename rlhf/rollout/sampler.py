@@ -64,6 +64,14 @@ def graph_blocker(spec: decoder.DecoderSpec, dtype: torch.dtype, device_type: st
             f"(here {dtype}, capability {capability}, sizes {sizes}); decoding eagerly")
 
 
+def graph_key(kernel: Any, window: int, contiguous: bool) -> tuple:
+    """The key of a captured decode step: what the decode kernel reads (``kernel.graph_key``).
+    The gather kernel's shapes follow the window and it reads slot regions or the block table
+    (contiguous mode); flash-attn's paged kernel takes neither, so one graph serves all windows."""
+    fn = getattr(kernel, "graph_key", None)
+    return fn(window, contiguous) if fn is not None else (window, contiguous)
+
+
 def cuda_free_memory(device: torch.device) -> int:
     """Bytes free on a CUDA device for a new allocation. ``mem_get_info`` counts the caching
     allocator's reserved-but-unused blocks as used, so they are handed back first."""
@@ -190,8 +198,8 @@ class Sampler:
                                                consume=consume_weights, copy=self.reload_in_place)
         self.cache: PagedKVCache | None = None
         self.max_seq_len = 0
-        # (window, contiguous cache mode) -> (CUDAGraph, logits buffer): the two modes read the K/V
-        # differently (views of slot regions vs the block table), so each has its own graphs
+        # graph_key (the kernel's real inputs: the gather kernel's window and cache mode, none of
+        # them for flash-attn's block table) -> (CUDAGraph, logits buffer)
         self._graphs: dict[tuple[int, bool], tuple[Any, Tensor]] = {}
         self._graph_pool: Any = None
         self._fixed_len = max_seq_len is not None
@@ -296,14 +304,14 @@ class Sampler:
         if not self.use_cuda_graph:
             return decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
                                   window, self.cos, self.sin, self.tp_group)[:live]
-        key = (window, self.cache.contiguous)
+        key = graph_key(self.decode_attention, window, self.cache.contiguous)
         if key not in self._graphs:
-            self._capture(window)
+            self._capture(window, key)
         graph, logits = self._graphs[key]
         graph.replay()
         return logits[:live]
 
-    def _capture(self, window: int) -> None:
+    def _capture(self, window: int, key: tuple) -> None:
         """Capture the all-slot decode step for ``window`` as a CUDA graph (CUDA only).
 
         The warm-up runs write the K/V of each slot's current token at its current position,
@@ -321,4 +329,4 @@ class Sampler:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             logits = decoder.decode(*args)
-        self._graphs[(window, self.cache.contiguous)] = (graph, logits)
+        self._graphs[key] = (graph, logits)

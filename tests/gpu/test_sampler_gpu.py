@@ -118,3 +118,21 @@ def test_flash_paged_decode_kernel_matches_the_gather_kernel():
         out = [k.attend(cache, 0, q, k.plan(cache, b, pos, window, q.dtype), layer)
                for k in (GatherAttention(), FlashPagedAttention())]
         torch.testing.assert_close(out[1].float(), out[0].float(), atol=2e-2, rtol=2e-2)
+
+
+@torch.no_grad()
+def test_flash_kernel_captures_one_graph_for_every_window():
+    """CUDA graphs are keyed by the decode kernel's real inputs (rlhf.rollout.sampler.graph_key):
+    flash-attn's paged kernel does not take the window, so a run crossing windows 64..512 captures
+    one graph (one logits buffer), not one per window; the gather kernel one per window."""
+    from rlhf.rollout.paged_attention import _flash_with_kvcache
+
+    model = qwen2_model(torch.bfloat16, seed=3)
+    prompts = random_prompts(8, model.config.vocab_size, lo=4, hi=40, seed=7)
+    params = SamplingParams(temperature=0.0, max_new_tokens=400)
+    s = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=8, use_cuda_graph=True)
+    eager = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=8)
+    a, b = eager.generate(prompts, params), s.generate(prompts, params)
+    assert (a.response_ids == b.response_ids).float().mean().item() >= 0.95
+    flash = _flash_with_kvcache() is not None
+    assert len(s._graphs) == (1 if flash else 4), sorted(s._graphs)
