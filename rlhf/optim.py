@@ -8,12 +8,26 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 
+def foreach_groups(params) -> list[list[torch.Tensor]]:
+    """Parameters split so that each list can run as one foreach (multi-tensor) update: DTensors of
+    one device mesh together (FSDP-only ``[dp]`` and FSDP x TP ``[dp, tp]`` parameters cannot share
+    a foreach op), plain tensors by device; first-seen order kept inside and across groups."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        key = ("mesh", mesh) if mesh is not None else ("device", p.device)
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
 def build_optimizer(params, *, lr: float, weight_decay: float, betas=(0.9, 0.999)) -> torch.optim.Optimizer:
+    """AdamW with one foreach param group per device mesh (one DTensor dispatch per op and group,
+    not per parameter; on the host under ``model.param_offload``, multi-tensor kernels)."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters (did LoRA freeze everything?)")
-    # foreach=False: DTensor params from several meshes (FSDP x TP) are not always groupable.
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=False)
+    groups = [{"params": g} for g in foreach_groups(params)]
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=True)
 
 
 def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:

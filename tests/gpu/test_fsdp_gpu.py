@@ -120,3 +120,29 @@ def test_offloaded_sft_clips_like_on_device(model_dir, tmp_path, monkeypatch):
         runs[offload] = torch.load(out + ".pt")
     for k in ("sft/loss", "sft/grad_norm"):
         assert abs(runs[True][k] - runs[False][k]) <= 1e-4 * max(1.0, abs(runs[False][k])), (k, runs)
+
+
+def _offload_threads(rank: int, world: int, model_dir: str, out: str) -> None:
+    import os
+
+    from rlhf.actor import PolicyWorker
+    from rlhf.parallel import ParallelDims
+
+    mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh("cuda")
+    before = torch.get_num_threads()  # 1: run_distributed's workers start as torchrun's do
+    worker = PolicyWorker(ModelConfig(path=model_dir, param_offload=True), mesh, torch.device("cuda", 0),
+                          actor_cfg=ActorConfig(), total_steps=1)
+    groups = [g["foreach"] for g in worker.optimizer.param_groups]
+    torch.save({"before": before, "after": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
+                "foreach": groups}, out)
+
+
+def test_offloaded_optimizer_runs_multi_threaded_foreach(model_dir, tmp_path, monkeypatch):
+    """model.param_offload: the host AdamW step gets this rank's share of the cores (torchrun's
+    OMP_NUM_THREADS=1 left it single-threaded) and runs foreach, one group per mesh."""
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    out = str(tmp_path / "threads.pt")
+    run_distributed(_offload_threads, 1, model_dir, out)
+    r = torch.load(out)
+    assert r["before"] == 1 and r["after"] == max(1, r["cpus"]), r
+    assert r["foreach"] and all(r["foreach"]), r

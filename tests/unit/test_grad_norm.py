@@ -64,3 +64,124 @@ def test_sft_clips_with_the_trainer_helper_on_the_compute_device(tmp_path, monke
                     trainer=SFTRunConfig(output_dir=str(tmp_path / "out"), device="cpu", logger=[]))
     last = run_sft(cfg)
     assert devices == [torch.device("cpu")] and last["sft/grad_norm"] > 0
+
+
+# ---------------------------------------------------------------- one foreach group per mesh (AdamW, grad norm)
+
+
+def _mesh_params(mesh):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(3)
+    plain = torch.nn.Parameter(torch.randn(4, 3, generator=g))
+    a = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4, generator=g), mesh["dp"], [Shard(0)]))
+    b = torch.nn.Parameter(distribute_tensor(torch.randn(8, generator=g), mesh["dp", "tp"], [Shard(0), Replicate()]))
+    c = torch.nn.Parameter(distribute_tensor(torch.randn(5, generator=g), mesh["dp"], [Shard(0)]))
+    return [plain, a, b, c]
+
+
+def test_adamw_runs_one_foreach_group_per_mesh_and_equals_the_per_parameter_loop(mesh):
+    from rlhf.optim import build_optimizer, foreach_groups
+
+    ps = _mesh_params(mesh)
+    groups = foreach_groups(ps)
+    assert [[id(p) for p in grp] for grp in groups] == [[id(ps[0])], [id(ps[1]), id(ps[3])], [id(ps[2])]]
+    ref_ps = _mesh_params(mesh)
+    opt = build_optimizer(ps, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_ps, lr=1e-2, weight_decay=0.1, foreach=False)
+    assert all(grp["foreach"] for grp in opt.param_groups) and len(opt.param_groups) == 3
+    for step in range(3):
+        for p, q in zip(ps, ref_ps):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            p.grad = q.grad = None
+            if hasattr(p, "device_mesh"):
+                from torch.distributed.tensor import distribute_tensor
+
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+                q.grad = distribute_tensor(g, q.device_mesh, q.placements)
+            else:
+                p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ps, ref_ps):
+        a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (p.detach(), q.detach()))
+        assert torch.equal(a, b)
+
+
+def test_grad_norm_over_meshes_is_one_foreach_norm_per_group(mesh, monkeypatch):
+    ps = _mesh_params(mesh)
+    for p in ps:
+        p.grad = torch.ones_like(p) * 2
+    calls = []
+    real = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
+    norm = parallelize.global_grad_norm(ps, stage_ranks=1)
+    n = 12 + 24 + 8 + 5
+    torch.testing.assert_close(norm, torch.tensor(2.0 * n ** 0.5))
+    assert sorted(calls) == [4]  # one fp32 group on the host: one call, no per-parameter loop
+
+
+def test_optimizer_state_with_one_group_per_mesh_round_trips_the_checkpoint(mesh):
+    """rlhf.checkpoint.ModelOptimState flattens the optimizer state per parameter: several param
+    groups save and load as one did (and a state saved from one group loads into several)."""
+    import copy
+
+    from rlhf.checkpoint import ModelOptimState
+    from rlhf.optim import build_optimizer
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            ps = _mesh_params(mesh)
+            self.plain, self.a, self.b, self.c = ps
+
+    def trained(opt_fn):
+        m = M()
+        opt = opt_fn(m)
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return m, opt
+
+    m, opt = trained(lambda m: build_optimizer(m.parameters(), lr=1e-2, weight_decay=0.1))
+    one, one_opt = trained(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=False))
+    for src, src_opt in ((m, opt), (one, one_opt)):
+        sd = copy.deepcopy(ModelOptimState(src, src_opt).state_dict())
+        fresh = M()
+        fresh_opt = build_optimizer(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+        ModelOptimState(fresh, fresh_opt).load_state_dict(sd)
+        for p, q in zip(fresh.parameters(), src.parameters()):
+            st_p, st_q = fresh_opt.state[p], src_opt.state[q]
+            for k in ("exp_avg", "exp_avg_sq"):
+                a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (st_p[k], st_q[k]))
+                assert torch.equal(a, b), k
+
+
+# ---------------------------------------------------------------- host optimizer threads under param_offload
+
+
+def test_offload_threads_give_each_local_rank_its_share_of_the_cores():
+    from rlhf.models.fsdp import offload_threads
+
+    assert offload_threads(cpu_count=192, local_world_size=8, current=1) == 24  # torchrun's OMP_NUM_THREADS=1
+    assert offload_threads(cpu_count=192, local_world_size=8, current=32) == 32  # never lowered
+    assert offload_threads(cpu_count=4, local_world_size=8, current=1) == 1
+
+
+def test_offloaded_fsdp_on_cuda_sets_the_threads(monkeypatch):
+    """apply_fsdp(param_offload=True) on a GPU run sets this rank's threads (seam: the placement
+    and sharding are stubbed, the device is only named)."""
+    from rlhf.models import fsdp
+
+    set_to = []
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(fsdp.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(fsdp.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(fsdp.torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: module)
+    monkeypatch.setattr(fsdp, "materialize_shards", lambda *a: None)
+    monkeypatch.setattr(fsdp, "CPUOffloadPolicy", lambda **kw: None)
+    monkeypatch.setattr(fsdp, "decoder_layers", lambda model: [])
+    fsdp.apply_fsdp(torch.nn.Linear(2, 2), None, device=torch.device("cuda"), mixed_precision=False,
+                    param_offload=True, host={})
+    assert set_to == [8]
