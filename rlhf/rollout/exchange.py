@@ -75,7 +75,7 @@ def exchange_rows(out: Optional[RolloutOutput], bounds: list[tuple[int, int]], n
     counts = [torch.empty_like(count) for _ in range(dp)]
     dist.all_gather(counts, count, group=group)
     counts_l = [int(c) for c in torch.cat(counts).tolist()]
-    padded = torch.full((max(counts_l),), -1, dtype=torch.int64, device=device)
+    padded = torch.full((max(1, *counts_l),), -1, dtype=torch.int64, device=device)
     padded[:need.numel()] = need.to(device)
     lists = [torch.empty_like(padded) for _ in range(dp)]
     dist.all_gather(lists, padded, group=group)

@@ -93,6 +93,7 @@ def _exchange(rank: int, world: int) -> None:
 
     from rlhf.rollout.engine import chunk_bounds
     from rlhf.rollout.exchange import exchange_rows
+    from tests.dist._dist_utils import dist_device
 
     bounds = chunk_bounds(PROMPTS_EX, world)
     s, e = bounds[rank]
@@ -104,10 +105,14 @@ def _exchange(rank: int, world: int) -> None:
         return real(out, inp, *a, **k)
 
     dist.all_to_all_single = counting
-    got = exchange_rows(_rows(range(s, e)), bounds, N_EX, WANTS[rank], R_EX, world, None, torch.device("cpu"))
+    dev = dist_device()  # the CPU over gloo; this rank's GPU under the nccl switch (tests/gpu/test_dist_nccl.py)
+    mine = _rows(range(s, e))
+    for k in ("response_ids", "response_mask", "log_probs", "response_lengths", "truncated"):
+        setattr(mine, k, getattr(mine, k).to(dev))
+    got = exchange_rows(mine, bounds, N_EX, WANTS[rank], R_EX, world, None, dev)
     ref = _rows(WANTS[rank])
     for k in ("response_ids", "response_mask", "log_probs", "response_lengths", "truncated", "prompt_index"):
-        assert torch.equal(getattr(got, k), getattr(ref, k)), k
+        assert torch.equal(getattr(got, k).cpu(), getattr(ref, k)), k
     # only this rank's rows arrive, packed in int32: (2R + 2) x 4 bytes each
     assert moved == [len(WANTS[rank]) * N_EX * (2 * R_EX + 2) * 4], moved
 

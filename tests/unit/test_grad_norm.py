@@ -185,3 +185,30 @@ def test_offloaded_fsdp_on_cuda_sets_the_threads(monkeypatch):
     fsdp.apply_fsdp(torch.nn.Linear(2, 2), None, device=torch.device("cuda"), mixed_precision=False,
                     param_offload=True, host={})
     assert set_to == [8]
+
+
+# ---------------------------------------------------------------- tied embedding / lm_head grads under offload
+
+
+class _StrictDevices(torch.overrides.TorchFunctionMode):
+    """Refuses what CUDA refuses: an op (other than a copy or move) mixing tensors of two devices;
+    "meta" stands in for the GPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in (torch.Tensor.to, torch.Tensor.copy_):
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            devices = {t.device for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
+            if len(devices) > 1:
+                raise RuntimeError(f"{func}: tensors on {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
+def test_tied_grads_on_the_host_are_summed_on_the_compute_device():
+    from rlhf.models.pipeline import tied_grad_sum
+
+    grads = [torch.ones(4, 3), torch.full((4, 3), 2.0)]  # embedding and lm_head grads, offloaded
+    with _StrictDevices():
+        total = tied_grad_sum(grads, (4, 3), torch.device("meta"))
+    assert total.device.type == "meta" and total.shape == (4, 3)
+    torch.testing.assert_close(tied_grad_sum(grads, (4, 3), torch.device("cpu")), torch.full((4, 3), 3.0))
