@@ -139,3 +139,23 @@ def test_flash_kernel_captures_one_graph_for_every_window():
     assert (a.response_ids == b.response_ids).float().mean().item() >= 0.95
     flash = _flash_with_kvcache() is not None
     assert len(s._graphs) == (1 if flash else 4), sorted(s._graphs)
+
+
+@torch.no_grad()
+def test_truncated_sampling_never_picks_a_removed_token_on_the_gpu():
+    """top-p / min-p zero most of the vocabulary; the inverse CDF over the GPU's parallel cumsum is
+    guarded (rlhf.rollout.sampling.inverse_cdf): every sampled token keeps a finite log-prob."""
+    from rlhf.rollout.sampling import inverse_cdf
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    probs = torch.softmax(torch.randn(512, 151936, device="cuda", generator=g) * 3, -1)
+    probs = probs.masked_fill(probs < probs.amax(-1, keepdim=True) * 0.05, 0.0)
+    for _ in range(20):
+        u = torch.rand(512, device="cuda", generator=g).clamp_min(1e-7)
+        pick = inverse_cdf(probs, u)
+        assert probs.gather(1, pick).gt(0).all()
+    model = qwen2_model(torch.bfloat16, seed=4)
+    prompts = random_prompts(64, model.config.vocab_size, seed=9)
+    out = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=64).generate(
+        prompts, SamplingParams(n=2, temperature=1.0, top_p=0.5, min_p=0.05, max_new_tokens=64, seed=1))
+    assert out.log_probs[out.response_mask.bool()].isfinite().all()
