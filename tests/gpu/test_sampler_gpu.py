@@ -159,3 +159,19 @@ def test_truncated_sampling_never_picks_a_removed_token_on_the_gpu():
     out = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=64).generate(
         prompts, SamplingParams(n=2, temperature=1.0, top_p=0.5, min_p=0.05, max_new_tokens=64, seed=1))
     assert out.log_probs[out.response_mask.bool()].isfinite().all()
+
+
+def test_fp32_rollout_on_cuda_warns_once_that_decode_gathers():
+    """Issue 32 item 5: a CUDA run whose decode cannot use flash-attn (fp32 here) is told once at start-up;
+    the planner counts the gather buffers (rlhf.planner.decode_gather_bytes)."""
+    import warnings
+
+    from rlhf.rollout import paged_attention as pa
+
+    pa._WARNED.clear()
+    model = qwen2_model(torch.float32, seed=5)
+    with pytest.warns(UserWarning, match="without flash-attn"):
+        Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=4)

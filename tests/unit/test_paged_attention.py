@@ -161,3 +161,22 @@ def test_cuda_graphs_are_keyed_by_the_kernels_real_inputs(flash, monkeypatch):
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
     assert graph_key(kernel, 64, False) == graph_key(kernel, 4096, False) if flash else \
         graph_key(kernel, 64, True) != graph_key(kernel, 64, False)
+
+
+def test_cuda_without_flash_attn_decodes_with_the_gather_kernel_and_says_so_once(monkeypatch):
+    from rlhf.rollout import paged_attention as pa
+
+    assert pa.gather_on_cuda_reason("cuda", torch.bfloat16, True) is None
+    assert "float32" in pa.gather_on_cuda_reason("cuda", torch.float32, True)
+    assert "not installed" in pa.gather_on_cuda_reason("cuda", torch.bfloat16, False)
+    assert pa.gather_on_cuda_reason("cpu", torch.float32, False) is None
+    monkeypatch.setitem(pa._FLASH, "fn", None)  # the wheel is missing
+    monkeypatch.setattr(pa, "_WARNED", set())
+    with pytest.warns(UserWarning, match="without flash-attn .flash-attn is not installed"):
+        assert isinstance(decode_attention(torch.device("cuda"), torch.bfloat16), GatherAttention)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decode_attention(torch.device("cuda"), torch.bfloat16)  # once per process, not per sampler
+        decode_attention(torch.device("cpu"), torch.float32)
