@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from tests._assets import write_tiny_assets
 from tests.gpu._gpu import GPU
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from tests._assets import write_tiny_assets
 
 
