@@ -91,7 +91,9 @@ def evaluate(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--reward: {e}") from None
     with hf_model_dir(args.model) as model_dir:  # a checkpoint dir is exported to a temporary directory
         tokenizer = load_tokenizer(model_dir, key="--model")
-        model = load_causal_lm(model_dir, dtype=dtype, key="--model").to(env.device).eval()
+        # kept on the host: the engine slices it for --tp and the sampler moves only this rank's
+        # slices to the device (moving the whole model first cost a full copy per GPU at any tp)
+        model = load_causal_lm(model_dir, dtype=dtype, key="--model").eval()
     multi_turn = MultiTurnConfig(enable=bool(args.tool_config), tool_config_path=args.tool_config,
                                  max_assistant_turns=args.max_assistant_turns,
                                  max_tool_response_length=args.max_tool_response_length,

@@ -8,12 +8,26 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 
+def foreach_groups(params) -> list[list[torch.Tensor]]:
+    """Parameters split so that each list can run as one foreach (multi-tensor) update: DTensors of
+    one device mesh together (FSDP-only ``[dp]`` and FSDP x TP ``[dp, tp]`` parameters cannot share
+    a foreach op), plain tensors by device; first-seen order kept inside and across groups."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        key = ("mesh", mesh) if mesh is not None else ("device", p.device)
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
 def build_optimizer(params, *, lr: float, weight_decay: float, betas=(0.9, 0.999)) -> torch.optim.Optimizer:
+    """AdamW with one foreach param group per device mesh (one DTensor dispatch per op and group,
+    not per parameter; on the host under ``model.param_offload``, multi-tensor kernels)."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters (did LoRA freeze everything?)")
-    # foreach=False: DTensor params from several meshes (FSDP x TP) are not always groupable.
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=False)
+    groups = [{"params": g} for g in foreach_groups(params)]
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=True)
 
 
 def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:
@@ -43,13 +57,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmu
                                                    style=style, min_lr_ratio=min_lr_ratio))
 
 
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """Global gradient norm over (DTensor) parameters, clipped in place; returns the norm."""
-    params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm
+def clip_grad_norm(params, max_norm: float, *, device: torch.device | None = None, group=None) -> torch.Tensor:
+    """Global gradient norm over (DTensor) parameters, clipped in place; returns the norm.
+
+    The trainer's helper (:func:`rlhf.models.parallelize.clip_grad_norm_`) for a layout with no
+    pipeline stages (SFT): every rank of ``group`` (default: world) holds part of one stage. The
+    norm is reduced on ``device`` (the compute device), so gradients kept on the host by
+    ``model.param_offload`` are never all-reduced as CPU tensors over NCCL.
+    """
+    import torch.distributed as dist
+
+    from rlhf.models.parallelize import clip_grad_norm_
+
+    stage_ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+    return clip_grad_norm_(list(params), max_norm, stage_ranks=stage_ranks, group=group, device=device)
 
 
 class NonFiniteError(RuntimeError):

@@ -32,6 +32,10 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   own phase; on training ranks the partner's gathered rollout weights and the send buffer;
 * KV cache ``[layers, slots, 2, kv_heads / rollout.tp, prompt + response, head_dim]``;
   slots = min(rollout.max_num_seqs, budget, sequences this rollout replica generates);
+* decode without flash-attn on CUDA (not installed, or an fp32 rollout): the gather kernel's
+  per-layer window copy and scores (in the CUDA-graph pool for the whole run under compile);
+* host memory per node at load: every local rank's host model at once (warned against the
+  machine's memory by ``plan_from_config``);
 * activations of one training micro-batch, with and without activation checkpointing
   (which one enters the update total follows ``model.enable_gradient_checkpointing``);
 * logits: ``[rows, response, vocab / tp]`` in fp32 for log-probs, with the temporaries of
@@ -55,6 +59,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rlhf.config import Config, ConfigError
+
+RANKS_PER_NODE = 8  # GPUs of one node: the ranks that load on one host at once
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -229,6 +235,7 @@ class MemoryPlan:
     phases: dict[str, dict[str, float]]  # phase -> {component: bytes} alive together
     host: dict[str, float] = field(default_factory=dict)  # bytes kept in host memory (loading, param_offload)
     notes: list[str] = field(default_factory=list)
+    host_per_node: float = 0.0  # host bytes of one node's ranks at load (all load at once)
 
     def total(self, phase: str) -> float:
         return sum(self.phases[phase].values())
@@ -267,8 +274,29 @@ def activation_elems_per_token_layer(s: ModelShape, tp: int, compute_bytes: int)
     return norms + attn + mlp + s.hidden_size  # + the block input (the residual)
 
 
-def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str = "cuda") -> MemoryPlan:
-    """The memory plan of `cfg` for `shape` on `world_size` ranks of `device` ("cuda" or "cpu")."""
+def decode_gather_bytes(s: ModelShape, *, slots: int, seq_len: int, rollout_tp: int, rb: int, paged: bool) -> float:
+    """Per-layer buffers of the reference (gather) decode kernel, what a CUDA run uses without
+    flash-attn (wheel missing, or an fp32 rollout): in paged mode the window's K/V copied out of
+    the blocks ``[2 Hkv, slots, window, D]``; always the scores, their fp32 softmax and its cast
+    ``[slots, H, window]``. Freed layer by layer, but kept in the graph pool under CUDA graphs."""
+    heads, kv = s.num_heads / rollout_tp, s.kv_dim / rollout_tp
+    window = slots * seq_len * (2 * kv * rb if paged else 0)
+    return window + slots * heads * seq_len * (2 * rb + 4)
+
+
+def flash_attn_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str = "cuda",
+                flash_attn: bool = True, host_memory: Optional[int] = None) -> MemoryPlan:
+    """The memory plan of `cfg` for `shape` on `world_size` ranks of `device` ("cuda" or "cpu").
+
+    ``flash_attn``: whether flash-attn is installed (the CUDA decode kernel in fp16 / bf16; else the
+    gather kernel and its buffers are counted). ``host_memory``: the machine's memory, to warn when
+    the per-node host total at load exceeds it."""
     from rlhf.async_rl.transfer import SEND_BUCKET_BYTES
     from rlhf.models.parallelize import validate_layout
     from rlhf.parallel import ParallelDims
@@ -355,6 +383,21 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     # through one reusable buffer.
     comp["send buffer"] = float(SEND_BUCKET_BYTES) if one_step_off else 0.0
     prefill_tokens = min(r.prefill_tokens, seqs // r.n * d.max_prompt_length)
+    # Decode without flash-attn (not installed, or an fp32 rollout): the gather kernel's per-layer
+    # buffers (all max_num_seqs slots under CUDA graphs); it reads slot regions in place only when
+    # the KV budget holds every slot at full length and no turn parks.
+    gather = cuda and (rb == 4 or not flash_attn)
+    regions = not cfg.rollout.multi_turn.enable and kv_tokens >= r.max_num_seqs * seq_len
+    comp["decode gather buffers (no flash-attn)"] = decode_gather_bytes(
+        s, slots=r.max_num_seqs if kept else slots, seq_len=seq_len, rollout_tp=r.tp, rb=rb,
+        paged=not regions) if gather else 0.0
+    if gather:
+        why = "rollout.dtype float32" if rb == 4 else "flash-attn is not installed"
+        notes.append(f"decode attention without flash-attn ({why}): every slot's window is gathered per layer "
+                     f"({fmt_bytes(comp['decode gather buffers (no flash-attn)']).strip()} per layer step"
+                     + (", kept in the CUDA-graph pool" if kept else "") + ")"
+                     + ("" if regions else f"; rollout.kv_cache_tokens >= max_num_seqs x seq_len "
+                        f"= {r.max_num_seqs * seq_len} reads slot regions in place instead"))
     comp["rollout activations"] = (prefill_tokens * (s.hidden_size * 3 + (s.q_dim + 2 * s.kv_dim
                                    + 2 * s.mlp_width) / r.tp) * rb
                                    + 4 * (slots + seqs // r.n) * s.vocab_size * 4)  # fp32 logits, softmax, cdf
@@ -392,13 +435,16 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     rollout_state = {"rollout weights": 0.0 if lora else rollout_copy,
                      "lora merged weights": _lora_merged(s, m, r.tp, rb) if lora else 0.0,
                      "rollout fusing (q|k|v, gate|up)": comp["rollout fusing (q|k|v, gate|up)"],
-                     "kv cache": comp["kv cache"], "rollout activations": comp["rollout activations"]}
+                     "kv cache": comp["kv cache"], "rollout activations": comp["rollout activations"],
+                     "decode gather buffers (no flash-attn)": comp["decode gather buffers (no flash-attn)"]}
     carried = {}  # rollout state that stays allocated through the training phases (colocated)
     if lora:  # the base is resharded once and cached
         rollout_state["lora base rollout cache"] = carried["lora base rollout cache"] = rollout_copy
     if kept:  # the kept sampler's weights and KV cache, and the new weights while they are copied in
         rollout_state["sampler kept for CUDA graphs (weights)"] = rollout_copy
         carried["sampler kept for CUDA graphs (weights + kv cache)"] = rollout_copy + comp["kv cache"]
+        if comp["decode gather buffers (no flash-attn)"]:
+            carried["cuda-graph pool (decode gather buffers)"] = comp["decode gather buffers (no flash-attn)"]
     persistent = {**training_state, **({} if one_step_off else carried)}
     phases = {
         "load": {"load (host model before sharding)": comp["load (host model before sharding)"],
@@ -419,9 +465,18 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
                                  "send buffer": comp["send buffer"]}
     if m.param_offload:
         del phases["load"]
+    # Every rank of a node loads its model (stage) on the host at once, next to what offload keeps there.
+    local = min(world_size, RANKS_PER_NODE)
+    host_node = local * sum(host.values())
+    if host_memory and host_node > 0.9 * host_memory:
+        notes.append(f"host memory at load: {local} ranks x {fmt_bytes(sum(host.values())).strip()} = "
+                     f"{fmt_bytes(host_node).strip()} per node exceeds 90% of this machine's "
+                     f"{fmt_bytes(host_memory).strip()}: the kernel kills a rank without a traceback; load in "
+                     "bf16 (model.dtype), use more nodes, or fewer ranks per node")
     layout = {"world": world_size, "dp": dp, "tp": tp, "pp": pp, "rollout_tp": r.tp, "device": device,
-              "slots": slots, "seq_len": seq_len, "mode": cfg.trainer.mode}
-    return MemoryPlan(shape=s, layout=layout, components=comp, phases=phases, host=host, notes=notes)
+              "slots": slots, "seq_len": seq_len, "mode": cfg.trainer.mode, "ranks_per_node": local}
+    return MemoryPlan(shape=s, layout=layout, components=comp, phases=phases, host=host, notes=notes,
+                      host_per_node=host_node)
 
 
 def _lora_merged(s: ModelShape, m, rollout_tp: int, rb: int) -> float:
@@ -455,6 +510,8 @@ def format_plan(plan: MemoryPlan, device_memory: Optional[int] = None, headroom:
         lines.append(f"[plan]   {k:40s}{fmt_bytes(v)}")
     for k, v in plan.host.items():
         lines.append(f"[plan]   host: {k:34s}{fmt_bytes(v)}")
+    if plan.host_per_node:
+        lines.append(f"[plan]   host per node at load ({lay['ranks_per_node']} ranks){'':6s}{fmt_bytes(plan.host_per_node)}")
     lines.append("[plan] per rank, by phase (what is alive together):")
     for ph in plan.phases:
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in plan.phases[ph].items() if v)
@@ -469,8 +526,19 @@ def format_plan(plan: MemoryPlan, device_memory: Optional[int] = None, headroom:
     return "\n".join(lines)
 
 
+def machine_memory() -> Optional[int]:
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def plan_from_config(cfg: Config, *, world_size: int, device: str) -> MemoryPlan:
-    return plan_memory(ModelShape.from_model_dir(cfg.model.path), cfg, world_size=world_size, device=device)
+    """The plan on this machine: flash-attn as installed here, host memory as this machine's."""
+    return plan_memory(ModelShape.from_model_dir(cfg.model.path), cfg, world_size=world_size, device=device,
+                       flash_attn=flash_attn_installed(), host_memory=machine_memory())
 
 
 def main(argv=None) -> None:

@@ -253,7 +253,7 @@ def run_sft(cfg: SFTConfig, *, dry_run: bool = False) -> dict:
             (loss * grad_scale(mesh["dp"])).backward()
             loss_sum += loss.detach().double()
         all_reduce_sum(loss_sum, dp_group)
-        gn = clip_grad_norm(model.parameters(), cfg.sft.grad_clip)
+        gn = clip_grad_norm(model.parameters(), cfg.sft.grad_clip, device=env.device)
         opt.step()
         sched.step()
         last = {"sft/loss": loss_sum.item(), "sft/grad_norm": float(gn), "sft/lr": opt.param_groups[0]["lr"]}

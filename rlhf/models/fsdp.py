@@ -7,6 +7,7 @@ device and only this rank's shards are then placed (:mod:`rlhf.models.shard_init
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -26,6 +27,22 @@ def mixed_precision_policy(enabled: bool, device: torch.device) -> Optional[Mixe
     if not enabled or device.type not in MIXED_PRECISION_DEVICES:
         return None
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def offload_threads(cpu_count: int, local_world_size: int, current: int) -> int:
+    """Intra-op threads for a rank whose optimizer step runs on the host (``model.param_offload``):
+    its share of the machine's cores. torchrun sets ``OMP_NUM_THREADS=1``, which left a 30B AdamW
+    step single-threaded (tens of seconds per mini-batch); never lowers a larger setting."""
+    return max(current, cpu_count // max(1, local_world_size), 1)
+
+
+def set_offload_threads() -> int:
+    """Apply :func:`offload_threads` to this process (cores it may run on / ranks on this node)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = offload_threads(cpus, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.get_num_threads())
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return n
 
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
@@ -52,6 +69,8 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
         kwargs["mp_policy"] = mp
     if param_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs a GPU
+        if device.type == "cuda":  # the optimizer step runs on the host (foreach AdamW: rlhf.optim)
+            set_offload_threads()
     for block in decoder_layers(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

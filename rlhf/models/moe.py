@@ -14,9 +14,10 @@ tokens are a contiguous block, and both projections run as ONE grouped matmul ov
 (``torch.nn.functional.grouped_mm`` with the block offsets); the weighted results are put back
 in assignment order and summed over the k experts of each token (the order transformers'
 ``grouped_mm`` experts path sums in). Shapes are static (sort, histogram by ``index_add_``,
-offsets by ``cumsum``), so a decode step stays capturable in a CUDA graph. Where grouped_mm
-cannot run (a CUDA GPU older than sm80, sizes whose rows are not 16-byte aligned), the blocks
-are multiplied one expert at a time instead (same result, one host sync: not under CUDA graphs).
+offsets by ``cumsum``), so a decode step stays capturable in a CUDA graph where torch's
+grouped_mm is sync-free (bf16 on sm90 / sm100: :func:`grouped_mm_mode`; the sampler decodes eagerly
+elsewhere). Where grouped_mm cannot run (a CUDA GPU older than sm80, sizes whose rows are not
+16-byte aligned), the blocks are multiplied one expert at a time instead (same result, one host sync).
 
 Experts over tensor parallelism: a rank holds the experts ``[offset, offset + E_local)`` (the
 weights' dim 0 is split over tp: ``rlhf.rollout.reshard``, ``rlhf.models.tensor_parallel``) and
@@ -75,24 +76,64 @@ def route(spec: MoESpec, x: Tensor, router_w: Tensor) -> tuple[Tensor, Tensor]:
     return top_w.to(logits.dtype), top_i
 
 
+def grouped_mm_mode(dtype: torch.dtype, device_type: str, capability: tuple[int, int] | None,
+                    sizes: tuple[int, ...], has_grouped_mm: bool | None = None) -> str:
+    """How ``torch.nn.functional.grouped_mm`` runs for these operands (a pure function: no device query).
+
+    Returns ``"sync_free"`` (one kernel, offsets read on the device: capturable in a CUDA graph),
+    ``"host_sync"`` (runs, but copies the offsets to the host first: torch's CUDA fallback, which
+    fails inside graph capture) or ``"none"`` (cannot run: use the per-expert loop).
+
+    torch's CUDA ``grouped_mm`` takes its sync-free kernel only for bf16 operands on sm90 / sm100;
+    any other dtype, or sm80 / sm89 / sm120, goes through a fallback that moves ``offs`` to the host.
+    Below sm80 it refuses. ``sizes``: the weights' row lengths (``out`` and ``in`` features), whose
+    bytes must be multiples of 16 (the kernel's strides). ``capability``: ``(major, minor)`` on CUDA.
+    """
+    if has_grouped_mm is None:
+        has_grouped_mm = hasattr(F, "grouped_mm")
+    if not has_grouped_mm:
+        return "none"
+    elsize = torch.empty((), dtype=dtype).element_size()
+    if any(int(n) * elsize % 16 for n in sizes):
+        return "none"
+    if device_type == "cpu":
+        return "sync_free"
+    if device_type != "cuda" or capability is None or tuple(capability) < (8, 0):
+        return "none"
+    if dtype == torch.bfloat16 and tuple(capability) in ((9, 0), (10, 0)):
+        return "sync_free"
+    return "host_sync"
+
+
+def experts_capturable(dtype: torch.dtype, device: torch.device | str, hidden: int, intermediate: int,
+                       capability: tuple[int, int] | None = None) -> bool:
+    """Whether the experts' grouped matmuls (``gate_up [E, 2I, hidden]``, ``down [E, hidden, I]``) can be
+    captured in a CUDA graph. ``capability`` defaults to the device's (queried only on CUDA)."""
+    device = torch.device(device)
+    if capability is None and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+    return grouped_mm_mode(dtype, device.type, capability, (hidden, 2 * intermediate, intermediate)) == "sync_free"
+
+
+def _grouped_mm_mode(a: Tensor, w: Tensor) -> str:
+    cap = torch.cuda.get_device_capability(a.device) if a.device.type == "cuda" else None
+    return grouped_mm_mode(a.dtype, a.device.type, cap, (w.shape[-1], w.shape[-2]))
+
+
 def _grouped_mm_ok(a: Tensor, w: Tensor) -> bool:
-    if not hasattr(F, "grouped_mm"):
-        return False
-    if any(n * a.element_size() % 16 for n in (w.shape[-1], w.shape[-2])):  # the kernel's 16-byte strides
-        return False
-    if a.device.type == "cuda":
-        return torch.cuda.get_device_capability(a.device) >= (8, 0)
-    return a.device.type == "cpu"
+    return _grouped_mm_mode(a, w) != "none"
 
 
 def grouped_linear(a: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """``a [S, in]`` rows grouped by expert (group g = rows ``[offs[g-1], offs[g])``) times
     ``w [G, out, in]`` transposed -> ``[S, out]``; rows past ``offs[-1]`` are left undefined."""
-    if _grouped_mm_ok(a, w):
+    mode = _grouped_mm_mode(a, w)
+    if mode != "sync_free" and a.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"MoE experts: torch grouped_mm needs bf16 on sm90/sm100 to run without a host sync "
+                           f"(here {a.dtype}, sizes {tuple(w.shape[-2:])}); the other paths cannot be captured in "
+                           "a CUDA graph: use a bf16 rollout or set rollout.compile=false")
+    if mode != "none":
         return F.grouped_mm(a, w.transpose(-2, -1), offs=offs)
-    if a.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("MoE experts: torch grouped_mm cannot run here (GPU older than sm80 or unaligned sizes) and "
-                           "the per-expert fallback cannot be captured in a CUDA graph; set rollout.compile=false")
     out = a.new_zeros((a.shape[0], w.shape[1]))
     start = 0
     for g, end in enumerate(offs.tolist()):

@@ -194,9 +194,14 @@ def global_grad_norm(params: list[nn.Parameter], *, stage_ranks: int, group: Opt
     if device is None:
         device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
+    # local shards (on the host under param_offload) grouped by what one _foreach_norm can take
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
-        total += local.double().pow(2).sum() / _replication(g, stage_ranks)
+        groups.setdefault((local.device, local.dtype, _replication(g, stage_ranks)), []).append(local)
+    for (_, _, rep), tensors in groups.items():
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        total += (torch.stack(norms).double().pow(2).sum() / rep).to(device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt().float()

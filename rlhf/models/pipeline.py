@@ -213,6 +213,15 @@ class PipelineStageModule(nn.Module):
         return torch.stack([lp, nn.functional.pad(ent, (1, 0))], dim=-1)  # [b, L, 2]
 
 
+def tied_grad_sum(grads: list[torch.Tensor], shape: tuple, device: torch.device) -> torch.Tensor:
+    """fp32 sum on ``device`` of the local tensors of the tied embedding / lm_head gradients (on the
+    host under ``model.param_offload``: each is moved to ``device`` before it is added)."""
+    total = torch.zeros(shape, device=device, dtype=torch.float32)
+    for g in grads:
+        total += (g.to_local() if isinstance(g, DTensor) else g).float().to(device)
+    return total
+
+
 class PipelineModel:
     """Runs a causal LM split into pipeline stages over ``pp_mesh``.
 
@@ -366,11 +375,8 @@ class PipelineModel:
         shape = None if ref is None else (ref.to_local() if isinstance(ref, DTensor) else ref).shape
         shape_t = torch.tensor(list(shape) if shape is not None else [0, 0], device=self.device)
         dist.all_reduce(shape_t, op=dist.ReduceOp.MAX, group=self.pp_group)
-        total = torch.zeros(tuple(shape_t.tolist()), device=self.device, dtype=torch.float32)
-        for mod in (first, last):
-            if mod is not None and mod.weight.grad is not None:
-                g = mod.weight.grad
-                total += (g.to_local() if isinstance(g, DTensor) else g).float()
+        grads = [mod.weight.grad for mod in (first, last) if mod is not None and mod.weight.grad is not None]
+        total = tied_grad_sum(grads, tuple(shape_t.tolist()), self.device)
         dist.all_reduce(total, group=self.pp_group)
         for mod in (first, last):
             if mod is not None and mod.weight.grad is not None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rlhf.batch import RolloutBatch
 from rlhf.config import RolloutConfig
 from rlhf.models.lora import merged_weights_for_rollout
+from rlhf.rollout.exchange import exchange_rows
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 from rlhf.rollout.turns import TurnHandler
@@ -289,41 +290,11 @@ class RolloutEngine:
 
     def _exchange(self, out: Optional[RolloutOutput], num_prompts: int, n: int,
                   local_rows: list[int]) -> RolloutOutput:
-        """All rollout replicas' rows -> the rows of ``local_rows`` (each prompt's n samples)."""
-        lay, R, dev = self.layout, self.R, self.device
-        bounds = chunk_bounds(num_prompts, lay.dp)
-        width = max(e - s for s, e in bounds) * n  # rows of the largest chunk
-        # ids | response mask (0 on observation tokens) | length | truncated
-        ints = torch.zeros((width, 2 * R + 2), dtype=torch.long, device=dev)
-        floats = torch.zeros((width, R), dtype=torch.float32, device=dev)  # sampler log-probs
-        if out is not None:
-            rows, r = out.response_ids.shape[0], min(R, out.response_ids.shape[1])
-            ints[:rows, :r] = out.response_ids[:, :r]
-            ints[:rows, R:R + r] = out.response_mask[:, :r].long()
-            ints[:rows, 2 * R] = out.response_lengths
-            ints[:rows, 2 * R + 1] = out.truncated.long()
-            floats[:rows, :r] = out.log_probs[:, :r]
-        if lay.dp > 1:
-            all_ints = [torch.empty_like(ints) for _ in range(lay.dp)]
-            all_floats = [torch.empty_like(floats) for _ in range(lay.dp)]
-            dist.all_gather(all_ints, ints, group=lay.dp_group)
-            dist.all_gather(all_floats, floats, group=lay.dp_group)
-        else:
-            all_ints, all_floats = [ints], [floats]
-        # global row of sample j of prompt i = (chunk q, offset (i - start_q) * n + j)
-        chunk_of = torch.tensor([q for q, (s, e) in enumerate(bounds) for _ in range(s, e)], dtype=torch.long)
-        start_of = torch.tensor([s for s, e in bounds], dtype=torch.long)
-        prompts = torch.tensor(local_rows, dtype=torch.long)
-        q = chunk_of[prompts].repeat_interleave(n)  # [N_local]
-        first_row = ((prompts - start_of[chunk_of[prompts]]) * n).repeat_interleave(n)
-        off = first_row + torch.arange(n).repeat(len(local_rows))
-        flat = (q * width + off).to(dev)
-        ints = torch.cat(all_ints).index_select(0, flat)
-        floats = torch.cat(all_floats).index_select(0, flat)
-        return RolloutOutput(
-            response_ids=ints[:, :R], response_mask=ints[:, R:2 * R].bool(), log_probs=floats,
-            response_lengths=ints[:, 2 * R], truncated=ints[:, 2 * R + 1].bool(),
-            prompt_index=torch.arange(len(local_rows), device=dev).repeat_interleave(n))
+        """All rollout replicas' rows -> the rows of ``local_rows`` (each prompt's n samples):
+        packed narrow, each rank receives only its own (``rlhf.rollout.exchange``)."""
+        lay = self.layout
+        return exchange_rows(out, chunk_bounds(num_prompts, lay.dp), n, local_rows, self.R, lay.dp, lay.dp_group,
+                             self.device)
 
     def to_batch(self, prompts: PromptBatch, out: RolloutOutput, n: int) -> RolloutBatch:
         N = len(prompts.prompt_ids) * n

@@ -29,6 +29,7 @@ package imports, the reference otherwise.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,6 +58,10 @@ class GatherAttention:
     name = "gather"
     block_multiple = 1
     in_place = False  # reads a copy of the window: a contiguous cache layout saves the gather
+
+    def graph_key(self, window: int, contiguous: bool) -> tuple:
+        """What a captured decode step depends on: the window's shapes and the cache mode."""
+        return (window, contiguous)
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> "_GatherPlan":
         if cache.contiguous:  # every layer's (slot, kv head) pairs at one stride: folded views, once per step
@@ -125,6 +130,11 @@ class FlashPagedAttention:
             raise ImportError("FlashPagedAttention needs flash-attn: pip install flash-attn --no-build-isolation")
         self.fn = fn
 
+    def graph_key(self, window: int, contiguous: bool) -> tuple:
+        """The window is not an input of this kernel (the whole block table and the lengths are):
+        one captured decode step serves every window."""
+        return (None, contiguous)
+
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> tuple:
         return cache.table[:slots].to(torch.int32), (pos + 1).to(torch.int32)
 
@@ -142,8 +152,30 @@ class FlashPagedAttention:
         return out.view(b, hkv, g, d)
 
 
+def gather_on_cuda_reason(device_type: str, dtype: torch.dtype, flash_available: bool) -> Optional[str]:
+    """Why a CUDA run decodes with the gather kernel (None: flash-attn's kernel, or not CUDA)."""
+    if device_type != "cuda":
+        return None
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"the rollout runs in {dtype} (flash-attn takes fp16 / bf16)"
+    if not flash_available:
+        return "flash-attn is not installed"
+    return None
+
+
+_WARNED: set[str] = set()
+
+
 def decode_attention(device: torch.device, dtype: torch.dtype) -> GatherAttention | FlashPagedAttention:
-    """The decode kernel for ``device`` / ``dtype`` (see module docstring)."""
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _flash_with_kvcache() is not None:
+    """The decode kernel for ``device`` / ``dtype`` (see module docstring). A CUDA run without
+    flash-attn's kernel is told once: its paged decode copies every slot's window per layer."""
+    reason = gather_on_cuda_reason(torch.device(device).type, dtype, _flash_with_kvcache() is not None)
+    if torch.device(device).type == "cuda" and reason is None:
         return FlashPagedAttention()
+    if reason is not None and reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"rollout decode without flash-attn ({reason}): every decode step gathers each slot's whole "
+                      "K/V window per layer ([2 kv_heads, slots, window, head_dim], in the CUDA-graph pool under "
+                      "rollout.compile; the planner counts it). Use a bf16 rollout with flash-attn, or a KV budget "
+                      "of max_num_seqs x max length (slot regions read in place)", stacklevel=2)
     return GatherAttention()

@@ -11,6 +11,7 @@ attention window so that its shapes are static, and is captured once as a CUDA g
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhf.models import moe
 from rlhf.rollout import decoder, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
@@ -43,6 +45,31 @@ class RolloutOutput:
     truncated: Tensor  # [N] bool: hit max_new_tokens without a stop
     prompt_index: Tensor  # [N] long: index into `prompts`
     stats: dict[str, float] = field(default_factory=dict)
+
+
+def graph_blocker(spec: decoder.DecoderSpec, dtype: torch.dtype, device_type: str,
+                  capability: tuple[int, int] | None) -> str | None:
+    """Why the decode step of this model cannot be captured in a CUDA graph here (None: it can).
+
+    MoE experts run torch's ``grouped_mm``, sync-free only for bf16 on sm90 / sm100
+    (``rlhf.models.moe.grouped_mm_mode``); elsewhere it copies the expert offsets to the host,
+    which capture forbids, so such a sampler decodes eagerly instead."""
+    m = spec.arch.moe
+    if m is None:
+        return None
+    sizes = (spec.hidden_size, 2 * m.intermediate_size, m.intermediate_size)
+    if moe.grouped_mm_mode(dtype, device_type, capability, sizes) == "sync_free":
+        return None
+    return (f"CUDA graphs off for this MoE model: torch grouped_mm is capturable only in bf16 on sm90/sm100 "
+            f"(here {dtype}, capability {capability}, sizes {sizes}); decoding eagerly")
+
+
+def graph_key(kernel: Any, window: int, contiguous: bool) -> tuple:
+    """The key of a captured decode step: what the decode kernel reads (``kernel.graph_key``).
+    The gather kernel's shapes follow the window and it reads slot regions or the block table
+    (contiguous mode); flash-attn's paged kernel takes neither, so one graph serves all windows."""
+    fn = getattr(kernel, "graph_key", None)
+    return fn(window, contiguous) if fn is not None else (window, contiguous)
 
 
 def cuda_free_memory(device: torch.device) -> int:
@@ -147,6 +174,11 @@ class Sampler:
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_bytes = kv_cache_bytes
         self.decode_attention = decode_attention or paged_attention.decode_attention(self.device, self.dtype)
+        if use_cuda_graph:
+            blocker = graph_blocker(self.spec, self.dtype, "cuda", torch.cuda.get_device_capability(self.device))
+            if blocker is not None:
+                warnings.warn(blocker, stacklevel=2)
+                use_cuda_graph = False
         mult = self.decode_attention.block_multiple
         self.block_size = -(-block_size // mult) * mult
         self.slot_regions = slot_regions
@@ -166,8 +198,8 @@ class Sampler:
                                                consume=consume_weights, copy=self.reload_in_place)
         self.cache: PagedKVCache | None = None
         self.max_seq_len = 0
-        # (window, contiguous cache mode) -> (CUDAGraph, logits buffer): the two modes read the K/V
-        # differently (views of slot regions vs the block table), so each has its own graphs
+        # graph_key (the kernel's real inputs: the gather kernel's window and cache mode, none of
+        # them for flash-attn's block table) -> (CUDAGraph, logits buffer)
         self._graphs: dict[tuple[int, bool], tuple[Any, Tensor]] = {}
         self._graph_pool: Any = None
         self._fixed_len = max_seq_len is not None
@@ -272,14 +304,14 @@ class Sampler:
         if not self.use_cuda_graph:
             return decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
                                   window, self.cos, self.sin, self.tp_group)[:live]
-        key = (window, self.cache.contiguous)
+        key = graph_key(self.decode_attention, window, self.cache.contiguous)
         if key not in self._graphs:
-            self._capture(window)
+            self._capture(window, key)
         graph, logits = self._graphs[key]
         graph.replay()
         return logits[:live]
 
-    def _capture(self, window: int) -> None:
+    def _capture(self, window: int, key: tuple) -> None:
         """Capture the all-slot decode step for ``window`` as a CUDA graph (CUDA only).
 
         The warm-up runs write the K/V of each slot's current token at its current position,
@@ -297,4 +329,4 @@ class Sampler:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             logits = decoder.decode(*args)
-        self._graphs[(window, self.cache.contiguous)] = (graph, logits)
+        self._graphs[key] = (graph, logits)

@@ -140,6 +140,28 @@ def uniforms(seq_keys: Tensor, pos_keys: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- sampling
 
 
+_cumsum = torch.cumsum  # the seam a CPU test replaces with a GPU-like (non-monotone) scan
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """``[B, 1]``: the first index whose running sum reaches ``u * total``; where that index has
+    probability 0, the next index with positive probability (the last one before it if none follows).
+
+    A sequential cumsum (CPU) is monotone and adds exactly 0 for a zero-probability entry, so the
+    first index reaching the threshold has positive probability and the guard changes nothing.
+    A GPU cumsum is a parallel scan whose prefixes round differently: the running sum can step up
+    at a zero-probability entry (a token top-p / min-p removed), which searchsorted would pick
+    (log-prob -inf)."""
+    v = probs.shape[-1]
+    cdf = _cumsum(probs, dim=-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).clamp_(max=v - 1)
+    idx = torch.arange(v, device=probs.device).expand_as(probs)
+    positive = probs > 0
+    following = torch.where(positive, idx, v).flip(-1).cummin(dim=-1).values.flip(-1).gather(1, choice)
+    preceding = torch.where(positive, idx, 0).cummax(dim=-1).values.gather(1, choice)
+    return torch.where(following < v, following, preceding)
+
+
 def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tuple[Tensor, Tensor]:
     """Pick one token per row and return its log-prob under the temperature-scaled distribution.
 
@@ -168,8 +190,7 @@ def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tup
     if not (use_top_k or params.top_p < 1.0 or params.min_p > 0.0):
         # plain temperature sampling: natural vocabulary order, no sort, one softmax
         probs = torch.softmax(scaled, dim=-1)
-        cdf = probs.cumsum(dim=-1)
-        tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1))  # [B, 1]
+        tok = inverse_cdf(probs, u)  # [B, 1]
         return tok.squeeze(1), probs.gather(1, tok).log_().squeeze(1)
     logp = torch.log_softmax(scaled, dim=-1)  # [B, V] untruncated, for the returned log-probs
     cand_idx: Tensor | None = None
@@ -188,7 +209,6 @@ def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tup
     if params.min_p > 0.0:
         pmax = probs[:, :1] if cand_idx is not None else probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < params.min_p * pmax, 0.0)
-    cdf = probs.cumsum(dim=-1)
-    choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1))  # [B, 1]
+    choice = inverse_cdf(probs, u)  # [B, 1]
     tok = cand_idx.gather(1, choice) if cand_idx is not None else choice
     return tok.squeeze(1), logp.gather(1, tok).squeeze(1)

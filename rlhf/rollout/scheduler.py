@@ -493,6 +493,13 @@ class GenerateRun:
                 self.pos_base[h], self.slot_seq[h], self.slot_order[h] = \
                     self.pos_base[m], self.slot_seq[m], self.slot_order[m]
             self.stats["compaction_moves"] += len(holes)
+        # Vacated slots [new_live, live) still run in the static all-slot decode (CUDA graphs): reset
+        # them to position 0, token 0. A stale position made flash-attn read its whole old length,
+        # and past the step's key window (sliding-window layers) a slot saw no key at all: NaN K/V
+        # written into the scratch block that live rows read (masked, but 0 * NaN = NaN).
+        if new_live < self.live:
+            self.slots.token[new_live:self.live] = 0
+            self.slots.pos[new_live:self.live] = 0
         self.live = new_live
         self._grow_at = 0
 

@@ -59,3 +59,63 @@ def _check(rank: int, world: int) -> None:
 
 def test_replica_exchange_outlasts_the_collective_timeout_and_weights_cross_in_buckets():
     run_distributed(_check, 2, timeout_s=COLLECTIVE_S)
+
+
+# ---------------------------------------------------------------- the rollout row exchange
+
+R_EX, N_EX, PROMPTS_EX = 6, 2, 5
+WANTS = {0: [4, 0, 3], 1: [1, 2]}  # prompts each rank trains on (chunks: [0, 3) on replica 0, [3, 5) on 1)
+
+
+def _row(i: int, j: int):
+    """Sample j of prompt i: ids, mask (a hole at t = 1: a multi-turn observation), log-probs, length."""
+    length = 1 + (i + j) % R_EX
+    t = torch.arange(R_EX)
+    ids = torch.where(t < length, (i * 10 + j * 3 + t) % 50, 0)
+    mask = (t < length) & (t != 1)
+    logp = torch.where(t < length, -(i + j + t).float() / 7, 0.0)
+    return ids, mask, logp, length
+
+
+def _rows(prompts):
+    from rlhf.rollout.sampler import RolloutOutput
+
+    rows = [_row(i, j) for i in prompts for j in range(N_EX)]
+    return RolloutOutput(response_ids=torch.stack([r[0] for r in rows]), response_mask=torch.stack([r[1] for r in rows]),
+                         log_probs=torch.stack([r[2] for r in rows]),
+                         response_lengths=torch.tensor([r[3] for r in rows]),
+                         truncated=torch.tensor([r[3] == R_EX for r in rows]),
+                         prompt_index=torch.arange(len(prompts)).repeat_interleave(N_EX))
+
+
+def _exchange(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from rlhf.rollout.engine import chunk_bounds
+    from rlhf.rollout.exchange import exchange_rows
+    from tests.dist._dist_utils import dist_device
+
+    bounds = chunk_bounds(PROMPTS_EX, world)
+    s, e = bounds[rank]
+    moved = []
+    real = dist.all_to_all_single
+
+    def counting(out, inp, *a, **k):
+        moved.append(out.numel() * out.element_size())
+        return real(out, inp, *a, **k)
+
+    dist.all_to_all_single = counting
+    dev = dist_device()  # the CPU over gloo; this rank's GPU under the nccl switch (tests/gpu/test_dist_nccl.py)
+    mine = _rows(range(s, e))
+    for k in ("response_ids", "response_mask", "log_probs", "response_lengths", "truncated"):
+        setattr(mine, k, getattr(mine, k).to(dev))
+    got = exchange_rows(mine, bounds, N_EX, WANTS[rank], R_EX, world, None, dev)
+    ref = _rows(WANTS[rank])
+    for k in ("response_ids", "response_mask", "log_probs", "response_lengths", "truncated", "prompt_index"):
+        assert torch.equal(getattr(got, k).cpu(), getattr(ref, k)), k
+    # only this rank's rows arrive, packed in int32: (2R + 2) x 4 bytes each
+    assert moved == [len(WANTS[rank]) * N_EX * (2 * R_EX + 2) * 4], moved
+
+
+def test_rollout_rows_reach_only_the_ranks_that_train_on_them_packed_narrow():
+    run_distributed(_exchange, 2)

@@ -88,3 +88,61 @@ def test_load_places_only_the_shards(model_dir, tmp_path, monkeypatch):
     r = torch.load(out)
     print(f"load peak {r['peak'] / 2**20:.1f} MiB for {r['model'] / 2**20:.1f} MiB of shards")
     assert r["peak"] <= 1.1 * r["model"] + 2**20, r
+
+
+def _sft(rank: int, world: int, model_dir: str, data: str, out: str, offload: bool) -> None:
+    from rlhf.sft import SFTConfig, SFTRunConfig, SFTSettings, run_sft
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = SFTConfig(model=ModelConfig(path=model_dir, mixed_precision=False, param_offload=offload),
+                    sft=SFTSettings(train_files=data, train_batch_size=4, micro_batch_size_per_gpu=2, max_length=64,
+                                    grad_clip=0.5),
+                    trainer=SFTRunConfig(output_dir=out, device="cuda", logger=[]))
+    last = run_sft(cfg)
+    if rank == 0:
+        torch.save(last, out + ".pt")
+
+
+def test_offloaded_sft_clips_like_on_device(model_dir, tmp_path, monkeypatch):
+    """SFT with model.param_offload: the grad norm of host gradients is reduced on the GPU (one helper
+    with the RL path); before, torch's clip_grad_norm_ all-reduced CPU tensors over NCCL. Two ranks
+    when two GPUs are visible."""
+    import json
+
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "response": str(i + 1)}) for i in range(8)))
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    runs = {}
+    for offload in (False, True):
+        out = str(tmp_path / f"sft_{offload}")
+        run_distributed(_sft, world, model_dir, str(data), out, offload)
+        runs[offload] = torch.load(out + ".pt")
+    for k in ("sft/loss", "sft/grad_norm"):
+        assert abs(runs[True][k] - runs[False][k]) <= 1e-4 * max(1.0, abs(runs[False][k])), (k, runs)
+
+
+def _offload_threads(rank: int, world: int, model_dir: str, out: str) -> None:
+    import os
+
+    from rlhf.actor import PolicyWorker
+    from rlhf.parallel import ParallelDims
+
+    mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh("cuda")
+    before = torch.get_num_threads()  # 1: run_distributed's workers start as torchrun's do
+    worker = PolicyWorker(ModelConfig(path=model_dir, param_offload=True), mesh, torch.device("cuda", 0),
+                          actor_cfg=ActorConfig(), total_steps=1)
+    groups = [g["foreach"] for g in worker.optimizer.param_groups]
+    torch.save({"before": before, "after": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
+                "foreach": groups}, out)
+
+
+def test_offloaded_optimizer_runs_multi_threaded_foreach(model_dir, tmp_path, monkeypatch):
+    """model.param_offload: the host AdamW step gets this rank's share of the cores (torchrun's
+    OMP_NUM_THREADS=1 left it single-threaded) and runs foreach, one group per mesh."""
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    out = str(tmp_path / "threads.pt")
+    run_distributed(_offload_threads, 1, model_dir, out)
+    r = torch.load(out)
+    assert r["before"] == 1 and r["after"] == max(1, r["cpus"]), r
+    assert r["foreach"] and all(r["foreach"]), r

@@ -87,10 +87,13 @@ def test_cuda_graph_decode_equals_eager(dtype):
         params = SamplingParams(temperature=0.0, max_new_tokens=40)
         a, b = eager.generate(prompts, params), graph.generate(prompts, params)
         same = (a.response_ids == b.response_ids).float().mean().item()
+        # The graph runs every slot and a bucketed window, eager only the live ones: matmuls of other
+        # shapes, which cuBLAS may reduce in another order also in fp32 (bit-identity is not promised).
+        # A rare late flip is allowed; the log-probs of the common prefix must agree.
+        assert same >= (0.995 if dtype == torch.float32 else 0.99), f"batch {batch}: {same:.4f} of tokens equal"
         if dtype == torch.float32:
-            assert torch.equal(a.response_ids, b.response_ids), f"batch {batch}: {same:.4f} of tokens equal"
-        else:  # bf16 matmuls of different shapes round differently; allow a rare late flip
-            assert same >= 0.99, f"batch {batch}: {same:.4f} of tokens equal"
+            agree = (a.response_ids == b.response_ids).long().cumprod(1).bool() & a.response_mask.bool()
+            torch.testing.assert_close(b.log_probs[agree], a.log_probs[agree], atol=1e-4, rtol=0)
     assert graph._graphs, "no CUDA graph was captured"
 
 
@@ -118,3 +121,57 @@ def test_flash_paged_decode_kernel_matches_the_gather_kernel():
         out = [k.attend(cache, 0, q, k.plan(cache, b, pos, window, q.dtype), layer)
                for k in (GatherAttention(), FlashPagedAttention())]
         torch.testing.assert_close(out[1].float(), out[0].float(), atol=2e-2, rtol=2e-2)
+
+
+@torch.no_grad()
+def test_flash_kernel_captures_one_graph_for_every_window():
+    """CUDA graphs are keyed by the decode kernel's real inputs (rlhf.rollout.sampler.graph_key):
+    flash-attn's paged kernel does not take the window, so a run crossing windows 64..512 captures
+    one graph (one logits buffer), not one per window; the gather kernel one per window."""
+    from rlhf.rollout.paged_attention import _flash_with_kvcache
+
+    model = qwen2_model(torch.bfloat16, seed=3)
+    prompts = random_prompts(8, model.config.vocab_size, lo=4, hi=40, seed=7)
+    params = SamplingParams(temperature=0.0, max_new_tokens=400)
+    s = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=8, use_cuda_graph=True)
+    eager = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=8)
+    a, b = eager.generate(prompts, params), s.generate(prompts, params)
+    assert (a.response_ids == b.response_ids).float().mean().item() >= 0.95
+    flash = _flash_with_kvcache() is not None
+    assert len(s._graphs) == (1 if flash else 4), sorted(s._graphs)
+
+
+@torch.no_grad()
+def test_truncated_sampling_never_picks_a_removed_token_on_the_gpu():
+    """top-p / min-p zero most of the vocabulary; the inverse CDF over the GPU's parallel cumsum is
+    guarded (rlhf.rollout.sampling.inverse_cdf): every sampled token keeps a finite log-prob."""
+    from rlhf.rollout.sampling import inverse_cdf
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    probs = torch.softmax(torch.randn(512, 151936, device="cuda", generator=g) * 3, -1)
+    probs = probs.masked_fill(probs < probs.amax(-1, keepdim=True) * 0.05, 0.0)
+    for _ in range(20):
+        u = torch.rand(512, device="cuda", generator=g).clamp_min(1e-7)
+        pick = inverse_cdf(probs, u)
+        assert probs.gather(1, pick).gt(0).all()
+    model = qwen2_model(torch.bfloat16, seed=4)
+    prompts = random_prompts(64, model.config.vocab_size, seed=9)
+    out = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=64).generate(
+        prompts, SamplingParams(n=2, temperature=1.0, top_p=0.5, min_p=0.05, max_new_tokens=64, seed=1))
+    assert out.log_probs[out.response_mask.bool()].isfinite().all()
+
+
+def test_fp32_rollout_on_cuda_warns_once_that_decode_gathers():
+    """Issue 32 item 5: a CUDA run whose decode cannot use flash-attn (fp32 here) is told once at start-up;
+    the planner counts the gather buffers (rlhf.planner.decode_gather_bytes)."""
+    import warnings
+
+    from rlhf.rollout import paged_attention as pa
+
+    pa._WARNED.clear()
+    model = qwen2_model(torch.float32, seed=5)
+    with pytest.warns(UserWarning, match="without flash-attn"):
+        Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=4)

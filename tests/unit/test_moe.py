@@ -60,3 +60,41 @@ def test_experts_gradients_equal_the_per_token_loop():
         grads.append([t.grad for t in ts])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, device, cap, sizes, mode", [
+    (torch.bfloat16, "cuda", (9, 0), (64, 128), "sync_free"),    # H100: the CUTLASS kernel
+    (torch.bfloat16, "cuda", (10, 0), (64, 128), "sync_free"),   # B200
+    (torch.float32, "cuda", (9, 0), (64, 128), "host_sync"),     # fp32 on H100: offsets copied to the host
+    (torch.float16, "cuda", (9, 0), (64, 128), "host_sync"),
+    (torch.bfloat16, "cuda", (8, 0), (64, 128), "host_sync"),    # A100: the fallback
+    (torch.bfloat16, "cuda", (8, 9), (64, 128), "host_sync"),
+    (torch.bfloat16, "cuda", (12, 0), (64, 128), "host_sync"),
+    (torch.bfloat16, "cuda", (7, 5), (64, 128), "none"),         # below sm80: refused
+    (torch.bfloat16, "cuda", (9, 0), (64, 12), "none"),          # 12 * 2 bytes: unaligned
+    (torch.float32, "cpu", None, (16, 8), "sync_free"),
+    (torch.float32, "cpu", None, (10, 8), "none"),
+])
+def test_grouped_mm_mode_is_a_pure_function_of_dtype_device_capability_sizes(dtype, device, cap, sizes, mode):
+    assert moe.grouped_mm_mode(dtype, device, cap, sizes) == mode
+    assert moe.grouped_mm_mode(dtype, device, cap, sizes, has_grouped_mm=False) == "none"
+
+
+def test_experts_capturable_only_in_bf16_on_sm90_or_sm100():
+    assert moe.experts_capturable(torch.bfloat16, "cuda", 64, 32, capability=(9, 0))
+    assert not moe.experts_capturable(torch.float32, "cuda", 64, 32, capability=(9, 0))
+    assert not moe.experts_capturable(torch.bfloat16, "cuda", 64, 32, capability=(8, 0))
+    assert not moe.experts_capturable(torch.bfloat16, "cuda", 64, 4, capability=(9, 0))  # 2 * 4 bytes rows
+
+
+def test_sampler_decodes_a_moe_model_eagerly_where_grouped_mm_is_not_capturable():
+    from rlhf.rollout import decoder
+    from rlhf.rollout.sampler import graph_blocker
+    from tests._archs import tiny_model
+
+    spec = decoder.DecoderSpec.from_config(tiny_model("qwen3_moe").config)
+    assert graph_blocker(spec, torch.bfloat16, "cuda", (9, 0)) is None
+    assert "bf16" in graph_blocker(spec, torch.float32, "cuda", (9, 0))
+    assert graph_blocker(spec, torch.bfloat16, "cuda", (8, 0)) is not None
+    dense = decoder.DecoderSpec.from_config(tiny_model("gemma2").config)
+    assert graph_blocker(dense, torch.float32, "cuda", (8, 0)) is None

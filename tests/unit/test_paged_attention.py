@@ -118,3 +118,65 @@ def test_prefix_sharing_with_parked_sequences():
         assert out.stats["kv_shared_blocks"] > 0 and out.stats["turns"] > 0
         assert torch.equal(out.response_ids, ref.response_ids) and torch.equal(out.response_mask, ref.response_mask)
         assert s.cache.num_free == s.cache.num_blocks and not any(s.cache.refs)
+
+
+class _ReplayGraph:
+    """Stands in for a CUDA graph on CPU: replay re-runs the step with the arguments it was
+    captured with (the window included), into the same logits buffer."""
+
+    def __init__(self, s, window):
+        from rlhf.rollout import decoder
+
+        self.args = (s.spec, s.weights, s.cache, s.token_buf, s.pos_buf, window, s.cos, s.sin, s.tp_group)
+        self.decode = decoder.decode
+        self.logits = self.decode(*self.args)
+
+    def replay(self):
+        self.logits.copy_(self.decode(*self.args))
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_cuda_graphs_are_keyed_by_the_kernels_real_inputs(flash, monkeypatch):
+    """flash-attn's paged kernel ignores the window: one graph for the run (it was one per window,
+    each with its logits buffer); the gather kernel's shapes follow the window: one per window."""
+    from rlhf.rollout.sampler import graph_key
+
+    kernel = FlashPagedAttention(fn=flash_with_kvcache_reference) if flash else GatherAttention()
+    prompts = [[(5 * i) % 60 + 2 for i in range(50)], [7, 8, 9], [3, 4]]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=90, seed=4)  # windows 64, 128 and 256
+    ref = _sampler(max_num_seqs=4, decode_attention=kernel, slot_regions=False).generate(prompts, params)
+    s = _sampler(max_num_seqs=4, decode_attention=kernel, slot_regions=False)
+    s.static_shapes = s.use_cuda_graph = True
+    captured = []
+
+    def capture(window, key):
+        captured.append(window)
+        g = _ReplayGraph(s, window)
+        s._graphs[key] = (g, g.logits)
+
+    monkeypatch.setattr(s, "_capture", capture)
+    out = s.generate(prompts, params)
+    assert len(captured) == (1 if flash else 3), captured
+    assert torch.equal(out.response_ids, ref.response_ids)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+    assert graph_key(kernel, 64, False) == graph_key(kernel, 4096, False) if flash else \
+        graph_key(kernel, 64, True) != graph_key(kernel, 64, False)
+
+
+def test_cuda_without_flash_attn_decodes_with_the_gather_kernel_and_says_so_once(monkeypatch):
+    from rlhf.rollout import paged_attention as pa
+
+    assert pa.gather_on_cuda_reason("cuda", torch.bfloat16, True) is None
+    assert "float32" in pa.gather_on_cuda_reason("cuda", torch.float32, True)
+    assert "not installed" in pa.gather_on_cuda_reason("cuda", torch.bfloat16, False)
+    assert pa.gather_on_cuda_reason("cpu", torch.float32, False) is None
+    monkeypatch.setitem(pa._FLASH, "fn", None)  # the wheel is missing
+    monkeypatch.setattr(pa, "_WARNED", set())
+    with pytest.warns(UserWarning, match="without flash-attn .flash-attn is not installed"):
+        assert isinstance(decode_attention(torch.device("cuda"), torch.bfloat16), GatherAttention)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decode_attention(torch.device("cuda"), torch.bfloat16)  # once per process, not per sampler
+        decode_attention(torch.device("cpu"), torch.float32)

@@ -178,3 +178,37 @@ def test_rollout_copies_fusing_send_buffer_and_kept_sampler():
     assert off.phases["weight send"]["send buffer"] == SEND_BUCKET_BYTES
     assert off.phases["weight send"]["rollout weights (for the partner)"] == s.num_params() * 2
     assert "parameters" not in off.phases["rollout (rollout ranks)"]
+
+
+def test_decode_gather_buffers_without_flash_attn_and_host_per_node():
+    """Issue 32: the gather kernel's per-layer window copy and scores (CUDA without flash-attn or in fp32,
+    kept in the graph pool under rollout.compile), and the host memory of a node's ranks at load."""
+    from rlhf.planner import decode_gather_bytes
+
+    s = ModelShape.from_model_dir(str(REPO / "configs" / "models" / "Qwen2.5-7B"))
+    base = ["data.train_batch_size=64", "actor.ppo_mini_batch_size=64", "rollout.max_num_seqs=256",
+            "data.max_prompt_length=512", "data.max_response_length=15872"]
+    key = "decode gather buffers (no flash-attn)"
+    flash = plan_memory(s, _cfg(*base), world_size=8, device="cuda", flash_attn=True)
+    assert flash.components[key] == 0
+    nof = plan_memory(s, _cfg(*base), world_size=8, device="cuda", flash_attn=False)
+    slots, L = nof.layout["slots"], nof.layout["seq_len"]
+    assert nof.components[key] == decode_gather_bytes(s, slots=slots, seq_len=L, rollout_tp=1, rb=2, paged=True)
+    assert nof.components[key] == slots * L * (2 * s.kv_dim * 2 + s.num_heads * (2 * 2 + 4))
+    assert nof.total("rollout") - flash.total("rollout") == nof.components[key]
+    assert any("without flash-attn" in n for n in nof.notes)
+    fp32 = plan_memory(s, _cfg(*base, "rollout.dtype=float32"), world_size=8, device="cuda", flash_attn=True)
+    assert fp32.components[key] > 0  # flash-attn takes no fp32
+    graphs = plan_memory(s, _cfg(*base, "rollout.compile=true"), world_size=8, device="cuda", flash_attn=False)
+    all_slots = decode_gather_bytes(s, slots=256, seq_len=L, rollout_tp=1, rb=2, paged=True)
+    assert graphs.components[key] == all_slots and graphs.phases["update"]["cuda-graph pool (decode gather buffers)"]
+    # every slot at full length fits the KV budget: slot regions, no window copy
+    regions = plan_memory(s, _cfg(*base, f"rollout.kv_cache_tokens={256 * L}"), world_size=8, device="cuda",
+                          flash_attn=False)
+    assert regions.components[key] == decode_gather_bytes(s, slots=regions.layout["slots"], seq_len=L, rollout_tp=1,
+                                                          rb=2, paged=False)
+    # host: 8 ranks of a node each hold the fp32 model at load
+    assert flash.host_per_node == 8 * s.num_params() * 4
+    tight = plan_memory(s, _cfg(*base), world_size=16, device="cuda", host_memory=128 * GIB)
+    assert tight.layout["ranks_per_node"] == 8 and any("host memory at load" in n for n in tight.notes)
+    assert not any("host memory at load" in n for n in flash.notes)

@@ -378,3 +378,26 @@ def test_load_weights_in_place_keeps_addresses():
     swap = _sampler()
     swap.load_weights(new_sd)  # plain swap: unfused tensors on the device in the dtype are used as given
     assert swap.weights.layers[1].o_w.data_ptr() == new_sd["model.layers.1.self_attn.o_proj.weight"].data_ptr()
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token_under_a_gpu_like_scan(monkeypatch):
+    """A GPU cumsum (parallel scan) can step up at a zero-probability entry; searchsorted then picked
+    that token (log-prob -inf). Seam: rlhf.rollout.sampling._cumsum replaced by such a scan."""
+    from rlhf.rollout import sampling
+
+    probs = torch.tensor([[0.3, 0.0, 0.0, 0.7], [0.6, 0.4, 0.0, 0.0]])
+
+    def gpu_like(p, dim):  # +1e-6 at each zero entry: a rounding of the prefix, not of the mass
+        return torch.cumsum(p, dim) + torch.cumsum((p == 0).float() * 1e-6, dim)
+
+    monkeypatch.setattr(sampling, "_cumsum", gpu_like)
+    u = torch.tensor([0.3 / 1.0 + 5e-7, 1.0])  # thresholds just past the first row's 0.3, at the second's end
+    pick = sampling.inverse_cdf(probs, u).squeeze(1)
+    assert probs.gather(1, pick[:, None]).gt(0).all(), pick
+    assert pick.tolist() == [3, 1]  # the next positive token; none follows in row 2: the last before
+    monkeypatch.undo()
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(64, 50, generator=g), -1).masked_fill(torch.rand(64, 50, generator=g) < 0.5, 0.0)
+    u = torch.rand(64, generator=g).clamp_min(1e-6)
+    plain = torch.searchsorted(p.cumsum(-1), (u * p.cumsum(-1)[:, -1])[:, None])
+    assert torch.equal(sampling.inverse_cdf(p, u), plain)  # on a sequential scan: the same picks as before

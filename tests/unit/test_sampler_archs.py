@@ -69,3 +69,21 @@ def test_unsupported_model_type_is_one_line():
                                                      intermediate_size=64))
     with pytest.raises(NotImplementedError, match="model_type 'gemma3' is not supported.*only the text model"):
         Sampler(cfg, {}, pad_token_id=PAD)
+
+
+@pytest.mark.parametrize("slot_regions", [False, True])
+def test_static_decode_with_a_vacated_slot_past_the_window(slot_regions):
+    """The all-slot decode of the CUDA-graph path, window-4 model (Gemma 3): a slot vacated at a position
+    (78) past the next steps' key window (64) saw no key at all, wrote NaN K/V into the scratch block
+    and poisoned the live slot reading it. Vacated slots are reset (rlhf.rollout.scheduler._compact)."""
+    long = [(3 * i) % 50 + 2 for i in range(68)]
+    prompts = [[5, 6, 7], long, [9, 10, 11]]  # slot 0 short, slot 1 long: both end together, the last
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)  # short one then runs next to an idle slot 1
+    ref = _sampler("gemma3", max_num_seqs=2, slot_regions=slot_regions, block_size=16).generate(prompts, params)
+    s = _sampler("gemma3", max_num_seqs=2, slot_regions=slot_regions, block_size=16)
+    s.static_shapes = True
+    out = s.generate(prompts, params)
+    assert out.log_probs.isfinite().all()
+    assert torch.equal(out.response_ids, ref.response_ids)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+    assert int(s.pos_buf[1]) == 0  # the idle slot sits at position 0 (one key: flash-attn's shortest row)
