@@ -247,9 +247,22 @@ class MetricsLogger:
         self._start = time.perf_counter()
         if self._file is None or not self.path.is_file():
             return
-        lines = self.path.read_text().splitlines(keepends=True)
-        keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-        if len(keep) != len(lines):
+        text = self.path.read_text(errors="replace")
+        keep, broken = [], 0
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:  # a partial line (killed or disk full mid-write): that row was never complete
+                broken += 1
+                continue
+            if row.get("step", 0) <= step:
+                keep.append(line + "\n")
+        if broken:
+            print(f"[rlhf] note: {self.path}: dropped {broken} incomplete line(s) (a write cut short); "
+                  f"{len(keep)} row(s) kept", file=self._stream or sys.stdout, flush=True)
+        if "".join(keep) != text:
             # The append-mode handle writes at the end of whatever the file now holds.
             self.path.write_text("".join(keep))
 
