@@ -76,7 +76,8 @@ class RLTrainer:
         if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1:
             raise ConfigError(f"model.lora_rank: LoRA needs rollout.tp = 1 (got {cfg.rollout.tp})")
         self._check_names()
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
+                                        key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
@@ -506,7 +507,7 @@ class RLTrainer:
             print(f"[rlhf] checkpoint saved: {path}", flush=True)
 
     def maybe_resume(self) -> None:
-        path = find_resume_path(self.cfg.checkpoint.resume, str(self.out_dir))
+        path = find_resume_path(self.cfg.checkpoint.resume, str(self.out_dir), group=self.group)
         if path is None:
             return
         self.load_trainer_state(load_checkpoint(path, self._stateful(), group=self.group))

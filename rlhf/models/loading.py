@@ -13,6 +13,10 @@ from rlhf.config import ConfigError
 
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+# Files a HF tokenizer is built from; a directory with none of them has no tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,6 +34,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"{key}: tokenizer directory not found: {path}")
+    if p.is_dir() and not any((p / f).is_file() for f in _TOKENIZER_FILES):
+        # transformers would build a 1-token tokenizer from config.json alone: every prompt -> [].
+        raise ConfigError(f"{key}: {path} has no tokenizer files (none of {', '.join(_TOKENIZER_FILES)}); "
+                          f"copy them from the base model or set model.tokenizer_path")
     tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     cfg_file = p / "tokenizer_config.json"
     if cfg_file.is_file() and json.loads(cfg_file.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZERS:
@@ -37,6 +45,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
         # rebuilds the pre-tokenizer and ignores tokenizer.json. A generic tokenizer.json
         # (like the project's character tokenizer) must be loaded as written.
         tok = PreTrainedTokenizerFast.from_pretrained(str(p))
+    if len(tok) < 2 or not tok("a1", add_special_tokens=False)["input_ids"]:
+        raise ConfigError(f"{key}: the tokenizer in {path} is empty ({len(tok)} token(s); text tokenizes to "
+                          f"nothing): its tokenizer files are incomplete")
     if tok.pad_token_id is None:
         # Causal LMs often ship without a pad token; padding is always masked, so EOS is safe.
         tok.pad_token = tok.eos_token

@@ -36,3 +36,31 @@ def test_resume_continues_same_step_and_data(tiny_assets, tmp_path):
             assert abs(a[step][key] - b[step][key]) <= 1e-5 * max(1.0, abs(a[step][key])), (step, key, a[step][key], b[step][key])
     # Different steps really see different data (the fingerprint is informative).
     assert a[3]["data/batch_fingerprint"] != a[4]["data/batch_fingerprint"]
+
+
+def test_a_damaged_latest_checkpoint_resumes_from_the_previous_one(tiny_assets, tmp_path):
+    """issue 33: a flipped byte in the latest checkpoint's shards; resume=auto passes it over with a
+    warning naming it, resumes from the previous complete one and redoes the same steps."""
+    out = tmp_path / "run"
+    args = grpo_args(tiny_assets, out, **{"trainer.total_training_steps": 4, "checkpoint.save_freq": 2,
+                                          "data.val_files": ""})
+    r = run_script("train_grpo.py", args, nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = train_steps(out / "metrics.jsonl")
+    latest, previous = out / "checkpoints" / "global_step_4", out / "checkpoints" / "global_step_2"
+    shard = sorted((latest / "model_optim").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    r = run_script("train_grpo.py", args, nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"warning: skipped damaged checkpoint(s) {latest}: {shard.relative_to(latest)} differs" in r.stderr
+    assert f"resumed from {previous} at step 2" in r.stdout
+    assert (previous / "COMPLETE").is_file()
+    steps = [m["step"] for m in read_metrics(out / "metrics.jsonl") if "actor/loss" in m]
+    assert steps == [1, 2, 3, 4]  # no row lost, none twice
+    again = train_steps(out / "metrics.jsonl")
+    for step in (3, 4):
+        for key in KEYS:
+            assert abs(first[step][key] - again[step][key]) <= 1e-5 * max(1.0, abs(first[step][key])), \
+                (step, key, first[step][key], again[step][key])
