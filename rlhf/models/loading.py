@@ -60,11 +60,28 @@ def load_causal_lm(path: str, *, dtype: str = "float32", attn_implementation: st
     p = check_model_dir(path, key)
     config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     attn_implementation = training_attn_implementation(config, attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a damaged weight file: safetensors' own error names no file
+        if "safetensor" not in f"{type(e).__module__} {type(e).__name__} {e}".lower():
+            raise
+        files = ", ".join(sorted(f.name for f in p.glob("*.safetensors"))) or "no *.safetensors"
+        raise ConfigError(f"{key}: cannot read the weights in {path} ({files}): {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
     model.config.use_cache = False
+    check_finite_weights(model, f"{key}: {path}")
     return model
+
+
+def check_finite_weights(model: torch.nn.Module, where: str) -> None:
+    """One ConfigError naming the first parameter that holds NaN / inf (a sampler fed such weights
+    draws garbage, and validation would score it 0 silently)."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.device.type != "meta" and not bool(torch.isfinite(param).all()):
+            bad = int((~torch.isfinite(param)).sum())
+            raise ConfigError(f"{where}: weight {name} holds {bad} non-finite value(s) (NaN/inf) of {param.numel()}")
 
 
 def training_attn_implementation(config, requested: str) -> str:

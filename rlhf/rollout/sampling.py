@@ -169,7 +169,9 @@ def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tup
         # plain temperature sampling: natural vocabulary order, no sort, one softmax
         probs = torch.softmax(scaled, dim=-1)
         cdf = probs.cumsum(dim=-1)
-        tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1))  # [B, 1]
+        # NaN logits (a model with NaN weights) find no threshold: kept in range, their NaN log-prob is
+        # what RolloutEngine.to_batch reports, without a host sync here.
+        tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).clamp_(max=vocab - 1)  # [B, 1]
         return tok.squeeze(1), probs.gather(1, tok).log_().squeeze(1)
     logp = torch.log_softmax(scaled, dim=-1)  # [B, V] untruncated, for the returned log-probs
     cand_idx: Tensor | None = None
@@ -189,6 +191,6 @@ def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tup
         pmax = probs[:, :1] if cand_idx is not None else probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < params.min_p * pmax, 0.0)
     cdf = probs.cumsum(dim=-1)
-    choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1))  # [B, 1]
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).clamp_(max=cdf.shape[-1] - 1)  # [B, 1]
     tok = cand_idx.gather(1, choice) if cand_idx is not None else choice
     return tok.squeeze(1), logp.gather(1, tok).squeeze(1)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
+import torch
 
 from rlhf.config import ConfigError
 from tests._assets import write_tiny_assets
@@ -31,3 +33,68 @@ def test_a_model_directory_without_tokenizer_files_is_refused(assets, tmp_path):
     with pytest.raises(ConfigError, match="model.path: the tokenizer in .* is empty"):
         load_tokenizer(str(bare), key="model.path")
     assert len(load_tokenizer(str(assets / "model"))("1+2=")["input_ids"]) > 0
+
+
+def _save_with(assets, tmp_path, edit):
+    """A copy of the tiny model with ``edit(state_dict)`` applied, saved as a HF directory."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(assets / "model"))
+    with torch.no_grad():
+        edit(dict(m.named_parameters()))
+    out = tmp_path / "edited"
+    m.save_pretrained(str(out))
+    for f in (assets / "model").iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, out)
+    return out
+
+
+def test_a_nan_in_the_weights_is_named_at_load(assets, tmp_path):
+    from rlhf.models.loading import load_causal_lm
+
+    bad = _save_with(assets, tmp_path, lambda p: p["model.layers.1.mlp.up_proj.weight"].view(-1)[7].fill_(math.nan))
+    with pytest.raises(ConfigError, match=r"model.path: .* weight model.layers.1.mlp.up_proj.weight holds 1 "
+                                          r"non-finite value\(s\)"):
+        load_causal_lm(str(bad))
+
+
+def test_a_corrupt_safetensors_file_is_one_line_naming_it(assets, tmp_path):
+    from rlhf.models.loading import load_causal_lm
+
+    bad = tmp_path / "model"
+    shutil.copytree(assets / "model", bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header" + f.read_bytes()[30:])
+    with pytest.raises(ConfigError, match=f"model.path: cannot read the weights in {bad} \\(model.safetensors\\)"):
+        load_causal_lm(str(bad))
+
+
+@pytest.mark.parametrize("top_k", [-1, 5])
+def test_nan_logits_do_not_crash_the_sampler_and_the_rollout_names_them(top_k):
+    """A NaN row used to draw index V (out of bounds); now it draws in range with a NaN log-prob, which
+    the rollout batch reports as one NonFiniteError instead of validation scoring 0 silently."""
+    from rlhf.rollout.sampling import SamplingParams, sample_next
+
+    logits = torch.randn(3, 11)
+    logits[1] = math.nan
+    tok, lp = sample_next(logits, SamplingParams(top_k=top_k), torch.full((3,), 0.5))
+    assert int(tok.max()) < 11 and bool(lp[1].isnan()) and bool(lp[[0, 2]].isfinite().all())
+
+
+def test_rollout_batch_with_nan_log_probs_is_a_nonfinite_error():
+    from rlhf.config import RolloutConfig
+    from rlhf.data.char_tokenizer import build_char_tokenizer
+    from rlhf.optim import NonFiniteError
+    from rlhf.rollout.engine import PromptBatch, RolloutEngine
+    from tests.unit.test_sampler import _model
+
+    m = _model()
+    prompts = PromptBatch(prompt_ids=[[1, 2, 3], [4, 5]], keys=[0, 1], ground_truths=["", ""], data_sources=["x"] * 2,
+                          extra_infos=[{}] * 2)
+    engine = RolloutEngine(RolloutConfig(n=2, seed=3), build_char_tokenizer(), max_prompt_length=8,
+                           max_response_length=6, device=torch.device("cpu"))
+    weights = {k: v.clone() for k, v in m.state_dict().items()}
+    weights["lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"][3, 0] = math.nan
+    with pytest.raises(NonFiniteError, match="rollout: the policy's logits are not finite"):
+        engine.sample(weights, m.config, prompts, step=1, n=2, temperature=1.0)
