@@ -16,6 +16,7 @@ their part, so a crash mid-save cannot be mistaken for the latest checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import re
@@ -155,6 +156,23 @@ def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
 
 
 CHECKSUMS = "CHECKSUMS.json"
+
+
+def check_output_dir(path: str, key: str = "trainer.output_dir") -> None:
+    """A ConfigError naming ``key`` when the run could not write there (a file, read-only, under a
+    file), found before any work instead of at the first write. Creates nothing."""
+    from rlhf.config import ConfigError
+
+    p = Path(path).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{key}: {path} exists and is not a directory")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key}: {path} cannot be created: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {path} is not writable ({probe} is read-only for this user)")
 
 
 def _crc32(path: Path) -> str:

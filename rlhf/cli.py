@@ -15,9 +15,10 @@ from rlhf.checkpoint import CheckpointError
 from rlhf.config import ConfigError, describe, load_config
 from rlhf.data.dataset import DataError
 from rlhf.optim import NonFiniteError
+from rlhf.rewards.scoring import RewardFailureError
 from rlhf.verl_compat import check_launch_world
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, CheckpointError, NonFiniteError)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, CheckpointError, NonFiniteError, RewardFailureError)
 
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:

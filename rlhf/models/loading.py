@@ -105,10 +105,16 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
     traceback from the sampler after the model has loaded)."""
     from rlhf.rollout.decoder import check_supported
 
+    config = model_config(path, trust_remote_code, key)
     try:
-        check_supported(model_config(path, trust_remote_code, key), max_seq_len)
+        check_supported(config, max_seq_len)
     except NotImplementedError as e:
         raise ConfigError(f"{key}: {e}") from None
+    limit = getattr(config, "max_position_embeddings", None)
+    if max_seq_len is not None and isinstance(limit, int) and max_seq_len > limit:
+        raise ConfigError(f"data.max_response_length: prompt + response = {max_seq_len} tokens exceeds the "
+                          f"model's max_position_embeddings ({limit}, {key}); lower data.max_prompt_length + "
+                          f"data.max_response_length")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -98,3 +98,38 @@ def test_rollout_batch_with_nan_log_probs_is_a_nonfinite_error():
     weights["lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"][3, 0] = math.nan
     with pytest.raises(NonFiniteError, match="rollout: the policy's logits are not finite"):
         engine.sample(weights, m.config, prompts, step=1, n=2, temperature=1.0)
+
+
+@pytest.mark.parametrize("exc", ["NonFiniteError", "CheckpointError"])
+def test_run_main_ends_these_errors_with_one_line(exc, capsys):
+    from rlhf import checkpoint, optim
+    from rlhf.cli import run_main
+
+    cls = getattr(optim, exc, None) or getattr(checkpoint, exc)
+
+    def fail():
+        raise cls("actor: 4 consecutive non-finite optimizer steps")
+
+    with pytest.raises(SystemExit) as e:
+        run_main(fail)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "error: actor: 4 consecutive non-finite optimizer steps\n"
+
+
+def test_steps_without_any_reward_stop_the_run_with_a_reason():
+    """issue 33 item 6: a reward function that always hangs (or always raises) gives no learning signal;
+    after reward.max_failed_steps such steps in a row the run stops with one line saying why."""
+    from rlhf.rewards.scoring import FailedStepGuard, RewardFailureError
+
+    guard = FailedStepGuard(max_steps=3, timeout_s=30)
+    guard.update(n_errors=0, n_timeouts=16, n_samples=16)
+    guard.update(n_errors=2, n_timeouts=14, n_samples=16)
+    guard.update(n_errors=0, n_timeouts=15, n_samples=16)  # one sample scored: the count starts over
+    guard.update(n_errors=16, n_timeouts=0, n_samples=16)
+    guard.update(n_errors=0, n_timeouts=16, n_samples=16)
+    with pytest.raises(RewardFailureError, match=r"no sample got a reward in 3 steps in a row \(last step: 16 of 16 "
+                                                 r"calls timed out after reward.timeout_s=30 s"):
+        guard.update(n_errors=0, n_timeouts=16, n_samples=16)
+    never = FailedStepGuard(max_steps=0, timeout_s=30)
+    for _ in range(10):
+        never.update(0, 16, 16)
