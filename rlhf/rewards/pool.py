@@ -147,6 +147,7 @@ class RewardPool:
     def _start(self, spec: str, init: tuple, num_workers: int, timeout_s: float) -> None:
         """Start ``num_workers`` workers that receive ``init`` first (``spec`` names what they load)."""
         self.spec, self._init, self.timeout_s = spec, init, timeout_s
+        self.progress_s = max(2.0 * timeout_s, 30.0)  # a progress line this often while a batch is scored
         self.restarts = 0
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)  # notified when a sample finishes
@@ -197,7 +198,8 @@ class RewardPool:
 
     def result(self, ticket: int) -> ScoreResult:
         job = self._jobs[ticket]
-        job.done.wait()
+        while not job.done.wait(self.progress_s):
+            self._report_progress(job)
         with self._lock:
             del self._jobs[ticket]
         if self._fatal is not None:
@@ -206,6 +208,16 @@ class RewardPool:
 
     def score(self, texts, ground_truths, data_sources, extra_infos=None) -> ScoreResult:
         return self.result(self.submit(texts, ground_truths, data_sources, extra_infos))
+
+    def _report_progress(self, job: _Job) -> None:
+        """A batch still being scored after ``progress_s``: a line (global rank 0) with how far it got, so
+        a slow or hanging reward function shows during the step, not only in its metrics."""
+        if self.role != "reward" or os.environ.get("RANK", "0") != "0":
+            return
+        n, c = len(job.samples), job.collector
+        print(f"[rlhf] reward: {n - job.remaining}/{n} samples of this batch done on rank 0 so far, "
+              f"{c.n_timeouts} timed out after reward.timeout_s={self.timeout_s:g} s each, {c.n_errors} failed "
+              f"({len(self._workers)} workers, reward.num_workers)", flush=True)
 
     def close(self) -> None:
         with self._lock:

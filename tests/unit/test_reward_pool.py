@@ -130,3 +130,16 @@ def test_reward_kwargs_the_function_does_not_take_fail_at_start(tmp_path):
     (tmp_path / "r.py").write_text(KWARG_REWARD)
     with pytest.raises(TypeError, match="reward.reward_kwargs.*'sclae'"):
         get_reward_fn(f"{tmp_path}/r.py:scaled", {"sclae": 2.0})
+
+
+def test_a_batch_that_takes_long_prints_its_progress(spec, capsys, monkeypatch):
+    """issue 33 item 6: a hanging reward function costs timeouts one after the other; while the batch
+    is scored a line says how far it got (rank 0), instead of silence until the step ends."""
+    monkeypatch.setenv("RANK", "0")
+    with RewardPool(spec, num_workers=1, timeout_s=1.0) as pool:
+        pool.progress_s = 0.5
+        res = pool.score(*batch(["hang", "hang", "ab"]))
+    assert res.n_timeouts == 2 and res.scores.tolist() == [0.0, 0.0, 2.0]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[rlhf] reward: ")]
+    assert lines and "samples of this batch done on rank 0 so far" in lines[-1], lines
+    assert "timed out after reward.timeout_s=1 s each" in lines[-1]
