@@ -105,7 +105,7 @@ class RLTrainer:
         self.scorer = make_scorer(cfg.reward.reward_fn, num_workers=cfg.reward.num_workers,
                                   timeout_s=cfg.reward.timeout_s, reward_kwargs=cfg.reward.reward_kwargs,
                                   mesh=self.mesh)
-        self.reward_guard = FailedStepGuard(cfg.reward.max_failed_steps, cfg.reward.timeout_s)
+        self.reward_guard = FailedStepGuard(cfg.reward.max_failed_steps, cfg.reward.timeout_s, self.scorer)
         self.reward_model = None
         if cfg.reward.reward_model.enable:
             from rlhf.rewards.reward_model import RewardModelScorer

@@ -150,6 +150,7 @@ class RewardPool:
         self.progress_s = max(2.0 * timeout_s, 30.0)  # a progress line this often while a batch is scored
         self.restarts = 0
         self._lock = threading.Lock()
+        self.set_fail_fast(False)
         self._progress = threading.Condition(self._lock)  # notified when a sample finishes
         self._jobs: dict[int, _Job] = {}
         self._queue: collections.deque = collections.deque()  # (job id, sample index)
@@ -278,6 +279,8 @@ class RewardPool:
 
     def _dispatch(self) -> None:
         """Give queued samples to idle ready workers (called with the lock held)."""
+        if self._tripped:
+            self._time_out_queued()
         idle = [w for w in self._workers if w.ready and not w.inflight]
         for w in idle:
             if not self._queue:
@@ -313,6 +316,7 @@ class RewardPool:
                     job.collector.ok(i, *msg[3:])
                 else:
                     job.collector.fail(i, msg[3])
+                self._answers += 1
                 self._finish_one(job)
 
     def _init_error(self, message: str) -> str:
@@ -339,6 +343,25 @@ class RewardPool:
                 self._finish_one(job)
             self._queue.extendleft(reversed(w.inflight))
             self._workers[self._workers.index(w)] = _Worker(self._init)
+            self._timeouts += timeout
+            if self.fail_fast and not self._answers and self._timeouts >= len(self._workers):
+                self._tripped = True
+
+    def set_fail_fast(self, on: bool) -> None:
+        """``on`` while the previous batches got no reward at all (the trainer's FailedStepGuard): once each
+        worker has timed out without any call answering since, queued samples time out without being
+        tried, so such a step costs about one ``timeout_s`` instead of one per sample and worker."""
+        with self._lock:
+            self.fail_fast, self._answers, self._timeouts, self._tripped = on, 0, 0, False
+
+    def _time_out_queued(self) -> None:
+        """(With the lock held.) Every queued sample times out without being tried (fail_fast tripped)."""
+        while self._queue:
+            job_id, i = self._queue.popleft()
+            job = self._jobs[job_id]
+            job.collector.fail(i, f"timed out after {self.timeout_s:g} s ({self.timeout_key}): not tried, no call "
+                                  f"answered in this step or the previous one", timeout=True)
+            self._finish_one(job)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

@@ -143,3 +143,20 @@ def test_a_batch_that_takes_long_prints_its_progress(spec, capsys, monkeypatch):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[rlhf] reward: ")]
     assert lines and "samples of this batch done on rank 0 so far" in lines[-1], lines
     assert "timed out after reward.timeout_s=1 s each" in lines[-1]
+
+
+def test_after_a_step_without_any_reward_a_hanging_batch_costs_one_timeout(spec):
+    """issue 33 item 6: with fail_fast (set by the trainer after a step in which no call answered), once
+    every worker timed out without an answer the queued rest times out untried; an answer resets it."""
+    texts = ["hang"] * 8
+    with RewardPool(spec, num_workers=2, timeout_s=1.0) as pool:
+        pool.score(*batch(["ab"]))  # workers started
+        pool.set_fail_fast(True)
+        t0 = time.monotonic()
+        res = pool.score(*batch(texts))
+        fast = time.monotonic() - t0
+        assert res.n_timeouts == 8 and res.scores.tolist() == [0.0] * 8
+        pool.set_fail_fast(True)
+        mixed = pool.score(*batch(["ab", "abc", "hang", "hang", "hang", "abcd"]))
+    assert fast < 6, fast  # without fail_fast: 8 timeouts of 1 s on 2 workers, >= 4 s plus restarts
+    assert mixed.n_timeouts == 3 and mixed.scores.tolist() == [2.0, 3.0, 0.0, 0.0, 0.0, 4.0]
