@@ -189,7 +189,7 @@ def _checkpoint_files(path: Path) -> list[str]:
                   if f.is_file() and f.name not in ("COMPLETE", CHECKSUMS))
 
 
-def _my_share(names: list[str], group: Optional[dist.ProcessGroup]) -> list[str]:
+def _my_share(names: list, group: Optional[dist.ProcessGroup]) -> list:
     """This rank's part of ``names``: checksums are computed and verified by all ranks in parallel."""
     if not dist.is_initialized():
         return names
@@ -229,7 +229,7 @@ def read_dcp_metadata(path: Path) -> Any:
     return meta
 
 
-def _structure_problem(path: Path) -> Optional[str]:
+def _structure_problem(path: Path, group: Optional[dist.ProcessGroup] = None) -> Optional[str]:
     """Why the checkpoint at ``path`` cannot be loaded, judged from its files' presence and sizes."""
     try:
         st = json.loads((path / "trainer_state.json").read_text())
@@ -255,7 +255,7 @@ def _structure_problem(path: Path) -> Optional[str]:
             return f"model_optim/{name} is missing"
         if f.stat().st_size < size:
             return f"model_optim/{name} is truncated ({f.stat().st_size} of {size} bytes)"
-    for f in sorted(path.glob("rng_rank*.pt")) + sorted(path.glob("rank_state*.pt")):
+    for f in _my_share(sorted(path.glob("rng_rank*.pt")) + sorted(path.glob("rank_state*.pt")), group):
         try:
             load_plain(f)
         except CheckpointError as e:
@@ -267,7 +267,7 @@ def verify_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None) -> 
     """None if the checkpoint at ``path`` looks loadable, else why not (files missing or truncated, a
     checksum that differs from the one written at save time). A collective of ``group`` when the
     process group is up: each rank checks its share of the files."""
-    problem = _structure_problem(path)
+    problem = _structure_problem(path, group)
     if problem is None and (path / CHECKSUMS).is_file():
         try:
             sums = json.loads((path / CHECKSUMS).read_text())
