@@ -306,12 +306,12 @@ class RLTrainer:
         metrics = mean_of_sums(all_gather_object(res.metric_sums(), self.dp_group))
         metrics.update(self._global_means(sums, len(batch),
                                           totals=("reward/errors", "reward/timeouts", "reward/samples")))
-        self.reward_guard.update(metrics["reward/errors"], metrics["reward/timeouts"], metrics.pop("reward/samples"))
         failed = metrics["reward/errors"] + metrics["reward/timeouts"]
         if failed and self.env.is_main:
             where = f"; first on this rank: {res.first_error}" if res.first_error else ""
             print(f"[rlhf] reward function failed on {int(metrics['reward/errors'])} samples and timed out on "
                   f"{int(metrics['reward/timeouts'])} (scored 0){where}", flush=True)
+        self.reward_guard.update(metrics["reward/errors"], metrics["reward/timeouts"], metrics.pop("reward/samples"))
         return metrics
 
     def _global_means(self, sums: dict, n_rows: int, totals: tuple[str, ...] = ()) -> dict[str, float]:

@@ -105,3 +105,21 @@ def test_a_reward_function_that_always_fails_stops_the_run_with_a_reason(tiny_as
     from rlhf.metrics import read_metrics
 
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [1]
+
+
+def test_a_reward_function_that_always_hangs_stops_the_run(tiny_assets, tmp_path):
+    """Every call hangs: the first step costs its timeouts (with progress lines), the next one about one
+    timeout (its untried rest times out at once), then one line says why the run stops."""
+    f = tmp_path / "hanging_reward.py"
+    f.write_text("import time\n\ndef reward(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    time.sleep(3600)\n")
+    out = tmp_path / "o"
+    r = run_script("train_grpo.py", grpo_args(tiny_assets, out, **{
+        "reward.reward_fn": f"{f}:reward", "reward.num_workers": 2, "reward.timeout_s": 1,
+        "reward.max_failed_steps": 2, "reward.score_during_generation": False,
+        "trainer.total_training_steps": 5, "data.val_files": ""}))
+    line = _error_line(r)
+    assert "no sample got a reward in 2 steps in a row (last step: 16 of 16 calls timed out" in line, line
+    lines = [l for l in r.stdout.splitlines() if "timed out on 16 (scored 0)" in l]
+    assert len(lines) == 2, r.stdout[-3000:]  # one line per step
+    assert (out / "metrics.jsonl").is_file()
