@@ -87,6 +87,11 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
         raise ConfigError(f"--ckpt {ckpt}: an incomplete checkpoint (no COMPLETE marker: the save was interrupted)")
     if role not in ("actor", "critic"):
         raise ConfigError(f"--role {role}: expected actor or critic")
+    from rlhf.checkpoint import verify_checkpoint
+
+    problem = verify_checkpoint(ckpt)  # also reads .metadata safely before DCP unpickles it
+    if problem is not None:
+        raise ConfigError(f"--ckpt {ckpt}: a damaged checkpoint: {problem}")
     run = _run_config(ckpt, run_config)
     model_cfg: dict[str, Any] = run.get("model") or {}
     base = model_path or model_cfg.get("path", "")

@@ -11,11 +11,14 @@ import os
 import sys
 from typing import Callable
 
+from rlhf.checkpoint import CheckpointError
 from rlhf.config import ConfigError, describe, load_config
 from rlhf.data.dataset import DataError
+from rlhf.optim import NonFiniteError
+from rlhf.rewards.scoring import RewardFailureError
 from rlhf.verl_compat import check_launch_world
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, CheckpointError, NonFiniteError, RewardFailureError)
 
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:
@@ -94,7 +97,8 @@ def check_tokenizer_and_data(cfg) -> None:
     from rlhf.data.prompts import load_data
     from rlhf.models.loading import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
+                               key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         if files:
             print(f"[rlhf] {key}: {load_data(cfg, files, tokenizer).stats.summary()}", flush=True)

@@ -209,6 +209,8 @@ class RewardConfig:
                              "job; 0 = score in the trainer process (no timeout).")
     timeout_s: float = _f(30.0, "Seconds one reward call may take in a worker; past it the sample scores 0, is "
                                 "counted in reward/timeouts and the worker is replaced.")
+    max_failed_steps: int = _f(3, "Training steps in a row in which every reward call failed or timed out (no "
+                                  "learning signal) before the run stops with a line saying why; 0 = never.")
     score_during_generation: bool = _f(True, "With a worker pool (num_workers > 0) and no tp / pp / sp peers: "
                                              "submit responses to the pool as they finish, so rewards are "
                                              "computed while the rest of the batch decodes.")
@@ -420,7 +422,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like section.key=value")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        why = " ".join(str(e).split())
+        raise ConfigError(f"override '{text}': the value {raw!r} is not valid yaml ({why[:160]}); "
+                          f"quote it, e.g. {key}='\"...\"'") from None
     # yaml reads 1e-6 as a string (no dot); accept it as a float.
     if isinstance(value, str):
         try:
@@ -487,6 +494,11 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid yaml: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping of sections (model:, data:, "
+                              f"actor:, ...), got a {type(tree).__name__}")
         tree = _fix_yaml_floats(tree)
     for ov in overrides:
         keys, value = parse_override(ov)

@@ -38,6 +38,18 @@ def validate(cfg: Config) -> None:
     need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
          f"must divide data.train_batch_size ({cfg.data.train_batch_size}), got {cfg.actor.ppo_mini_batch_size}")
     need(cfg.actor.ppo_micro_batch_size_per_gpu > 0, "actor.ppo_micro_batch_size_per_gpu", "must be > 0")
+    for key in ("actor.log_prob_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
+                "actor.log_prob_max_token_len_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+                "critic.ppo_max_token_len_per_gpu", "reward.reward_model.micro_batch_size_per_gpu"):
+        v = _get(cfg, key)
+        need(v > 0, key, f"must be > 0, got {v}")
+    need(cfg.trainer.total_training_steps == -1 or cfg.trainer.total_training_steps >= 1,
+         "trainer.total_training_steps", f"must be >= 1 or -1 (total_epochs x steps per epoch), got "
+         f"{cfg.trainer.total_training_steps}")
+    need(cfg.trainer.max_nan_steps >= 0, "trainer.max_nan_steps",
+         f"must be >= 0 (skipped non-finite steps in a row before the run stops), got {cfg.trainer.max_nan_steps}")
+    need(cfg.trainer.stop_after_steps >= -1, "trainer.stop_after_steps",
+         f"must be >= 0 or -1 (off), got {cfg.trainer.stop_after_steps}")
     need(cfg.actor.ppo_epochs >= 1, "actor.ppo_epochs", "must be >= 1")
     a = cfg.actor
     need(a.policy_loss != "dro" or a.dro_beta > 0, "actor.dro_beta",
@@ -77,6 +89,8 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.max_oom_retries >= 0, "trainer.max_oom_retries", f"must be >= 0, got {cfg.trainer.max_oom_retries}")
     need(cfg.reward.num_workers >= 0, "reward.num_workers", f"must be >= 0 (0 = in-process), got {cfg.reward.num_workers}")
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", f"must be > 0 seconds, got {cfg.reward.timeout_s}")
+    need(cfg.reward.max_failed_steps >= 0, "reward.max_failed_steps",
+         f"must be >= 0 (0 = never stop), got {cfg.reward.max_failed_steps}")
     if cfg.model.lora_rank < 0:
         raise ConfigError("config key 'model.lora_rank': must be >= 0")
     vk = cfg.trainer.val_kwargs
@@ -89,6 +103,12 @@ def validate(cfg: Config) -> None:
     need(not vk.do_sample or vk.temperature > 0, "trainer.val_kwargs.temperature", "must be > 0 when do_sample")
     need(0 < vk.top_p <= 1, "trainer.val_kwargs.top_p", "must be in (0, 1]")
     need(vk.top_k == -1 or vk.top_k > 0, "trainer.val_kwargs.top_k", "must be -1 (off) or > 0")
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def check_logger(backends: list, key: str = "trainer.logger") -> None:

@@ -247,11 +247,43 @@ class MetricsLogger:
         self._start = time.perf_counter()
         if self._file is None or not self.path.is_file():
             return
-        lines = self.path.read_text().splitlines(keepends=True)
-        keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-        if len(keep) != len(lines):
+        text = self.path.read_text(errors="replace")
+        keep, broken = [], 0
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:  # a partial line (killed or disk full mid-write): that row was never complete
+                broken += 1
+                continue
+            # A summary row is logged again when the resumed run ends (one that was killed during its final
+            # export would otherwise leave two).
+            if row.get("step", 0) <= step and not any(k.startswith("summary/") for k in row):
+                keep.append(line + "\n")
+        if broken:
+            print(f"[rlhf] note: {self.path}: dropped {broken} incomplete line(s) (a write cut short); "
+                  f"{len(keep)} row(s) kept", file=self._stream or sys.stdout, flush=True)
+        if "".join(keep) != text:
             # The append-mode handle writes at the end of whatever the file now holds.
             self.path.write_text("".join(keep))
+
+    def logged(self, step: int, key: str) -> dict[str, float]:
+        """``{key: value}`` as last logged for ``step`` in metrics.jsonl (by this or an earlier process),
+        or ``{}``; read by every rank (the file is rank 0's)."""
+        try:
+            lines = self.path.read_text(errors="replace").splitlines() if "jsonl" in self.backends else []
+        except OSError:
+            return {}
+        found: dict[str, float] = {}
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("step") == step and isinstance(row.get(key), (int, float)):
+                found = {key: float(row[key])}
+        return found
 
     def close(self) -> None:
         """Flush and close every backend."""

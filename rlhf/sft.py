@@ -198,7 +198,8 @@ def _setup(cfg: SFTConfig) -> tuple:
         raise ConfigError(f"sft.train_batch_size ({cfg.sft.train_batch_size}) is not divisible by dp ({dims.dp})")
     mesh = dims.build_mesh(env.device.type)
     check_model_dir(cfg.model.path)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
+                               key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
     data, stats = tokenize_sft(_read_rows(cfg.sft.train_files), tokenizer, cfg.sft)
     if env.is_main:
         print(f"[rlhf.sft] data: {stats}; layout dp={dims.dp} world={env.world_size} device={env.device}", flush=True)

@@ -24,8 +24,8 @@ from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
 from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
 from rlhf.batch import RolloutBatch, minibatch_major_shard
-from rlhf.checkpoint import (ModelOptimState, export_hf, find_resume_path, load_checkpoint, load_rank_state,
-                             save_checkpoint)
+from rlhf.checkpoint import (ModelOptimState, check_output_dir, export_hf, find_resume_path, load_checkpoint,
+                             load_rank_state, save_checkpoint)
 from rlhf.algos.aggregation import agg_loss
 from rlhf.algos.dynamic_sampling import select_informative_groups
 from rlhf.algos.policy_loss import get_policy_loss
@@ -43,7 +43,7 @@ from rlhf.ops.runtime import StepOps
 from rlhf.regroup import regroup_rows
 from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.registry import get_reward_fn
-from rlhf.rewards.scoring import mean_of_sums, reward_components
+from rlhf.rewards.scoring import FailedStepGuard, mean_of_sums, reward_components
 from rlhf.rewards.streaming import StreamingScores
 from rlhf.rollout.engine import RolloutEngine, decode_responses, rollout_dtype
 from rlhf.rollout.reshard import RolloutLayout
@@ -71,12 +71,14 @@ class RLTrainer:
         self.dp_group = self.mesh["dp"].get_group()
         self.device = self.env.device
         self.out_dir = Path(cfg.trainer.output_dir)
+        check_output_dir(cfg.trainer.output_dir)
         check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
                               cfg.data.max_prompt_length + cfg.data.max_response_length)
         if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1:
             raise ConfigError(f"model.lora_rank: LoRA needs rollout.tp = 1 (got {cfg.rollout.tp})")
         self._check_names()
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
+                                        key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
@@ -103,6 +105,7 @@ class RLTrainer:
         self.scorer = make_scorer(cfg.reward.reward_fn, num_workers=cfg.reward.num_workers,
                                   timeout_s=cfg.reward.timeout_s, reward_kwargs=cfg.reward.reward_kwargs,
                                   mesh=self.mesh)
+        self.reward_guard = FailedStepGuard(cfg.reward.max_failed_steps, cfg.reward.timeout_s, self.scorer)
         self.reward_model = None
         if cfg.reward.reward_model.enable:
             from rlhf.rewards.reward_model import RewardModelScorer
@@ -282,7 +285,7 @@ class RLTrainer:
         acc = torch.tensor(res.extra_metrics["acc"], device=self.device) if "acc" in res.extra_metrics \
             else (scores >= 1.0).float()
         sums = {"reward/score_mean": scores.sum(), "reward/errors": float(res.n_errors),
-                "reward/timeouts": float(res.n_timeouts)}  # reduced below
+                "reward/timeouts": float(res.n_timeouts), "reward/samples": float(len(batch))}  # reduced below
         r = self.cfg.reward
         if self.reward_model is not None:
             rm_scores = self.reward_model.score(batch).to(self.device).float()  # [N]
@@ -301,12 +304,14 @@ class RLTrainer:
             batch.reward_components = reward_components(res, self.cfg.algorithm.gdpo_reward_keys).to(self.device)
         # The reward dict's other numeric keys: means over every dp rank's samples that reported them.
         metrics = mean_of_sums(all_gather_object(res.metric_sums(), self.dp_group))
-        metrics.update(self._global_means(sums, len(batch), totals=("reward/errors", "reward/timeouts")))
+        metrics.update(self._global_means(sums, len(batch),
+                                          totals=("reward/errors", "reward/timeouts", "reward/samples")))
         failed = metrics["reward/errors"] + metrics["reward/timeouts"]
         if failed and self.env.is_main:
             where = f"; first on this rank: {res.first_error}" if res.first_error else ""
             print(f"[rlhf] reward function failed on {int(metrics['reward/errors'])} samples and timed out on "
                   f"{int(metrics['reward/timeouts'])} (scored 0){where}", flush=True)
+        self.reward_guard.update(metrics["reward/errors"], metrics["reward/timeouts"], metrics.pop("reward/samples"))
         return metrics
 
     def _global_means(self, sums: dict, n_rows: int, totals: tuple[str, ...] = ()) -> dict[str, float]:
@@ -502,14 +507,19 @@ class RLTrainer:
         path = save_checkpoint(str(self.out_dir), self.global_step, self._stateful(), self.trainer_state(),
                                max_to_keep=self.cfg.checkpoint.max_to_keep, group=self.group,
                                rank_state=self.offpolicy.rank_state() if self.offpolicy is not None else None)
+        self._saved_at = self.global_step
         if self.env.is_main:
             print(f"[rlhf] checkpoint saved: {path}", flush=True)
 
     def maybe_resume(self) -> None:
-        path = find_resume_path(self.cfg.checkpoint.resume, str(self.out_dir))
+        path = find_resume_path(self.cfg.checkpoint.resume, str(self.out_dir), group=self.group)
         if path is None:
             return
-        self.load_trainer_state(load_checkpoint(path, self._stateful(), group=self.group))
+        try:
+            self.load_trainer_state(load_checkpoint(path, self._stateful(), group=self.group))
+        except ValueError as e:  # the data loader's: another batch size, seed or dataset
+            raise ConfigError(f"checkpoint.resume: checkpoint {path}: {e}; resume with the settings it was "
+                              f"written with, or start a new trainer.output_dir") from None
         if self.offpolicy is not None:
             self.offpolicy.load_rank_state(load_rank_state(path))
         if self.env.is_main:
@@ -527,10 +537,16 @@ class RLTrainer:
             self.logger.log(0, first_val)
         if self.offpolicy is not None:
             self.offpolicy.start(self.global_step, self.actor.model, self.loader)
-        last = {}
+        # A resumed run's summary compares with what earlier processes logged (step-0 and last validation).
+        first_val = first_val or self.logger.logged(0, "val/acc")
+        last = self.logger.logged(self.global_step, "val/acc")
         start = self.global_step
         while self.global_step < self.total_steps:
             if 0 <= cfg.stop_after_steps <= self.global_step - start:
+                ck = self.cfg.checkpoint  # saved at the stop (colocated), so the next job loses no step
+                if self.offpolicy is None and getattr(self, "_saved_at", start) != self.global_step and \
+                        (ck.save_freq > 0 or ck.save_final):
+                    self.save()
                 if self.env.is_main:
                     print(f"[rlhf] stopping after {cfg.stop_after_steps} steps in this run "
                           f"(trainer.stop_after_steps); resume continues from the last checkpoint", flush=True)

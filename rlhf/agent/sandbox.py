@@ -15,6 +15,10 @@ huge allocation      ``RLIMIT_AS`` (``memory_mb``): a ``MemoryError`` in the cod
 network              no interface in its network namespace; Landlock TCP rules
 writes outside dir   Landlock; the audit hook where Landlock is missing
 huge output          ``RLIMIT_FSIZE`` on the output file, ``max_output_chars`` read back
+huge files           ``RLIMIT_FSIZE`` per file (CPython ignores SIGXFSZ: the write raises
+                     ``OSError: File too large``, reported as the limit); ``max_disk_mb``
+                     for the whole directory, measured while it runs (the program is
+                     killed past it) and once more at its end
 ===================  ===========================================================
 
 What it does NOT isolate: it is not a VM or a container. The code shares the kernel (a
@@ -57,10 +61,11 @@ class PythonSandbox(Tool):
 
     def __init__(self, *, cpu_time_s: int = 2, wall_time_s: float = 5.0, memory_mb: int = 1024,
                  max_processes: int = 16, max_file_mb: int = 16, max_output_chars: int = 4000,
-                 use_namespaces: bool = True) -> None:
+                 max_disk_mb: int = 64, use_namespaces: bool = True) -> None:
         """``use_namespaces: false`` skips the user / network / pid namespaces (e.g. to test the fallbacks)."""
-        if min(cpu_time_s, wall_time_s, memory_mb, max_processes, max_file_mb, max_output_chars) <= 0:
+        if min(cpu_time_s, wall_time_s, memory_mb, max_processes, max_file_mb, max_output_chars, max_disk_mb) <= 0:
             raise ValueError("python sandbox limits must all be > 0")
+        self.max_disk_mb = int(max_disk_mb)
         self.limits = dict(cpu_time_s=int(cpu_time_s), memory_mb=int(memory_mb), max_processes=int(max_processes),
                            max_file_mb=int(max_file_mb), use_namespaces=bool(use_namespaces))
         self.wall_time_s = float(wall_time_s)
@@ -89,19 +94,29 @@ class PythonSandbox(Tool):
                         read_paths=sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, "/usr", "/lib", "/lib64"}))
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
                "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        killed = False
+        killed = over_disk = False
         with open(tmp / "output", "wb") as out:
             proc = subprocess.Popen([sys.executable, "-I", "-B", "-u", BOOT, json.dumps(settings)], cwd=work, env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            try:
-                proc.wait(timeout=self.wall_time_s)
-            except subprocess.TimeoutExpired:
-                killed = True
+            deadline = time.monotonic() + self.wall_time_s
+            while True:  # the wall clock, and the disk use of the whole call (files and output) every 50 ms
+                try:
+                    proc.wait(timeout=max(0.0, min(0.05, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if _disk_bytes(tmp) > self.max_disk_mb << 20:
+                        over_disk = True
+                        break
+                    if time.monotonic() >= deadline:
+                        killed = True
+                        break
             self.last_layers = _read_json(tmp / "status.json") or []
             _kill_group(proc)
+        over_disk = over_disk or _disk_bytes(tmp) > self.max_disk_mb << 20
         text = _read_capped(tmp / "output", self.max_output_chars)
-        error = self._limit_error(proc.returncode, killed, text)
+        error = (f"error: disk limit of {self.max_disk_mb} MB per call exceeded (files written and output); "
+                 f"the program was stopped") if over_disk else self._limit_error(proc.returncode, killed, text)
         if error is not None:
             raise ToolError(f"{text}\n{error}" if text else error)
         if proc.returncode:
@@ -114,7 +129,7 @@ class PythonSandbox(Tool):
             return f"error: wall-clock time limit of {self.wall_time_s:g} s exceeded; the program was killed"
         if rc in (-signal.SIGXCPU, -signal.SIGKILL):
             return f"error: CPU time limit of {lim['cpu_time_s']} s exceeded; the program was killed"
-        if rc == -signal.SIGXFSZ:
+        if rc == -signal.SIGXFSZ or (rc and "File too large" in text):  # Python ignores SIGXFSZ: EFBIG
             return f"error: file size limit of {lim['max_file_mb']} MB exceeded (output or a file written)"
         if rc and "MemoryError" in text:
             return f"error: memory limit of {lim['memory_mb']} MB exceeded"
@@ -125,6 +140,18 @@ class PythonSandbox(Tool):
         if rc is not None and rc < 0:
             return f"error: the program was killed by signal {signal.Signals(-rc).name}"
         return None
+
+
+def _disk_bytes(root: Path) -> int:
+    """Bytes allocated under ``root`` (sparse files count what they use)."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames + dirnames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def _read_json(path: Path):

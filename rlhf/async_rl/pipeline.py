@@ -21,7 +21,7 @@ is the sampler's. Step 1 has no lag (B_1 and B_2 both use theta_0).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -143,8 +143,9 @@ class OneStepOff:
         """What a checkpoint keeps on this rank: the received next batch."""
         if self.held is None:
             return None
-        return {**self.held, "batch": self.held["batch"].to(torch.device("cpu"))}
+        batch = self.held["batch"].to(torch.device("cpu"))  # its fields as a dict: plain data, no class to unpickle
+        return {**self.held, "batch": {f.name: getattr(batch, f.name) for f in fields(batch)}}
 
     def load_rank_state(self, state: Optional[dict]) -> None:
         if state is not None:
-            self.held = {**state, "batch": state["batch"].to(self.device)}
+            self.held = {**state, "batch": RolloutBatch(**state["batch"]).to(self.device)}

@@ -39,7 +39,8 @@ class RolloutWorker:
         """``resume``: the checkpoint the training role resumes from (every rank agreed on it)."""
         self.cfg, self.roles, self.device = cfg, roles, roles.env.device
         m = cfg.model
-        self.tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code)
+        self.tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code,
+                                        key="model.tokenizer_path" if m.tokenizer_path else "model.path")
         self.hf_config = model_config(m.path, m.trust_remote_code)
         self.data = load_data(cfg, cfg.data.train_files, self.tokenizer)
         self.loader, self.total_steps = make_loader(cfg, len(self.data))

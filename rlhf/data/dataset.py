@@ -110,14 +110,20 @@ def read_rows(path: Path) -> tuple[list[Any], list[tuple[int, str]]]:
     if suffix in (".jsonl", ".json"):
         rows: list[Any] = []
         bad: list[tuple[int, str]] = []
-        with path.open() as f:
-            for lineno, line in enumerate(f, start=1):
+        with path.open("rb") as f:  # bytes: a line that is not UTF-8 is one bad row, not the end of the file
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    bad.append((len(rows), f"line {lineno}: not UTF-8 ({e.reason} at byte {e.start})"))
+                    rows.append(None)
+                    continue
                 if not line.strip():
                     continue
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    bad.append((len(rows) + len(bad), f"line {lineno}: invalid JSON ({e.msg})"))
+                    bad.append((len(rows), f"line {lineno}: invalid JSON ({e.msg})"))
                     rows.append(None)  # keeps row numbers aligned with lines
         return rows, bad
     raise DataError(f"{path}: unsupported dataset extension '{path.suffix}'; expected .parquet or .jsonl")

@@ -13,6 +13,10 @@ from rlhf.config import ConfigError
 
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+# Files a HF tokenizer is built from; a directory with none of them has no tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,6 +34,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"{key}: tokenizer directory not found: {path}")
+    if p.is_dir() and not any((p / f).is_file() for f in _TOKENIZER_FILES):
+        # transformers would build a 1-token tokenizer from config.json alone: every prompt -> [].
+        raise ConfigError(f"{key}: {path} has no tokenizer files (none of {', '.join(_TOKENIZER_FILES)}); "
+                          f"copy them from the base model or set model.tokenizer_path")
     tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     cfg_file = p / "tokenizer_config.json"
     if cfg_file.is_file() and json.loads(cfg_file.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZERS:
@@ -37,6 +45,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
         # rebuilds the pre-tokenizer and ignores tokenizer.json. A generic tokenizer.json
         # (like the project's character tokenizer) must be loaded as written.
         tok = PreTrainedTokenizerFast.from_pretrained(str(p))
+    if len(tok) < 2 or not tok("a1", add_special_tokens=False)["input_ids"]:
+        raise ConfigError(f"{key}: the tokenizer in {path} is empty ({len(tok)} token(s); text tokenizes to "
+                          f"nothing): its tokenizer files are incomplete")
     if tok.pad_token_id is None:
         # Causal LMs often ship without a pad token; padding is always masked, so EOS is safe.
         tok.pad_token = tok.eos_token
@@ -49,11 +60,28 @@ def load_causal_lm(path: str, *, dtype: str = "float32", attn_implementation: st
     p = check_model_dir(path, key)
     config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     attn_implementation = training_attn_implementation(config, attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a damaged weight file: safetensors' own error names no file
+        if "safetensor" not in f"{type(e).__module__} {type(e).__name__} {e}".lower():
+            raise
+        files = ", ".join(sorted(f.name for f in p.glob("*.safetensors"))) or "no *.safetensors"
+        raise ConfigError(f"{key}: cannot read the weights in {path} ({files}): {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
     model.config.use_cache = False
+    check_finite_weights(model, f"{key}: {path}")
     return model
+
+
+def check_finite_weights(model: torch.nn.Module, where: str) -> None:
+    """One ConfigError naming the first parameter that holds NaN / inf (a sampler fed such weights
+    draws garbage, and validation would score it 0 silently)."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.device.type != "meta" and not bool(torch.isfinite(param).all()):
+            bad = int((~torch.isfinite(param)).sum())
+            raise ConfigError(f"{where}: weight {name} holds {bad} non-finite value(s) (NaN/inf) of {param.numel()}")
 
 
 def training_attn_implementation(config, requested: str) -> str:
@@ -77,10 +105,16 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
     traceback from the sampler after the model has loaded)."""
     from rlhf.rollout.decoder import check_supported
 
+    config = model_config(path, trust_remote_code, key)
     try:
-        check_supported(model_config(path, trust_remote_code, key), max_seq_len)
+        check_supported(config, max_seq_len)
     except NotImplementedError as e:
         raise ConfigError(f"{key}: {e}") from None
+    limit = getattr(config, "max_position_embeddings", None)
+    if max_seq_len is not None and isinstance(limit, int) and max_seq_len > limit:
+        raise ConfigError(f"data.max_response_length: prompt + response = {max_seq_len} tokens exceeds the "
+                          f"model's max_position_embeddings ({limit}, {key}); lower data.max_prompt_length + "
+                          f"data.max_response_length")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

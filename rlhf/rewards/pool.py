@@ -147,8 +147,10 @@ class RewardPool:
     def _start(self, spec: str, init: tuple, num_workers: int, timeout_s: float) -> None:
         """Start ``num_workers`` workers that receive ``init`` first (``spec`` names what they load)."""
         self.spec, self._init, self.timeout_s = spec, init, timeout_s
+        self.progress_s = max(2.0 * timeout_s, 30.0)  # a progress line this often while a batch is scored
         self.restarts = 0
         self._lock = threading.Lock()
+        self.set_fail_fast(False)
         self._progress = threading.Condition(self._lock)  # notified when a sample finishes
         self._jobs: dict[int, _Job] = {}
         self._queue: collections.deque = collections.deque()  # (job id, sample index)
@@ -197,7 +199,8 @@ class RewardPool:
 
     def result(self, ticket: int) -> ScoreResult:
         job = self._jobs[ticket]
-        job.done.wait()
+        while not job.done.wait(self.progress_s):
+            self._report_progress(job)
         with self._lock:
             del self._jobs[ticket]
         if self._fatal is not None:
@@ -206,6 +209,16 @@ class RewardPool:
 
     def score(self, texts, ground_truths, data_sources, extra_infos=None) -> ScoreResult:
         return self.result(self.submit(texts, ground_truths, data_sources, extra_infos))
+
+    def _report_progress(self, job: _Job) -> None:
+        """A batch still being scored after ``progress_s``: a line (global rank 0) with how far it got, so
+        a slow or hanging reward function shows during the step, not only in its metrics."""
+        if self.role != "reward" or os.environ.get("RANK", "0") != "0":
+            return
+        n, c = len(job.samples), job.collector
+        print(f"[rlhf] reward: {n - job.remaining}/{n} samples of this batch done on rank 0 so far, "
+              f"{c.n_timeouts} timed out after reward.timeout_s={self.timeout_s:g} s each, {c.n_errors} failed "
+              f"({len(self._workers)} workers, reward.num_workers)", flush=True)
 
     def close(self) -> None:
         with self._lock:
@@ -266,6 +279,8 @@ class RewardPool:
 
     def _dispatch(self) -> None:
         """Give queued samples to idle ready workers (called with the lock held)."""
+        if self._tripped:
+            self._time_out_queued()
         idle = [w for w in self._workers if w.ready and not w.inflight]
         for w in idle:
             if not self._queue:
@@ -301,6 +316,7 @@ class RewardPool:
                     job.collector.ok(i, *msg[3:])
                 else:
                     job.collector.fail(i, msg[3])
+                self._answers += 1
                 self._finish_one(job)
 
     def _init_error(self, message: str) -> str:
@@ -327,6 +343,25 @@ class RewardPool:
                 self._finish_one(job)
             self._queue.extendleft(reversed(w.inflight))
             self._workers[self._workers.index(w)] = _Worker(self._init)
+            self._timeouts += timeout
+            if self.fail_fast and not self._answers and self._timeouts >= len(self._workers):
+                self._tripped = True
+
+    def set_fail_fast(self, on: bool) -> None:
+        """``on`` while the previous batches got no reward at all (the trainer's FailedStepGuard): once each
+        worker has timed out without any call answering since, queued samples time out without being
+        tried, so such a step costs about one ``timeout_s`` instead of one per sample and worker."""
+        with self._lock:
+            self.fail_fast, self._answers, self._timeouts, self._tripped = on, 0, 0, False
+
+    def _time_out_queued(self) -> None:
+        """(With the lock held.) Every queued sample times out without being tried (fail_fast tripped)."""
+        while self._queue:
+            job_id, i = self._queue.popleft()
+            job = self._jobs[job_id]
+            job.collector.fail(i, f"timed out after {self.timeout_s:g} s ({self.timeout_key}): not tried, no call "
+                                  f"answered in this step or the previous one", timeout=True)
+            self._finish_one(job)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

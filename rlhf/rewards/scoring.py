@@ -190,3 +190,31 @@ def reward_components(res: ScoreResult, keys: Sequence[str]) -> torch.Tensor:
 
     cols = [torch.tensor(res.extra_metrics[k], dtype=torch.float32).nan_to_num(0.0) for k in keys]
     return torch.stack(cols, dim=-1)
+
+
+class RewardFailureError(RuntimeError):
+    """Every reward call failed or timed out for ``reward.max_failed_steps`` steps in a row."""
+
+
+class FailedStepGuard:
+    """Counts training steps in which no sample got a reward (every call raised or timed out): the
+    update then learns nothing, so after ``max_steps`` such steps in a row the run stops, saying why."""
+
+    def __init__(self, max_steps: int, timeout_s: float, scorer: Any = None) -> None:
+        self.max_steps, self.timeout_s, self.in_a_row, self.scorer = max_steps, timeout_s, 0, scorer
+
+    def update(self, n_errors: float, n_timeouts: float, n_samples: float) -> None:
+        """Global counts of one step (the same on every rank, so every rank stops together). After a step
+        without any reward, the scorer's worker pool (if any) stops trying a batch early once each of its
+        workers timed out on it without an answer: the next such step costs about one timeout, not all."""
+        all_failed = n_samples > 0 and n_errors + n_timeouts >= n_samples
+        self.in_a_row = self.in_a_row + 1 if all_failed else 0
+        pool = getattr(self.scorer, "inner", self.scorer)
+        if hasattr(pool, "set_fail_fast"):
+            pool.set_fail_fast(self.in_a_row > 0)
+        if self.max_steps > 0 and self.in_a_row >= self.max_steps:
+            raise RewardFailureError(
+                f"reward.reward_fn: no sample got a reward in {self.in_a_row} steps in a row (last step: "
+                f"{int(n_timeouts)} of {int(n_samples)} calls timed out after reward.timeout_s={self.timeout_s:g} s, "
+                f"{int(n_errors)} raised or returned no number); there is no learning signal, so the run stops "
+                f"(reward.max_failed_steps={self.max_steps})")

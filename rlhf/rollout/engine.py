@@ -317,6 +317,13 @@ class RolloutEngine:
         in_traj = torch.arange(R)[None, :] < out.response_lengths.cpu()[:, None]  # [N, R]
         rollout_lp = torch.zeros((N, R), dtype=torch.float32)
         rollout_lp[:, :r] = out.log_probs[:, :r].cpu().float()
+        nan = int(rollout_lp[resp_mask.bool()].isnan().sum())  # host tensors: no device sync
+        if nan:
+            from rlhf.optim import NonFiniteError
+
+            raise NonFiniteError(f"rollout: the policy's logits are not finite ({nan} of {int(resp_mask.sum())} "
+                                 f"sampled tokens have a NaN log-prob): its weights hold NaN/inf (check model.path, "
+                                 f"or lower actor.lr if training diverged)")
         responses = torch.where(in_traj, responses, torch.full_like(responses, self.pad_id))
         input_ids = torch.cat([prompt_tensor, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, in_traj.long()], dim=1)

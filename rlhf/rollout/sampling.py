@@ -190,6 +190,8 @@ def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tup
     if not (use_top_k or params.top_p < 1.0 or params.min_p > 0.0):
         # plain temperature sampling: natural vocabulary order, no sort, one softmax
         probs = torch.softmax(scaled, dim=-1)
+        # NaN logits (a model with NaN weights) find no threshold: inverse_cdf keeps the index in range and
+        # their NaN log-prob is what RolloutEngine.to_batch reports, without a host sync here.
         tok = inverse_cdf(probs, u)  # [B, 1]
         return tok.squeeze(1), probs.gather(1, tok).log_().squeeze(1)
     logp = torch.log_softmax(scaled, dim=-1)  # [B, V] untruncated, for the returned log-probs

@@ -34,6 +34,15 @@ def _error_line(r) -> str:
     ({"rollout.multi_turn.enable": True}, "config key 'rollout.multi_turn.tool_config_path': is required"),
     ({"rollout.multi_turn.enable": True, "rollout.multi_turn.tool_config_path": "/no/tools.yaml"},
      "rollout.multi_turn.tool_config_path: tool config file not found: /no/tools.yaml"),
+    # issue 33: these ran on (a traceback after the model load and a rollout, or silently)
+    ({"actor.log_prob_micro_batch_size_per_gpu": 0}, "'actor.log_prob_micro_batch_size_per_gpu': must be > 0, got 0"),
+    ({"trainer.total_training_steps": 0}, "'trainer.total_training_steps': must be >= 1 or -1"),
+    ({"trainer.max_nan_steps": -1}, "'trainer.max_nan_steps': must be >= 0"),
+    ({"data.max_response_length": 100000}, "data.max_response_length: prompt + response = 100016 tokens exceeds the "
+                                           "model's max_position_embeddings"),
+    ({"actor.lr": "[1,"}, "override 'actor.lr=[1,': the value '[1,' is not valid yaml"),
+    ({"data.train_batch_size": 128, "actor.ppo_mini_batch_size": 128},
+     "data.train_batch_size: data.train_files has 64 usable prompts, fewer than one batch of 128"),
 ])
 def test_one_line_errors(tiny_assets, tmp_path, override, expect):
     r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **override))
@@ -49,6 +58,11 @@ def test_malformed_rows_skipped_and_counted(tiny_assets, tmp_path):
     r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **{"data.train_files": f}))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "8/11 rows loaded; 3 malformed" in r.stdout
+    # a line that is not UTF-8 is one more malformed row, not a crash without the file's name
+    f.write_bytes(f.read_bytes() + b'{"prompt": "caf\xe9"}\n')
+    r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **{"data.train_files": f}))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "8/12 rows loaded; 4 malformed" in r.stdout and "line 12: not UTF-8" in r.stdout
     f.write_text('{"prompt": 5}\nnot json\n')
     line = _error_line(run_script("train_grpo.py",
                                   ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **{"data.train_files": f})))
@@ -59,3 +73,53 @@ def test_dry_run_ok(tiny_assets, tmp_path):
     r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "dry run OK" in r.stdout
+
+
+def test_bad_config_file_and_output_dir_are_one_line(tiny_assets, tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- model\n- data\n")
+    line = _error_line(run_script("train_grpo.py", ["--dry-run", "--config", str(listed)]
+                                  + grpo_args(tiny_assets, tmp_path / "o")))
+    assert f"config file {listed}: the top level must be a mapping" in line
+    taken = tmp_path / "a_file"
+    taken.write_text("not a directory")
+    line = _error_line(run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, taken)))
+    assert f"trainer.output_dir: {taken} exists and is not a directory" in line
+    line = _error_line(run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, taken / "run")))
+    assert f"trainer.output_dir: {taken / 'run'} cannot be created: {taken} is not a directory" in line
+    assert taken.read_text() == "not a directory"
+
+
+def test_a_reward_function_that_always_fails_stops_the_run_with_a_reason(tiny_assets, tmp_path):
+    """No sample gets a reward: after reward.max_failed_steps steps in a row the run stops with one
+    line (it went on for every step before); the rows already logged stay."""
+    f = tmp_path / "broken_reward.py"
+    f.write_text("def reward(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    raise RuntimeError('no grader')\n")
+    out = tmp_path / "o"
+    r = run_script("train_grpo.py", grpo_args(tiny_assets, out, **{
+        "reward.reward_fn": f"{f}:reward", "reward.num_workers": 1, "reward.max_failed_steps": 2,
+        "trainer.total_training_steps": 5, "data.val_files": ""}))
+    line = _error_line(r)
+    assert "reward.reward_fn: no sample got a reward in 2 steps in a row" in line and "16 raised" in line, line
+    from rlhf.metrics import read_metrics
+
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [1]
+
+
+def test_a_reward_function_that_always_hangs_stops_the_run(tiny_assets, tmp_path):
+    """Every call hangs: the first step costs its timeouts (with progress lines), the next one about one
+    timeout (its untried rest times out at once), then one line says why the run stops."""
+    f = tmp_path / "hanging_reward.py"
+    f.write_text("import time\n\ndef reward(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    time.sleep(3600)\n")
+    out = tmp_path / "o"
+    r = run_script("train_grpo.py", grpo_args(tiny_assets, out, **{
+        "reward.reward_fn": f"{f}:reward", "reward.num_workers": 2, "reward.timeout_s": 1,
+        "reward.max_failed_steps": 2, "reward.score_during_generation": False,
+        "trainer.total_training_steps": 5, "data.val_files": ""}))
+    line = _error_line(r)
+    assert "no sample got a reward in 2 steps in a row (last step: 16 of 16 calls timed out" in line, line
+    lines = [l for l in r.stdout.splitlines() if "timed out on 16 (scored 0)" in l]
+    assert len(lines) == 2, r.stdout[-3000:]  # one line per step
+    assert (out / "metrics.jsonl").is_file()

@@ -83,6 +83,19 @@ def test_malformed_rows_skipped_and_counted(tmp_path, tok):
     assert "ground truth" in s.malformed_examples[3]
 
 
+def test_lines_not_utf8_or_not_json_are_skipped_and_counted_once_each(tmp_path, tok):
+    """issue 33: a line that is not UTF-8 ended the load with a UnicodeDecodeError naming no file;
+    and a second invalid line was counted twice (its row number was off by one)."""
+    path = tmp_path / "d.jsonl"
+    good = json.dumps(_row("1+1=", gt="2")).encode()
+    path.write_bytes(b"\n".join([good, b"{not json", b'{"prompt": "caf\xe9"}', b"[1,", good]) + b"\n")
+    ds = load_prompt_dataset(path, tok)
+    s = ds.stats
+    assert (s.n_rows, s.n_loaded, s.n_malformed) == (5, 2, 3)
+    assert [m.split(": ", 1)[0] for m in s.malformed_examples] == ["d.jsonl row 1", "d.jsonl row 2", "d.jsonl row 3"]
+    assert "line 3: not UTF-8" in s.malformed_examples[1] and "line 4: invalid JSON" in s.malformed_examples[2]
+
+
 def test_all_bad_file_raises_naming_file(tmp_path, tok):
     path = _jsonl(tmp_path / "bad.jsonl", [{"question": "x"}, "[1, 2"])
     with pytest.raises(DataError, match=r"bad\.jsonl.*none of its 2 rows.*row 0: missing 'prompt'"):

@@ -142,3 +142,26 @@ def test_mark_start_drops_rows_after_the_resumed_step(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in rows] == [1.0, 2.0, 30.0, 40.0, 50.0]
+
+
+@pytest.mark.parametrize("tail", ['{"step": 3, "loss": 3.', '{"step": 3, "loss": 3.0}', '\xff\xfe{"st'])
+def test_mark_start_drops_a_partial_last_line_with_a_note(tmp_path, tail):
+    """A kill or a full disk mid-write leaves a partial last line: resume drops it (with a note) and
+    keeps every complete row; the next row starts on its own line."""
+    first = MetricsLogger(tmp_path, backends=("jsonl",), total_steps=5)
+    for step in (1, 2):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a", encoding="utf-8", errors="surrogateescape") as f:
+        f.write(tail)  # no newline: the write was cut short
+    out = io.StringIO()
+    second = MetricsLogger(tmp_path, backends=("jsonl",), total_steps=5, stream=out)
+    second.mark_start(2)
+    second.log(3, {"loss": 30.0})
+    second.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    if tail.endswith("}"):  # complete JSON without its newline (a step-3 row, after the checkpoint): dropped as a later step
+        assert "incomplete" not in out.getvalue()
+    else:
+        assert "dropped 1 incomplete line" in out.getvalue() and "metrics.jsonl" in out.getvalue()

@@ -130,3 +130,33 @@ def test_reward_kwargs_the_function_does_not_take_fail_at_start(tmp_path):
     (tmp_path / "r.py").write_text(KWARG_REWARD)
     with pytest.raises(TypeError, match="reward.reward_kwargs.*'sclae'"):
         get_reward_fn(f"{tmp_path}/r.py:scaled", {"sclae": 2.0})
+
+
+def test_a_batch_that_takes_long_prints_its_progress(spec, capsys, monkeypatch):
+    """issue 33 item 6: a hanging reward function costs timeouts one after the other; while the batch
+    is scored a line says how far it got (rank 0), instead of silence until the step ends."""
+    monkeypatch.setenv("RANK", "0")
+    with RewardPool(spec, num_workers=1, timeout_s=1.0) as pool:
+        pool.progress_s = 0.5
+        res = pool.score(*batch(["hang", "hang", "ab"]))
+    assert res.n_timeouts == 2 and res.scores.tolist() == [0.0, 0.0, 2.0]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[rlhf] reward: ")]
+    assert lines and "samples of this batch done on rank 0 so far" in lines[-1], lines
+    assert "timed out after reward.timeout_s=1 s each" in lines[-1]
+
+
+def test_after_a_step_without_any_reward_a_hanging_batch_costs_one_timeout(spec):
+    """issue 33 item 6: with fail_fast (set by the trainer after a step in which no call answered), once
+    every worker timed out without an answer the queued rest times out untried; an answer resets it."""
+    texts = ["hang"] * 8
+    with RewardPool(spec, num_workers=2, timeout_s=1.0) as pool:
+        pool.score(*batch(["ab"]))  # workers started
+        pool.set_fail_fast(True)
+        t0 = time.monotonic()
+        res = pool.score(*batch(texts))
+        fast = time.monotonic() - t0
+        assert res.n_timeouts == 8 and res.scores.tolist() == [0.0] * 8
+        pool.set_fail_fast(True)
+        mixed = pool.score(*batch(["ab", "abc", "hang", "hang", "hang", "abcd"]))
+    assert fast < 6, fast  # without fail_fast: 8 timeouts of 1 s on 2 workers, >= 4 s plus restarts
+    assert mixed.n_timeouts == 3 and mixed.scores.tolist() == [2.0, 3.0, 0.0, 0.0, 0.0, 4.0]

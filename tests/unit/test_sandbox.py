@@ -12,7 +12,7 @@ from rlhf.agent.runner import ToolPool
 from rlhf.agent.sandbox import PythonSandbox
 from rlhf.agent.tools import ToolError
 
-LIMITS = dict(cpu_time_s=1, wall_time_s=2, memory_mb=512, max_processes=8, max_output_chars=300)
+LIMITS = dict(cpu_time_s=1, wall_time_s=2, memory_mb=512, max_processes=8, max_output_chars=300, max_disk_mb=32)
 LAYERS = PythonSandbox.isolation(**LIMITS)
 needs = lambda layer: pytest.mark.skipif(layer not in LAYERS, reason=f"this kernel gives no {layer}")  # noqa: E731
 
@@ -25,6 +25,11 @@ ABUSE = {
     "network call": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)",
                      "network access is disabled|Network is unreachable"),
     "write outside": ("open('/tmp/rlhf_sandbox_escape.txt', 'w').write('x')", "outside the working directory"),
+    # issue 33: CPython ignores SIGXFSZ (the write raises EFBIG), and many files under the per-file limit
+    # wrote 0.6-0.8 GB in one call
+    "20 MB file": ("open('big', 'wb').write(b'x' * 20 * 2**20)", "file size limit of 16 MB exceeded"),
+    "many 1 MB files": ("for i in range(400):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)",
+                        "disk limit of 32 MB per call exceeded"),
 }
 
 
