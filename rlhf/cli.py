@@ -90,14 +90,20 @@ def print_memory_plan(cfg, args) -> bool:
 
 
 def check_tokenizer_and_data(cfg) -> None:
-    """The dry-run checks that need no process group: tokenizer and prompt files."""
-    from rlhf.data.prompts import load_data
+    """The dry-run checks that need no process group: the trainer's start-up checks (names, reward
+    function, LoRA layout), tokenizer, prompt files and the batch size against them."""
+    from rlhf.config_checks import check_startup
+    from rlhf.data.prompts import load_data, make_loader
     from rlhf.models.loading import load_tokenizer
 
+    check_startup(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         if files:
-            print(f"[rlhf] {key}: {load_data(cfg, files, tokenizer).stats.summary()}", flush=True)
+            ds = load_data(cfg, files, tokenizer)
+            print(f"[rlhf] {key}: {ds.stats.summary()}", flush=True)
+            if key == "data.train_files":
+                make_loader(cfg, len(ds))
     print("dry run OK: config and data are valid; the layout was checked by the memory plan", flush=True)
 
 

@@ -26,11 +26,10 @@ from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_l
 from rlhf.batch import RolloutBatch, minibatch_major_shard
 from rlhf.checkpoint import (ModelOptimState, export_hf, find_resume_path, load_checkpoint, load_rank_state,
                              save_checkpoint)
-from rlhf.algos.aggregation import agg_loss
 from rlhf.algos.dynamic_sampling import select_informative_groups
-from rlhf.algos.policy_loss import get_policy_loss
 from rlhf.algos.rollout_correction import rollout_is_weights
 from rlhf.config import Config, ConfigError
+from rlhf.config_checks import check_startup
 from rlhf.data.prompts import data_metrics, load_data, make_loader, prompt_batch
 from rlhf.evaluation import flat_metrics, generation_rows, score_batch, summarize, val_sampling
 from rlhf.metrics import MetricsLogger, PhaseTimer
@@ -42,7 +41,6 @@ from rlhf.ops.oom import apply_oom_records, record_oom
 from rlhf.ops.runtime import StepOps
 from rlhf.regroup import regroup_rows
 from rlhf.rewards.pool import RewardPool, make_scorer
-from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import mean_of_sums, reward_components
 from rlhf.rewards.streaming import StreamingScores
 from rlhf.rollout.engine import RolloutEngine, decode_responses, rollout_dtype
@@ -73,14 +71,11 @@ class RLTrainer:
         self.out_dir = Path(cfg.trainer.output_dir)
         check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
                               cfg.data.max_prompt_length + cfg.data.max_response_length)
-        if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1:
-            raise ConfigError(f"model.lora_rank: LoRA needs rollout.tp = 1 (got {cfg.rollout.tp})")
-        self._check_names()
+        check_startup(cfg)  # the same checks a one-process --dry-run makes (rlhf/config_checks.py)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
-        self._named("reward.reward_fn", lambda fn: get_reward_fn(fn, cfg.reward.reward_kwargs), cfg.reward.reward_fn)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
@@ -133,30 +128,6 @@ class RLTrainer:
                                         tis_cap=cfg.actor.tis_imp_ratio_cap, dp_group=self.dp_group)
 
     # ------------------------------------------------------------------ setup helpers
-
-    @staticmethod
-    def _named(key: str, lookup, name: str):
-        """Registry lookup whose unknown-name error names the config key (and lists valid names)."""
-        try:
-            return lookup(name)
-        except (ValueError, KeyError, AttributeError, TypeError) as e:
-            raise ConfigError(f"{key}: {e}") from None
-
-    def _check_names(self) -> None:
-        """Fail at start-up, not at step 1, on a misspelt algorithm name."""
-        c = self.cfg
-        self._named("algorithm.adv_estimator", get_adv_estimator, c.algorithm.adv_estimator)
-        self._named("actor.policy_loss", get_policy_loss, c.actor.policy_loss)
-        self._named("actor.loss_agg_mode", lambda m: agg_loss(torch.zeros(1, 1), torch.ones(1, 1), m), c.actor.loss_agg_mode)
-        for key, name in (("actor.kl_loss_type", c.actor.kl_loss_type), ("algorithm.kl_penalty", c.algorithm.kl_penalty)):
-            self._named(key, lambda n: kl_penalty(torch.zeros(1), torch.zeros(1), n), name)
-        alg = c.algorithm
-        if alg.adv_estimator in TOKEN_BASELINE_ESTIMATORS and (c.parallel.tp > 1 or c.parallel.pp > 1):
-            raise ConfigError(f"algorithm.adv_estimator {alg.adv_estimator!r} needs sum_v pi(v)^2 of full-vocab "
-                              "logits, computed on data-parallel ranks only; set parallel.tp: 1 and parallel.pp: 1")
-        if alg.gdpo_reward_weights is not None and len(alg.gdpo_reward_weights) != max(1, len(alg.gdpo_reward_keys)):
-            raise ConfigError(f"algorithm.gdpo_reward_weights has {len(alg.gdpo_reward_weights)} entries for "
-                              f"{len(alg.gdpo_reward_keys)} algorithm.gdpo_reward_keys")
 
     def _load_data(self, files, key: str):
         ds = load_data(self.cfg, files, self.tokenizer)

@@ -1,0 +1,59 @@
+"""Issue 39 (a verl user's second try): the one-process dry run makes the trainer's start-up checks,
+refusals come all at once, the printed native command pastes into a shell, resume and KL semantics
+follow verl."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import ConfigError, load_config, parse_override
+from tests._assets import write_tiny_assets
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    return write_tiny_assets(tmp_path_factory.mktemp("assets"), n_train=32, n_val=8)
+
+
+def _cfg(assets: Path, *overrides: str):
+    return load_config(None, [f"model.path={assets / 'model'}", f"data.train_files={assets / 'data' / 'train.parquet'}",
+                              "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.max_prompt_length=32",
+                              "data.max_response_length=16", *overrides])
+
+
+def _dry_checks(cfg) -> str:
+    from rlhf.cli import check_tokenizer_and_data
+
+    check_tokenizer_and_data(cfg)
+
+
+def test_batch_larger_than_dataset_is_one_line_at_dry_run(assets):
+    """Item 1: a batch larger than the data fails the dry run, naming the key (not drop_last)."""
+    with pytest.raises(ConfigError, match=r"data.train_batch_size \(64\) is larger than the 32 training prompts"):
+        _dry_checks(_cfg(assets, "data.train_batch_size=64", "actor.ppo_mini_batch_size=64"))
+    from rlhf.data.prompts import make_loader
+
+    with pytest.raises(ConfigError, match="lower data.train_batch_size to at most 32"):
+        make_loader(_cfg(assets, "data.train_batch_size=64", "actor.ppo_mini_batch_size=64"), 32)
+
+
+@pytest.mark.parametrize("overrides, msg", [
+    (("model.lora_rank=8", "rollout.tp=2"), "LoRA needs rollout.tp = 1"),
+    (("reward.reward_fn=/no/such/reward.py:compute_score",), "reward.reward_fn .verl: custom_reward_function"),
+    (("algorithm.adv_estimator=grpoo",), "algorithm.adv_estimator"),
+])
+def test_one_process_dry_run_makes_the_startup_checks(assets, overrides, msg):
+    """Item 2: the checks the trainer makes at start-up run in the one-process dry run too."""
+    with pytest.raises(ConfigError, match=msg):
+        _dry_checks(_cfg(assets, *overrides))
+
+
+def test_wrong_reward_function_name_at_dry_run(assets, tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    _dry_checks(_cfg(assets, f"custom_reward_function.path={f}"))
+    with pytest.raises(ConfigError, match="'score' not found"):
+        _dry_checks(_cfg(assets, f"custom_reward_function.path={f}", "custom_reward_function.name=score"))
