@@ -35,7 +35,7 @@ import typing
 from typing import Any, Optional
 
 from rlhf.config import ConfigError
-from rlhf.verl_keys import NATIVE_ONLY_SECTIONS, RULES, VERL_DEFAULTS, VERL_FOLLOWS, VERL_ONLY, Rule
+from rlhf.verl_keys import NATIVE_ONLY_SECTIONS, RULES, VERL_DEFAULTS, VERL_FOLLOWS, VERL_ONLY, Rule, hint_for
 
 
 # --------------------------------------------------------------------------- tree helpers
@@ -116,6 +116,8 @@ class _Translation:
         self.fallbacks: list[tuple[str, str, Any]] = []
         self.lines: list[str] = []
         self.reward_fn: dict[str, Any] = {}
+        self.resume: dict[str, Any] = {}    # trainer.resume_mode / resume_from_path, decided together
+        self.errors: list[str] = []         # every refused key, reported at once
         self.count = 0                      # verl keys seen
 
     def put(self, verl_key: str, native: str, value: Any) -> None:
@@ -131,7 +133,7 @@ class _Translation:
             if value is not None and value not in rule.ok:
                 raise ConfigError(f"verl key '{key}={_show(value)}' is not supported here: {rule.why}")
             self.lines.append(f"{key}={_show(value)}: accepted ({rule.note})")
-        elif key.startswith("custom_reward_function.") and key != "custom_reward_function.reward_kwargs":
+        elif key in ("custom_reward_function.path", "custom_reward_function.name"):
             self.reward_fn[key.rsplit(".", 1)[1]] = value
         elif rule.fallback:
             self.fallbacks.append((key, rule, value))
@@ -157,13 +159,18 @@ class _Translation:
             if rule is not None:
                 del node[name]
                 self.count += 1
-                self.apply(key, rule, value)
+                try:
+                    self.apply(key, rule, value)
+                except ConfigError as e:
+                    self.errors.append(str(e))
             elif isinstance(value, dict) and any(r.startswith(key + ".") for r in RULES):
                 self.walk(value, key + ".")
                 if not value:
                     del node[name]
             elif any(key == p or key.startswith(p + ".") for p in VERL_ONLY):
-                raise ConfigError(f"verl key '{key}' has no equivalent here (README: 'Coming from verl')")
+                del node[name]
+                self.count += 1
+                self.errors.append(f"verl key '{key}' has no equivalent here{hint_for(key)}")
 
     def finish(self, tree: dict) -> None:
         if self.reward_fn:
@@ -239,7 +246,15 @@ def translate(tree: dict, cls: Optional[type] = None, *, verbose: bool = True) -
     _normalize(tree, t.lines)
     t.walk(tree, "")
     verl_only = t.count > 0 and not any(s in tree for s in NATIVE_ONLY_SECTIONS) and not _native_reward(tree)
-    t.finish(tree)
+    if not t.errors:
+        try:
+            t.finish(tree)
+        except ConfigError as e:
+            t.errors.append(str(e))
+    if t.errors:  # every refused key at once (and any unknown native key), not one per attempt
+        errors = t.errors + [f"unknown config key '{k}'" for k in _unknown(tree, cls)]
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"{len(errors)} settings cannot be used here: " + "; ".join(errors))
     defaults = _verl_defaults(tree, cls) if verl_only else []
     if verbose and t.lines and int(os.environ.get("RANK", "0")) == 0:
         for line in t.lines:
@@ -248,6 +263,18 @@ def translate(tree: dict, cls: Optional[type] = None, *, verbose: bool = True) -
             print("[verl] verl defaults for keys not set (a configuration in verl's spelling only): "
                   + ", ".join(defaults), flush=True)
     return tree
+
+
+def _unknown(tree: dict, cls: type, prefix: str = "") -> list[str]:
+    """Dotted keys of ``tree`` that ``cls`` has no setting for."""
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if not has_key(cls, key):
+            out.append(key)
+        elif isinstance(v, dict) and v and has_key(cls, key + "._") is False:
+            out += _unknown(v, cls, key + ".")
+    return out
 
 
 def _native_reward(tree: dict) -> bool:

@@ -136,7 +136,7 @@ _ONE_SETTING = ("the actor, reference and rollout share one log-prob micro-batch
 
 _AR, _A, _R = "actor_rollout_ref.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
 _OVERLONG_BUFFER = ("reward_model.overlong_buffer", "reward_model.reward_kwargs.overlong_buffer_cfg",
-                    "reward.reward_kwargs.overlong_buffer_cfg")
+                    "reward.reward_kwargs.overlong_buffer_cfg", "custom_reward_function.overlong_buffer")
 
 RULES: dict[str, Rule] = {
     # ---------------------------------------------------------------- actor_rollout_ref.model
@@ -164,6 +164,9 @@ RULES: dict[str, Rule] = {
         "ppo_epochs", "shuffle", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
         "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tis_imp_ratio_cap",
         "grad_clip")},
+    _A + "use_token_level_loss": to("actor.loss_agg_mode", "verl's older switch: true is token-mean, false "
+                                    "seq-mean-token-mean", convert=lambda v: {} if v is None else
+                                    {"actor.loss_agg_mode": "token-mean" if v else "seq-mean-token-mean"}),
     _A + "ppo_micro_batch_size": to("actor.ppo_micro_batch_size_per_gpu", "global size / world size (deprecated in verl)",
                                     convert=_per_gpu("actor.ppo_micro_batch_size_per_gpu")),
     _A + "ulysses_sequence_parallel_size": to("parallel.sp"),
@@ -357,6 +360,23 @@ RULES: dict[str, Rule] = {
     "ray_kwargs": ignored("no Ray: torchrun launches the ranks"),
     "transfer_queue": ignored("no Ray: torchrun launches the ranks"),
 }
+
+# Where a refused key has a near equivalent: the hint printed with its refusal.
+HINTS: dict[str, str] = {
+    _A + "loss_mode": f"set {_A}policy_loss.loss_mode",
+    _A + "k_percent": f"set {_A}policy_loss.kl_cov_ratio (a fraction of the tokens)",
+    _A + "ppo_kl_coef": f"set {_A}policy_loss.ppo_kl_coef",
+    "reward_model.overlong_buffer_cfg": "set reward_model.overlong_buffer.{enable,len,penalty_factor}",
+}
+
+
+def hint_for(key: str) -> str:
+    """`` (README: ...)`` or the hint of the closest refused key with one."""
+    for k in sorted(HINTS, key=len, reverse=True):
+        if key == k or key.startswith(k + "."):
+            return f"; {HINTS[k]}"
+    return " (README: 'Coming from verl')"
+
 
 # Subtrees that exist only in verl's spelling: an unlisted key under them is refused by name.
 VERL_ONLY = ("actor_rollout_ref", "custom_reward_function", "reward_model", "critic.optim", "critic.model",

@@ -57,3 +57,36 @@ def test_wrong_reward_function_name_at_dry_run(assets, tmp_path):
     _dry_checks(_cfg(assets, f"custom_reward_function.path={f}"))
     with pytest.raises(ConfigError, match="'score' not found"):
         _dry_checks(_cfg(assets, f"custom_reward_function.path={f}", "custom_reward_function.name=score"))
+
+
+REQ = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"]
+
+
+def test_every_refused_key_at_once():
+    """Item 6: one error line listing every refused key (and unknown native keys), not one per attempt."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, REQ + ["actor_rollout_ref.model.custom_chat_template=x", "reward_model.sandbox_fusion.url=u",
+                                 "actor_rollout_ref.actor.loss_mode=kl_cov", "trainer.val_only=True",
+                                 "data.no_such_key=1"])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("5 settings cannot be used here: ")
+    for key in ("custom_chat_template", "sandbox_fusion.url", "actor_rollout_ref.actor.loss_mode", "trainer.val_only",
+                "unknown config key 'data.no_such_key'"):
+        assert key in msg
+    assert "set actor_rollout_ref.actor.policy_loss.loss_mode" in msg  # a hint where one exists
+    with pytest.raises(ConfigError, match="^verl key 'trainer.val_only=True' is not supported here"):
+        load_config(None, REQ + ["trainer.val_only=True"])  # a single refusal reads as before
+
+
+def test_dapo_recipe_spellings():
+    """Item 7: the DAPO recipe's custom_reward_function.overlong_buffer.* and use_token_level_loss map."""
+    cfg = load_config(None, REQ + ["custom_reward_function.overlong_buffer.enable=True",
+                                   "custom_reward_function.overlong_buffer.len=128",
+                                   "custom_reward_function.overlong_buffer.penalty_factor=0.5",
+                                   "custom_reward_function.overlong_buffer.log=False",
+                                   "actor_rollout_ref.actor.use_token_level_loss=True"])
+    assert (cfg.reward.overlong_buffer_enable, cfg.reward.overlong_buffer_len) == (True, 128)
+    assert cfg.reward.overlong_penalty_factor == 0.5 and cfg.reward.reward_fn == "default"
+    assert cfg.actor.loss_agg_mode == "token-mean"
+    cfg = load_config(None, REQ + ["actor_rollout_ref.actor.use_token_level_loss=False"])
+    assert cfg.actor.loss_agg_mode == "seq-mean-token-mean"
