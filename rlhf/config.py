@@ -420,7 +420,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like section.key=value")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': the value is not valid yaml: {getattr(e, 'problem', None) or e}"
+                          f"; quote it for the shell, e.g. '{key}=[a, b]'") from None
     # yaml reads 1e-6 as a string (no dot); accept it as a float.
     if isinstance(value, str):
         try:

@@ -28,6 +28,7 @@ of a verl command line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -314,13 +315,25 @@ def check_launch_world(cfg, world: int, *, dry_run: bool) -> int:
 
 
 def _flatten(tree: dict, prefix: str = "") -> list[str]:
+    """``key=value`` overrides of a key tree, each value in yaml flow style (as parse_override reads it)."""
+    import yaml
+
     out = []
     for k, v in tree.items():
         if isinstance(v, dict) and v and prefix + k != "trainer.alerts":
             out += _flatten(v, f"{prefix}{k}.")
         else:
-            out.append(f"{prefix}{k}={v!r}" if isinstance(v, str) and (" " in v or not v) else f"{prefix}{k}={v}")
+            text = yaml.safe_dump(v, default_flow_style=True, width=1 << 20)
+            text = text.removesuffix("\n...\n").strip()  # a bare scalar ends with yaml's document marker
+            out.append(f"{prefix}{k}={text}")
     return out
+
+
+def shell_command(tree: dict, script: str) -> str:
+    """The native command line, each override quoted for a POSIX shell where it needs it."""
+    import shlex
+
+    return f"python {script} " + " ".join(shlex.quote(o) for o in _flatten(tree))
 
 
 def main(argv=None) -> None:
@@ -337,12 +350,13 @@ def main(argv=None) -> None:
         for ov in args.overrides:
             keys, value = parse_override(ov)
             _set(tree, ".".join(keys), value)
-        tree = translate(tree)
+        with contextlib.redirect_stdout(sys.stderr):  # the [verl] lines; stdout is the command alone
+            tree = translate(tree)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     script = "train_ppo.py" if _get(tree, "algorithm.adv_estimator", "grpo") == "gae" else "train_grpo.py"
-    print(f"python {script} " + " ".join(_flatten(tree)))
+    print(shell_command(tree, script))
 
 
 if __name__ == "__main__":

@@ -90,3 +90,23 @@ def test_dapo_recipe_spellings():
     assert cfg.actor.loss_agg_mode == "token-mean"
     cfg = load_config(None, REQ + ["actor_rollout_ref.actor.use_token_level_loss=False"])
     assert cfg.actor.loss_agg_mode == "seq-mean-token-mean"
+
+
+def test_printed_native_command_pastes_into_a_shell(capsys, monkeypatch):
+    """Item 11: `python -m rlhf.verl_compat` prints a command whose words, split as a shell splits them,
+    load to the same config; a yaml error in an override is one line."""
+    from rlhf.verl_compat import main
+
+    monkeypatch.setenv("RANK", "0")
+    verl = REQ + ["trainer.logger=['console','wandb']", "trainer.project_name=my proj", "data.truncation='error'",
+                  "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.optim.betas=[0.9,0.95]",
+                  "trainer.default_hdfs_dir=null", "algorithm.kl_ctrl.kl_coef=0.001"]
+    main(verl)
+    out = capsys.readouterr()
+    assert out.out.count("\n") == 1 and "[verl]" in out.err  # stdout is the command alone
+    words = shlex.split(out.out)
+    assert words[:2] == ["python", "train_ppo.py"] and "trainer.logger=[console, wandb]" in words
+    native = load_config(None, words[2:]).to_dict()
+    assert native == load_config(None, verl).to_dict()
+    with pytest.raises(ConfigError, match=r"^override 'trainer.logger=\[console, wandb': the value is not valid yaml"):
+        parse_override("trainer.logger=[console, wandb")
