@@ -134,6 +134,8 @@ class _Translation:
             if value is not None and value not in rule.ok:
                 raise ConfigError(f"verl key '{key}={_show(value)}' is not supported here: {rule.why}")
             self.lines.append(f"{key}={_show(value)}: accepted ({rule.note})")
+        elif key in ("trainer.resume_mode", "trainer.resume_from_path"):
+            self.resume[key] = value  # decided together in finish(), as verl does
         elif key in ("custom_reward_function.path", "custom_reward_function.name"):
             self.reward_fn[key.rsplit(".", 1)[1]] = value
         elif rule.fallback:
@@ -173,7 +175,34 @@ class _Translation:
                 self.count += 1
                 self.errors.append(f"verl key '{key}' has no equivalent here{hint_for(key)}")
 
+    def _finish_resume(self) -> None:
+        """verl: ``resume_mode`` auto (the default) or disable ignore ``resume_from_path``;
+        ``resume_path`` needs it (a ``.../global_step_N`` directory)."""
+        if not self.resume:
+            return
+        mode = self.resume.get("trainer.resume_mode") or "auto"
+        path = self.resume.get("trainer.resume_from_path")
+        if mode not in ("auto", "disable", "resume_path"):
+            raise ConfigError(f"verl key 'trainer.resume_mode={mode}': expected auto, disable or resume_path")
+        if mode == "resume_path":
+            if not isinstance(path, str) or not path:
+                raise ConfigError("verl key 'trainer.resume_mode=resume_path' needs trainer.resume_from_path "
+                                  "(a checkpoint directory .../global_step_N); got " + _show(path))
+            if "global_step_" not in path:
+                raise ConfigError(f"verl key 'trainer.resume_from_path={path}': must name a checkpoint directory "
+                                  ".../global_step_N (as in verl)")
+            self.put("trainer.resume_from_path", "checkpoint.resume", path)
+            self.lines.append(f"trainer.resume_mode='resume_path', trainer.resume_from_path={path!r} -> "
+                              f"checkpoint.resume={path!r}")
+            return
+        self.put("trainer.resume_mode", "checkpoint.resume", mode)
+        self.lines.append(f"trainer.resume_mode={mode!r} -> checkpoint.resume={mode!r}")
+        if path:
+            self.lines.append(f"trainer.resume_from_path={path!r}: ignored, as in verl (used only with "
+                              "trainer.resume_mode=resume_path)")
+
     def finish(self, tree: dict) -> None:
+        self._finish_resume()
         if self.reward_fn:
             path = self.reward_fn.get("path")
             if path is None:

@@ -64,14 +64,6 @@ def _dtype(v: Any) -> dict:
     return {"model.dtype": names[v]}
 
 
-def _resume_mode(v: Any) -> dict:
-    if v in ("auto", "disable"):
-        return {"checkpoint.resume": v}
-    if v == "resume_path":
-        return {}  # the path comes with trainer.resume_from_path
-    raise ConfigError(f"verl key 'trainer.resume_mode={v}': expected auto, disable or resume_path")
-
-
 # verl's algorithm.rollout_correction (docs/algo/rollout_corr.md), its older loss_type included.
 _ROLLOUT_CORRECTION_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
                             "rollout_rs_threshold", "rollout_rs_threshold_lower", "rollout_token_veto_threshold",
@@ -340,8 +332,8 @@ RULES: dict[str, Rule] = {
     "trainer.save_freq": to("checkpoint.save_freq"),
     "trainer.default_local_dir": to("trainer.output_dir", "checkpoints go to <dir>/checkpoints/global_step_N"),
     "trainer.critic_warmup": to("algorithm.critic_warmup"),
-    "trainer.resume_mode": to("checkpoint.resume", convert=_resume_mode),
-    "trainer.resume_from_path": to("checkpoint.resume"),
+    "trainer.resume_mode": to("checkpoint.resume", "with trainer.resume_from_path (rlhf/verl_compat.py)"),
+    "trainer.resume_from_path": to("checkpoint.resume", "used only with trainer.resume_mode=resume_path"),
     "trainer.max_actor_ckpt_to_keep": to("checkpoint.max_to_keep", "null = keep all (0)",
                                          convert=lambda v: {"checkpoint.max_to_keep": 0 if v is None else v}),
     "trainer.max_critic_ckpt_to_keep": ignored("actor and critic are saved together (checkpoint.max_to_keep)"),

@@ -110,3 +110,19 @@ def test_printed_native_command_pastes_into_a_shell(capsys, monkeypatch):
     assert native == load_config(None, verl).to_dict()
     with pytest.raises(ConfigError, match=r"^override 'trainer.logger=\[console, wandb': the value is not valid yaml"):
         parse_override("trainer.logger=[console, wandb")
+
+
+def test_resume_mode_follows_verl():
+    """Item 12: resume_path without a path is refused in one line (not silently auto); auto and disable
+    ignore resume_from_path as verl does; resume_path with a path resumes from it."""
+    with pytest.raises(ConfigError, match=r"^verl key 'trainer.resume_mode=resume_path' needs trainer.resume_from_path"):
+        load_config(None, REQ + ["trainer.resume_mode=resume_path"])
+    with pytest.raises(ConfigError, match="global_step_N"):
+        load_config(None, REQ + ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/last"])
+    cfg = load_config(None, REQ + ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/c/global_step_5"])
+    assert cfg.checkpoint.resume == "/c/global_step_5"
+    assert load_config(None, REQ + ["trainer.resume_mode=disable",
+                                    "trainer.resume_from_path=/c/global_step_5"]).checkpoint.resume == "disable"
+    assert load_config(None, REQ + ["trainer.resume_from_path=/c/global_step_5"]).checkpoint.resume == "auto"
+    with pytest.raises(ConfigError, match="expected auto, disable or resume_path"):
+        load_config(None, REQ + ["trainer.resume_mode=latest"])
