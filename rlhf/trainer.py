@@ -21,7 +21,7 @@ from rlhf.actor import PolicyWorker
 from rlhf.agent.rollout import make_agent
 from rlhf.algos.advantages import get_adv_estimator
 from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
-from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
+from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty, update_kl_controller
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
 from rlhf.batch import RolloutBatch, minibatch_major_shard
 from rlhf.checkpoint import (ModelOptimState, export_hf, find_resume_path, load_checkpoint, load_rank_state,
@@ -390,7 +390,7 @@ class RLTrainer:
             if step > self.cfg.algorithm.critic_warmup:
                 metrics.update(self.update_actor(batch))
         if self.cfg.algorithm.use_kl_in_reward and "kl_penalty/kl" in metrics:
-            self.kl_ctrl.update(metrics["kl_penalty/kl"], n_steps=self.cfg.data.train_batch_size)
+            update_kl_controller(self.kl_ctrl, metrics["kl_penalty/kl"], self.cfg.data.train_batch_size, self.cfg.rollout.n)
         if self.offpolicy is not None:
             with self.timer("async_exchange"):  # next batch in, these weights out
                 metrics.update(self.offpolicy.after_update(step, batch, self.actor.model, self.loader))

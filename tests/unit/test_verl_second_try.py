@@ -126,3 +126,15 @@ def test_resume_mode_follows_verl():
     assert load_config(None, REQ + ["trainer.resume_from_path=/c/global_step_5"]).checkpoint.resume == "auto"
     with pytest.raises(ConfigError, match="expected auto, disable or resume_path"):
         load_config(None, REQ + ["trainer.resume_mode=latest"])
+
+
+def test_adaptive_kl_counts_sequences():
+    """Item 14: the adaptive KL controller steps by prompts x n sequences, as verl (not by prompts)."""
+    from rlhf.algos.kl import AdaptiveKLController, update_kl_controller
+
+    ours, verl = AdaptiveKLController(0.1, 6.0, 10000), AdaptiveKLController(0.1, 6.0, 10000)
+    update_kl_controller(ours, 9.0, prompts=64, n=8)
+    verl.update(9.0, n_steps=64 * 8)  # verl: n_steps = batch.batch_size[0], the repeated batch
+    assert ours.value == pytest.approx(verl.value) and ours.value == pytest.approx(0.1 * (1 + 0.2 * 512 / 10000))
+    src = (Path(__file__).resolve().parents[2] / "rlhf" / "trainer.py").read_text()
+    assert "update_kl_controller(self.kl_ctrl" in src and "n_steps=self.cfg.data.train_batch_size" not in src
