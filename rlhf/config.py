@@ -199,6 +199,10 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     reward_fn: str = _f("default", "Registered reward name or path/to/file.py:function.")
+    reward_manager: Literal["naive", "prime", "dapo", "batch"] = _f(
+        "naive", "verl's reward manager: naive, prime and dapo call the function per sample (in the worker pool; "
+                 "dapo's overlong penalty is reward.overlong_buffer_*), batch calls it once per batch in the trainer "
+                 "process: fn(data_sources, solution_strs, ground_truths, extra_infos) -> one score per response.")
     reward_kwargs: dict = _f({}, "Keyword arguments passed to the reward function, e.g. {format_score: 0.1} "
                                  "(verl custom_reward_function.reward_kwargs).")
     overlong_buffer_enable: bool = _f(False, "DAPO overlong reward shaping.")

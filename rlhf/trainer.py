@@ -97,7 +97,7 @@ class RLTrainer:
         # Worker processes with a per-call timeout: a hung reward function scores 0 instead of hanging the job.
         self.scorer = make_scorer(cfg.reward.reward_fn, num_workers=cfg.reward.num_workers,
                                   timeout_s=cfg.reward.timeout_s, reward_kwargs=cfg.reward.reward_kwargs,
-                                  mesh=self.mesh)
+                                  mesh=self.mesh, manager=cfg.reward.reward_manager)
         self.reward_model = None
         if cfg.reward.reward_model.enable:
             from rlhf.rewards.reward_model import RewardModelScorer

@@ -64,6 +64,16 @@ def _dtype(v: Any) -> dict:
     return {"model.dtype": names[v]}
 
 
+def _reward_manager(v: Any) -> dict:
+    """verl's registered reward managers; a custom manager class has no equivalent here."""
+    if v is None:
+        return {}
+    if v not in ("naive", "prime", "dapo", "batch"):
+        raise ConfigError(f"verl key 'reward_model.reward_manager={v}': expected naive, prime, dapo or batch "
+                          "(custom reward manager classes are not supported)")
+    return {"reward.reward_manager": v}
+
+
 # verl's algorithm.rollout_correction (docs/algo/rollout_corr.md), its older loss_type included.
 _ROLLOUT_CORRECTION_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
                             "rollout_rs_threshold", "rollout_rs_threshold_lower", "rollout_token_veto_threshold",
@@ -286,7 +296,7 @@ RULES: dict[str, Rule] = {
     "reward_model.micro_batch_size_per_gpu": to("reward.reward_model.micro_batch_size_per_gpu"),
     "reward_model.max_length": to("reward.reward_model.max_length"),
     "reward_model.model.input_tokenizer": ignored("responses are decoded with the actor's tokenizer"),
-    "reward_model.reward_manager": ignored("rule-based rewards run in a worker pool (reward.num_workers)"),
+    "reward_model.reward_manager": to("reward.reward_manager", convert=_reward_manager),
     "reward_model.launch_reward_fn_async": ignored("see reward.score_during_generation"),
     # DAPO's overlong buffer, in each of the three places verl versions put it
     **{f"{where}.{k}": to(native) for where in _OVERLONG_BUFFER for k, native in (
@@ -295,7 +305,7 @@ RULES: dict[str, Rule] = {
     **{f"{where}.log": ignored("reward shaping is logged") for where in _OVERLONG_BUFFER},
     "reward_model.reward_kwargs.max_resp_len": follows("data.max_response_length"),
     "reward.reward_kwargs.max_resp_len": follows("data.max_response_length"),
-    "reward.reward_manager": ignored("rule-based rewards run in a worker pool (reward.num_workers)"),
+    "reward.reward_manager": to("reward.reward_manager", convert=_reward_manager),
     "reward_model.sandbox_fusion.url": only((None,), "no sandbox", "sandbox-fusion code execution is not supported"),
     **{"reward_model." + k: ignored(_PERF) for k in (
         "model.fsdp_config", "model.use_remove_padding", "model.trust_remote_code", "model.use_shm",
@@ -372,7 +382,7 @@ def hint_for(key: str) -> str:
 
 # Subtrees that exist only in verl's spelling: an unlisted key under them is refused by name.
 VERL_ONLY = ("actor_rollout_ref", "custom_reward_function", "reward_model", "critic.optim", "critic.model",
-             "reward.reward_manager", "reward.reward_kwargs.overlong_buffer_cfg")
+             "reward.reward_kwargs.overlong_buffer_cfg")
 
 # verl's defaults (ppo_trainer.yaml) where they differ from ours; applied, where unset, to a
 # configuration written only in verl's spelling.

@@ -138,3 +138,31 @@ def test_adaptive_kl_counts_sequences():
     assert ours.value == pytest.approx(verl.value) and ours.value == pytest.approx(0.1 * (1 + 0.2 * 512 / 10000))
     src = (Path(__file__).resolve().parents[2] / "rlhf" / "trainer.py").read_text()
     assert "update_kl_controller(self.kl_ctrl" in src and "n_steps=self.cfg.data.train_batch_size" not in src
+
+
+BATCHED = '''
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):
+    return [{"score": float(s == g) + bonus, "acc": float(s == g)} for s, g in zip(solution_strs, ground_truths)]
+'''
+
+
+def test_batch_reward_manager(tmp_path):
+    """Item 10: reward_manager=batch calls the batched function once per batch (verl's BatchRewardManager);
+    unknown managers are refused; naive/prime/dapo stay per sample."""
+    from rlhf.rewards.pool import make_scorer
+
+    f = tmp_path / "batched.py"
+    f.write_text(BATCHED)
+    cfg = load_config(None, REQ + ["reward_model.reward_manager=batch", f"custom_reward_function.path={f}",
+                                   "+custom_reward_function.reward_kwargs.bonus=0.5"])
+    assert cfg.reward.reward_manager == "batch"
+    scorer = make_scorer(cfg.reward.reward_fn, num_workers=2, timeout_s=5, reward_kwargs=cfg.reward.reward_kwargs,
+                         manager=cfg.reward.reward_manager)
+    res = scorer.score(["3", "4", "5"], ["3", "5", "5"], ["t"] * 3, [{}] * 3)
+    assert res.scores.tolist() == [1.5, 0.5, 1.5] and res.n_errors == 0 and res.extra_metrics["acc"] == [1, 0, 1]
+    naive = make_scorer(cfg.reward.reward_fn, num_workers=0, timeout_s=5, reward_kwargs=cfg.reward.reward_kwargs)
+    assert naive.score(["3"], ["3"], ["t"]).n_errors == 1  # the per-sample call of the same function fails
+    assert load_config(None, REQ + ["reward_model.reward_manager=dapo"]).reward.reward_manager == "dapo"
+    assert load_config(None, REQ + ["reward.reward_manager=prime"]).reward.reward_manager == "prime"
+    with pytest.raises(ConfigError, match="reward_manager=my_manager': expected naive, prime, dapo or batch"):
+        load_config(None, REQ + ["reward_model.reward_manager=my_manager"])
