@@ -120,6 +120,23 @@ class _Translation:
         self.resume: dict[str, Any] = {}    # trainer.resume_mode / resume_from_path, decided together
         self.errors: list[str] = []         # every refused key, reported at once
         self.count = 0                      # verl keys seen
+        self.dp, self.dp_from = 1, "WORLD_SIZE"  # divisor of verl's deprecated global micro-batch sizes
+
+    def set_dp(self, tree: dict) -> None:
+        """verl divides a global micro-batch size by ``world // ulysses_sequence_parallel_size``; the world is
+        ``trainer.nnodes x n_gpus_per_node`` where both are set (what a one-process dry run plans for and
+        a torchrun launch is checked against), else the launched ``WORLD_SIZE``."""
+        nodes, gpus = _get(tree, "trainer.nnodes"), _get(tree, "trainer.n_gpus_per_node")
+        if isinstance(nodes, int) and isinstance(gpus, int) and nodes > 0 and gpus > 0:
+            world, self.dp_from = nodes * gpus, "trainer.nnodes x n_gpus_per_node"
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            self.dp_from = f"WORLD_SIZE {world}"
+        sp = next((v for v in (_get(tree, "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+                               _get(tree, "parallel.sp")) if isinstance(v, int) and v > 0), 1)
+        self.dp = max(1, world // sp)
+        if sp > 1:
+            self.dp_from += f" / ulysses_sequence_parallel_size {sp}"
 
     def put(self, verl_key: str, native: str, value: Any) -> None:
         if not has_key(self.cls, native):
@@ -144,11 +161,22 @@ class _Translation:
             if value is None and rule.convert is None:
                 self.lines.append(f"{key}=null: default of {rule.native} kept")
                 return
-            pairs = rule.convert(value) if rule.convert else {rule.native: value}
+            note = rule.note
+            if getattr(rule.convert, "needs_dp", False):
+                try:
+                    pairs = rule.convert(value, self.dp)
+                except ConfigError as e:
+                    raise ConfigError(f"verl key '{key}={_show(value)}' {e}") from None
+                got = next(iter(pairs.values()), None)
+                note = (f"global {value} // {self.dp} data-parallel ranks ({self.dp_from})"
+                        + (f"; {value} does not divide by {self.dp}, rounded down as verl does"
+                           if got is not None and got * self.dp != value else ""))
+            else:
+                pairs = rule.convert(value) if rule.convert else {rule.native: value}
             for native, v in pairs.items():
                 self.put(key, native, v)
             shown = ", ".join(f"{n}={_show(v)}" for n, v in pairs.items()) or "nothing to set"
-            self.lines.append(f"{key}={_show(value)} -> {shown}" + (f" ({rule.note})" if rule.note else ""))
+            self.lines.append(f"{key}={_show(value)} -> {shown}" + (f" ({note})" if note else ""))
         else:
             self.lines.append(f"{key}={_show(value)}: accepted, no effect here ({rule.note})")
 
@@ -273,6 +301,7 @@ def translate(tree: dict, cls: Optional[type] = None, *, verbose: bool = True) -
         cls = Config
     tree = _strip_plus(tree)
     t = _Translation(cls)
+    t.set_dp(tree)
     _normalize(tree, t.lines)
     t.walk(tree, "")
     verl_only = t.count > 0 and not any(s in tree for s in NATIVE_ONLY_SECTIONS) and not _native_reward(tree)

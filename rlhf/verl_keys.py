@@ -47,13 +47,19 @@ def only(ok: tuple, note: str, why: str) -> Rule:
     return Rule(ok=ok, note=note, why=why)
 
 
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _per_gpu(native: str) -> Callable[[Any], dict]:
-    """verl's deprecated global micro-batch sizes are divided over the ranks (as verl does)."""
-    return lambda v: {} if v is None else {native: max(1, int(v) // _world())}
+def _per_gpu(native: str) -> Callable[[Any, int], dict]:
+    """verl's deprecated global micro-batch sizes, divided over the data-parallel ranks as verl does
+    (``//= world // ulysses_sequence_parallel_size``); ``dp``: that divisor, from
+    ``trainer.nnodes x n_gpus_per_node`` when set, else the launched ``WORLD_SIZE``."""
+    def convert(v: Any, dp: int) -> dict:
+        if v is None:
+            return {}
+        if int(v) < dp:
+            raise ConfigError(f"is a global micro-batch size (deprecated in verl) smaller than the {dp} "
+                              f"data-parallel ranks it is divided over; set its *_per_gpu key instead")
+        return {native: int(v) // dp}
+    convert.needs_dp = True
+    return convert
 
 
 def _dtype(v: Any) -> dict:

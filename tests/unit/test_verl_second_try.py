@@ -166,3 +166,28 @@ def test_batch_reward_manager(tmp_path):
     assert load_config(None, REQ + ["reward.reward_manager=prime"]).reward.reward_manager == "prime"
     with pytest.raises(ConfigError, match="reward_manager=my_manager': expected naive, prime, dapo or batch"):
         load_config(None, REQ + ["reward_model.reward_manager=my_manager"])
+
+
+def test_global_micro_batch_over_the_planned_world(monkeypatch, capsys):
+    """Item 4: the deprecated global micro-batch sizes are divided by nnodes x n_gpus_per_node (what the
+    run is checked against), over sp as verl does, the same in `python -m rlhf.verl_compat` and at load;
+    rounding down is said; a size below the rank count is refused."""
+    from rlhf.verl_compat import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    args = REQ + ["trainer.nnodes=2", "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ppo_micro_batch_size=64",
+                  "actor_rollout_ref.rollout.log_prob_micro_batch_size=40", "critic.ppo_micro_batch_size=32"]
+    cfg = load_config(None, args)
+    assert (cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.log_prob_micro_batch_size_per_gpu,
+            cfg.critic.ppo_micro_batch_size_per_gpu) == (4, 2, 2)
+    out = capsys.readouterr().out
+    assert "global 40 // 16 data-parallel ranks (trainer.nnodes x n_gpus_per_node); 40 does not divide by 16, " \
+           "rounded down as verl does" in out
+    main(args)
+    words = shlex.split(capsys.readouterr().out)
+    assert "actor.ppo_micro_batch_size_per_gpu=4" in words and "critic.ppo_micro_batch_size_per_gpu=2" in words
+    sp = load_config(None, args + ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+    assert sp.actor.ppo_micro_batch_size_per_gpu == 8  # verl: // (world // sp)
+    with pytest.raises(ConfigError, match=r"critic.ppo_micro_batch_size=8' is a global micro-batch size .* 16 "):
+        load_config(None, args[:-1] + ["critic.ppo_micro_batch_size=8"])
