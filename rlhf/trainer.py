@@ -10,6 +10,7 @@ global counts, so results do not depend on the layout.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -31,7 +32,7 @@ from rlhf.algos.rollout_correction import rollout_is_weights
 from rlhf.config import Config, ConfigError
 from rlhf.config_checks import check_startup
 from rlhf.data.prompts import data_metrics, load_data, make_loader, prompt_batch
-from rlhf.evaluation import flat_metrics, generation_rows, score_batch, summarize, val_sampling
+from rlhf.evaluation import flat_metrics, generation_rows, rollout_rows, score_batch, summarize, val_sampling
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.models.loading import check_rollout_support, load_tokenizer, model_config
 from rlhf.models.lora import reference_context
@@ -268,6 +269,13 @@ class RLTrainer:
             sums["reward/overlong_penalty"] = penalty.sum()
         batch.token_level_scores = place_reward_on_last_token(scores, batch.response_mask)
         batch.acc = acc
+        if self.cfg.trainer.rollout_data_dir:  # verl's rollout dump: <dir>/<step>.jsonl
+            rows = rollout_rows(batch, scores.tolist(), res.extra_metrics, self.train_data.examples, self.timer.step)
+            rows = [row for piece in all_gather_object(rows, self.dp_group) for row in piece]
+            if self.env.is_main:
+                Path(self.cfg.trainer.rollout_data_dir).mkdir(parents=True, exist_ok=True)
+                with (Path(self.cfg.trainer.rollout_data_dir) / f"{self.timer.step}.jsonl").open("a") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in rows)
         if self.cfg.algorithm.gdpo_reward_keys:
             batch.reward_components = reward_components(res, self.cfg.algorithm.gdpo_reward_keys).to(self.device)
         # The reward dict's other numeric keys: means over every dp rank's samples that reported them.

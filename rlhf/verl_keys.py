@@ -359,7 +359,7 @@ RULES: dict[str, Rule] = {
     "trainer.del_local_ckpt_after_load": only((False,), "checkpoints are kept", "deleting checkpoints is not supported"),
     "trainer.val_only": only((False,), "training runs", "validation-only runs: use python -m rlhf.eval"),
     "trainer.balance_batch": ignored("micro-batches are balanced by token count (actor.use_dynamic_bsz)"),
-    "trainer.rollout_data_dir": ignored("rollouts are not dumped"),
+    "trainer.rollout_data_dir": to("trainer.rollout_data_dir", convert=lambda v: {"trainer.rollout_data_dir": v or ""}),
     "trainer.validation_data_dir": ignored("see trainer.log_val_generations (generations.jsonl)"),
     **{"trainer." + k: ignored("no Ray / verl worker here") for k in (
         "ray_wait_register_center_timeout", "use_legacy_worker_impl", "esi_redundant_time", "use_v1")},

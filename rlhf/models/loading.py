@@ -75,12 +75,25 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
                           key: str = "model.path") -> None:
     """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
     traceback from the sampler after the model has loaded)."""
+    import os
+
     from rlhf.rollout.decoder import check_supported
 
+    config = model_config(path, trust_remote_code, key)
     try:
-        check_supported(model_config(path, trust_remote_code, key), max_seq_len)
+        check_supported(config, max_seq_len)
     except NotImplementedError as e:
         raise ConfigError(f"{key}: {e}") from None
+    limit = getattr(config, "max_position_embeddings", None)
+    if max_seq_len and isinstance(limit, int) and max_seq_len > limit and (path, max_seq_len) not in _WARNED \
+            and int(os.environ.get("RANK", "0")) == 0:
+        _WARNED.add((path, max_seq_len))
+        print(f"[rlhf] warning: data.max_prompt_length + data.max_response_length = {max_seq_len} tokens is more than "
+              f"{key}'s max_position_embeddings ({limit}): positions past it were never trained (vLLM, verl's "
+              "engine, refuses such a max_model_len); lower the lengths or use a longer-context model", flush=True)
+
+
+_WARNED: set = set()  # (path, length) already warned about in this process
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

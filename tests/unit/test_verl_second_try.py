@@ -191,3 +191,57 @@ def test_global_micro_batch_over_the_planned_world(monkeypatch, capsys):
     assert sp.actor.ppo_micro_batch_size_per_gpu == 8  # verl: // (world // sp)
     with pytest.raises(ConfigError, match=r"critic.ppo_micro_batch_size=8' is a global micro-batch size .* 16 "):
         load_config(None, args[:-1] + ["critic.ppo_micro_batch_size=8"])
+
+
+def test_smaller_verl_settings(assets, tmp_path, monkeypatch, capsys):
+    """Item 15: truncation=middle, the file logger, TENSORBOARD_DIR, metrics.jsonl always, rollout_data_dir,
+    and a warning for prompt + response beyond max_position_embeddings."""
+    import json
+
+    from rlhf.data.dataset import load_prompt_dataset
+    from rlhf.metrics import MetricsLogger
+    from rlhf.models.loading import check_rollout_support, load_tokenizer
+
+    tok = load_tokenizer(str(assets / "model"))
+    full = load_prompt_dataset(assets / "data" / "train.parquet", tok, max_prompt_length=10_000).examples[0].prompt_ids
+    ds = load_prompt_dataset(assets / "data" / "train.parquet", tok, max_prompt_length=5, truncation="middle",
+                             filter_overlong_prompts=False)
+    assert ds.examples[0].prompt_ids == full[:2] + full[-3:]  # verl: the first max//2, the last max - max//2
+    assert load_config(None, REQ + ["data.truncation=middle"]).data.truncation == "middle"
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "verl" / "m.jsonl"))
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    with MetricsLogger(tmp_path / "run", backends=("console", "file"), total_steps=1, project="p",
+                       experiment="e", stream=open("/dev/null", "w")) as logger:
+        logger.log(1, {"reward/mean": 0.5})
+    assert json.loads((tmp_path / "verl" / "m.jsonl").read_text()) == {"step": 1, "data": {"reward/mean": 0.5}}
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text())["reward/mean"] == 0.5  # always written
+    pytest.importorskip("tensorboard")
+    with MetricsLogger(tmp_path / "run2", backends=("tensorboard",), total_steps=1) as logger:
+        logger.log(1, {"a": 1.0})
+    assert any((tmp_path / "tb").iterdir()) and not (tmp_path / "run2" / "tensorboard").exists()
+
+    assert load_config(None, REQ + ["trainer.rollout_data_dir=/r"]).trainer.rollout_data_dir == "/r"
+    monkeypatch.setenv("RANK", "0")
+    capsys.readouterr()
+    check_rollout_support(str(assets / "model"), max_seq_len=1024)
+    assert "1024 tokens is more than model.path's max_position_embeddings (256)" in capsys.readouterr().out
+
+
+def test_rollout_rows_like_verl_dump():
+    import torch
+
+    from rlhf.evaluation import rollout_rows
+
+    class B:
+        index = torch.tensor([1, 0])
+        response_texts = ["r1", "r0"]
+        ground_truths = ["g1", 7]
+
+    class E:
+        def __init__(self, t):
+            self.prompt_text = t
+
+    rows = rollout_rows(B(), [1.0, 0.0], {"acc": [1.0, float("nan")]}, [E("p0"), E("p1")], step=3)
+    assert rows == [{"input": "p1", "output": "r1", "gts": "g1", "score": 1.0, "step": 3, "acc": 1.0},
+                    {"input": "p0", "output": "r0", "gts": "7", "score": 0.0, "step": 3}]
