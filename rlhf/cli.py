@@ -21,6 +21,11 @@ USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
 def parse_args(description: str, argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="yaml config file")
+    ap.add_argument("--config-path", "-cp", dest="config_path",
+                    help="Hydra's (verl): directory of --config-name (default: the current directory)")
+    ap.add_argument("--config-name", "-cn", dest="config_name",
+                    help="Hydra's (verl): the yaml <config-path>/<name>.yaml; its hydra: block is ignored and its "
+                         "defaults: list resolved (rlhf/verl_compat.py)")
     ap.add_argument("--dry-run", action="store_true", help="validate config, data and layout, then exit")
     ap.add_argument("--list-keys", action="store_true", help="print every config key with its default and doc")
     ap.add_argument("--device-memory", help="with --dry-run: say whether the planned peak fits, e.g. 80GiB")
@@ -53,7 +58,28 @@ def load(args: argparse.Namespace, **kw):
     if args.list_keys:
         print("\n".join(describe(kw.get("cls")) if kw.get("cls") else describe()))
         sys.exit(0)
-    return load_config(args.config, args.overrides, **kw)
+    return load_config(config_file(args), args.overrides, **kw)
+
+
+def config_file(args: argparse.Namespace):
+    """``--config FILE``, or Hydra's ``--config-path DIR --config-name NAME`` (verl's form) as a file."""
+    from pathlib import Path
+
+    from rlhf.config import ConfigError
+
+    if not getattr(args, "config_name", None):
+        if getattr(args, "config_path", None):
+            raise ConfigError("--config-path needs --config-name (Hydra's pair; or give the file with --config)")
+        return args.config
+    if args.config:
+        raise ConfigError("give --config FILE or --config-path/--config-name, not both")
+    name = args.config_name if args.config_name.endswith((".yaml", ".yml")) else args.config_name + ".yaml"
+    path = Path(args.config_path or ".") / name
+    if not path.is_file() and Path(name).stem == "ppo_trainer":
+        return None  # verl's own trainer defaults: the defaults here (and verl's where they differ) apply
+    if not path.is_file():
+        raise ConfigError(f"--config-name {args.config_name}: no file {path} (--config-path {args.config_path or '.'})")
+    return str(path)
 
 
 def print_memory_plan(cfg, args) -> bool:

@@ -502,6 +502,9 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid yaml: {e}") from None
         tree = _fix_yaml_floats(tree)
+        from rlhf.verl_compat import hydra_yaml
+
+        tree = hydra_yaml(tree, p)  # verl's yaml shape: hydra: ignored, defaults: resolved
     for ov in overrides:
         keys, value = parse_override(ov)
         _set_dotted(tree, keys, value)

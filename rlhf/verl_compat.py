@@ -342,6 +342,48 @@ def _native_reward(tree: dict) -> bool:
     return isinstance(reward, dict) and any(k not in ("reward_manager", "reward_kwargs") for k in reward)
 
 
+# --------------------------------------------------------------------------- verl's yaml shape
+
+# verl's generated trainer configs and its config groups (``actor@actor_rollout_ref.actor: dp_actor``):
+# their defaults are this package's (and VERL_DEFAULTS for a verl-only configuration).
+VERL_TRAINER_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer", "_generated_ppo_trainer")
+VERL_CONFIG_GROUPS = ("actor", "ref", "rollout", "critic", "reward_model", "data", "model", "algorithm", "trainer",
+                      "npu_profile", "profiler", "engine", "optim", "reward", "legacy_data", "legacy_reward_impl")
+
+
+def hydra_yaml(tree: dict, path) -> dict:
+    """A yaml in verl's Hydra shape as a plain key tree: ``hydra:`` (search paths, run dirs) is dropped;
+    each ``defaults:`` entry is ``_self_``, verl's trainer defaults (``ppo_trainer``: the defaults here
+    apply), a verl config group (``actor@actor_rollout_ref.actor: dp_actor``), or a yaml beside ``path``
+    (merged first, the file's own keys over it, as Hydra does with ``_self_`` last)."""
+    from pathlib import Path
+
+    import yaml
+
+    if not isinstance(tree, dict) or not ({"hydra", "defaults"} & set(tree)):
+        return tree
+    tree = dict(tree)
+    tree.pop("hydra", None)
+    defaults = tree.pop("defaults", []) or []
+    if not isinstance(defaults, list):
+        raise ConfigError(f"{path}: 'defaults' must be a list (Hydra's defaults list)")
+    base: dict = {}
+    for entry in defaults:
+        name = entry if isinstance(entry, str) else next(iter(entry)) if isinstance(entry, dict) and entry else None
+        if name is None:
+            raise ConfigError(f"{path}: defaults entry {entry!r} is not a name or a group: option mapping")
+        name = str(name).lstrip("/").removeprefix("override ")
+        if name == "_self_" or name in VERL_TRAINER_CONFIGS or name.split("@")[0] in VERL_CONFIG_GROUPS:
+            continue
+        other = Path(path).parent / (name if name.endswith((".yaml", ".yml")) else name + ".yaml")
+        if not isinstance(entry, str) or not other.is_file():
+            raise ConfigError(f"{path}: defaults entry {entry!r} is neither verl's trainer defaults (ppo_trainer), "
+                              f"a verl config group, nor a yaml file {other}")
+        _merge(base, hydra_yaml(yaml.safe_load(other.read_text()) or {}, other))
+    _merge(base, tree)
+    return base
+
+
 # --------------------------------------------------------------------------- launch layout
 
 

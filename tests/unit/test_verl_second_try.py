@@ -245,3 +245,54 @@ def test_rollout_rows_like_verl_dump():
     rows = rollout_rows(B(), [1.0, 0.0], {"acc": [1.0, float("nan")]}, [E("p0"), E("p1")], step=3)
     assert rows == [{"input": "p1", "output": "r1", "gts": "g1", "score": 1.0, "step": 3, "acc": 1.0},
                     {"input": "p0", "output": "r0", "gts": "7", "score": 0.0, "step": 3}]
+
+
+GSM8K_MULTITURN_GRPO = """hydra:
+  searchpath:
+    - file://verl/trainer/config
+
+defaults:
+  - ppo_trainer
+  - _self_
+
+data:
+  max_prompt_length: 1024
+  max_response_length: 1024
+  train_batch_size: 256
+  return_raw_chat: True
+
+actor_rollout_ref:
+  hybrid_engine: True
+  rollout:
+    name: sglang
+    multi_turn:
+      enable: True
+      max_assistant_turns: 5
+"""
+
+
+def test_hydra_config_path_and_name(tmp_path, monkeypatch):
+    """Item 5: verl's --config-path/--config-name and its yaml shape (hydra: ignored, defaults: resolved)."""
+    from rlhf.cli import config_file, parse_args
+
+    (tmp_path / "gsm8k_multiturn_grpo.yaml").write_text(GSM8K_MULTITURN_GRPO)
+    (tmp_path / "tool.yaml").write_text("tools:\n  - class_name: calculator\n")
+    args = parse_args("x", [f"--config-path={tmp_path}", "--config-name=gsm8k_multiturn_grpo", "--dry-run",
+                            "algorithm.adv_estimator=grpo", *REQ,
+                            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tool.yaml'}"])
+    cfg = load_config(config_file(args), args.overrides)
+    assert (cfg.data.max_prompt_length, cfg.data.train_batch_size, cfg.rollout.multi_turn.enable) == (1024, 256, True)
+    assert cfg.rollout.multi_turn.max_assistant_turns == 5 and cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.trainer.total_epochs == 30  # a verl-only configuration: verl's defaults (ppo_trainer)
+    # the same file as --config; a defaults entry naming a yaml beside it is merged under the file's keys
+    (tmp_path / "base.yaml").write_text("data:\n  max_prompt_length: 64\n  max_response_length: 32\n")
+    (tmp_path / "child.yaml").write_text("defaults:\n  - base\n  - _self_\ndata:\n  max_response_length: 16\n")
+    cfg = load_config(str(tmp_path / "child.yaml"), REQ)
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (64, 16)
+    (tmp_path / "bad.yaml").write_text("defaults:\n  - nowhere\n")
+    with pytest.raises(ConfigError, match="defaults entry 'nowhere' is neither"):
+        load_config(str(tmp_path / "bad.yaml"), REQ)
+    with pytest.raises(ConfigError, match="--config-name missing: no file"):
+        config_file(parse_args("x", [f"--config-path={tmp_path}", "--config-name", "missing"]))
+    monkeypatch.chdir(tmp_path)
+    assert config_file(parse_args("x", ["--config-name=ppo_trainer"])) is None  # verl's own defaults
