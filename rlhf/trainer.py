@@ -167,13 +167,15 @@ class RLTrainer:
                                              turns=turns)
         if turns is not None:
             stats.update(self.agent.metrics(batch, turns, self.dp_group))
+            if self.agent.executes:  # tool step rewards to the reward function's extra_info (verl)
+                self.agent.attach_step_rewards(batch, turns, self.cfg.rollout.n, self.group)
         return batch, stats
 
     def _stream_scores(self, prompts) -> StreamingScores | None:
         """Scoring during generation needs a worker pool and each row generated once by a rank whose
         peers are all dp ranks (no shared scorer, rollout.tp = 1)."""
         if not self.cfg.reward.score_during_generation or not isinstance(self.scorer, RewardPool) \
-                or self.rollout.layout.tp > 1:
+                or self.rollout.layout.tp > 1 or (self.agent is not None and self.agent.executes):
             return None
         return StreamingScores(self.scorer, self.tokenizer, prompts)
 

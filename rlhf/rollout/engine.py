@@ -242,6 +242,8 @@ class RolloutEngine:
         if local_rows is None and dist.is_initialized() and lay.size > 1:
             prompts, local_rows = self._global_prompts(prompts, lay.group)
         if local_rows is None:
+            if hasattr(turns, "set_prompts"):  # per-sample tool kwargs of the rows (rlhf.agent.loop)
+                turns.set_prompts(prompts.keys, prompts.extra_infos, n)
             out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys,
                                    on_finished=_rows_to_samples(on_finished, 0, n), turns=turns)
             mine = prompts
@@ -249,6 +251,8 @@ class RolloutEngine:
             start, end = chunk_bounds(len(prompts.prompt_ids), lay.dp)[lay.dp_rank]
             out = None
             if end > start:
+                if hasattr(turns, "set_prompts"):
+                    turns.set_prompts(prompts.keys[start:end], prompts.extra_infos[start:end], n)
                 out = sampler.generate(prompts.prompt_ids[start:end], params, step=step,
                                        prompt_keys=prompts.keys[start:end],
                                        on_finished=_rows_to_samples(on_finished, start, n), turns=turns)

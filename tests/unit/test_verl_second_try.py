@@ -296,3 +296,55 @@ def test_hydra_config_path_and_name(tmp_path, monkeypatch):
         config_file(parse_args("x", [f"--config-path={tmp_path}", "--config-name", "missing"]))
     monkeypatch.chdir(tmp_path)
     assert config_file(parse_args("x", ["--config-name=ppo_trainer"])) is None  # verl's own defaults
+
+
+def _gsm8k_tool_specs(tmp_path):
+    from rlhf.agent.tools import read_tool_config
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    text = (fixtures / "verl_gsm8k_multiturn" / "gsm8k_tool_config.yaml").read_text()
+    (tmp_path / "tools.yaml").write_text(text.replace("$FIXTURES", str(fixtures)))
+    return read_tool_config(str(tmp_path / "tools.yaml"))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_per_sample_tool_kwargs_and_step_rewards(tmp_path, workers):
+    """Item 9: each trajectory's extra_info.tools_kwargs[<tool>].create_kwargs reach the tool (verl's
+    Gsm8kTool, ported, needs its ground truth); the tool's step rewards are kept per (prompt, sample)
+    and given to the reward function's extra_info (rollout_reward_scores, tool_rewards)."""
+    import torch
+
+    from rlhf.agent.format import ObservationFormat
+    from rlhf.agent.loop import AgentLoop
+    from rlhf.agent.rollout import ToolAgent
+    from rlhf.agent.runner import make_tool_runner
+    from rlhf.data.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    specs = _gsm8k_tool_specs(tmp_path)
+    runner = make_tool_runner(specs, num_workers=workers, timeout_s=30, label="t")
+    loop = AgentLoop(tok, runner, ObservationFormat(tok, max_tool_response_length=64),
+                     {s[2]["function"]["name"]: s[2] for s in specs})
+    kw = lambda gt: {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": gt}}}}  # noqa: E731
+    loop.set_prompts([10, 11], [kw("3"), kw("5")], n=2)
+    call = '<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "3"}}</tool_call>'
+    ids = tok.encode(call, add_special_tokens=False) + [tok.eos_token_id]
+    for row in range(4):  # rows 0, 1: prompt 10 (truth 3); rows 2, 3: prompt 11 (truth 5)
+        assert loop.turn_ended(row, list(ids))
+    got = {}
+    while len(got) < 4:
+        got.update(dict(loop.poll(wait=True)))
+    assert "reward=1.0" in tok.decode(got[0]) and "reward=0.0" in tok.decode(got[2])
+    assert loop.step_rewards == {(10, 0): {"calc_gsm8k_reward": [1.0]}, (10, 1): {"calc_gsm8k_reward": [1.0]},
+                                 (11, 0): {"calc_gsm8k_reward": [0.0]}, (11, 1): {"calc_gsm8k_reward": [0.0]}}
+    runner.close()
+
+    class Batch:  # the trainer's batch of one rank: prompts 11 then 10, n = 2 each
+        index = torch.tensor([11, 11, 10, 10])
+        extra_infos = [kw("5"), kw("5"), kw("3"), kw("3")]
+
+    b = Batch()
+    ToolAgent.attach_step_rewards(None, b, loop, n=2)
+    assert [x["tool_rewards"] for x in b.extra_infos] == [[0.0], [0.0], [1.0], [1.0]]
+    assert b.extra_infos[2]["rollout_reward_scores"] == {"calc_gsm8k_reward": [1.0]}
+    assert b.extra_infos[2]["tools_kwargs"] == kw("3")["tools_kwargs"]
