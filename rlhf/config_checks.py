@@ -122,10 +122,10 @@ def check_startup(cfg: Config) -> None:
     from rlhf.algos.policy_loss import get_policy_loss
     from rlhf.rewards.registry import get_reward_fn
 
-    if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1:
-        raise ConfigError(f"config key 'model.lora_rank': LoRA needs rollout.tp = 1 (got {cfg.rollout.tp}; verl's "
-                          "actor_rollout_ref.rollout.tensor_model_parallel_size): the sampler merges the adapters "
-                          "into unsharded rollout weights only")
+    if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1 and cfg.trainer.mode == "one_step_off":
+        raise ConfigError(f"config key 'model.lora_rank': LoRA under trainer.mode one_step_off needs rollout.tp = 1 "
+                          f"(got {cfg.rollout.tp}; verl's actor_rollout_ref.rollout.tensor_model_parallel_size); the "
+                          "colocated mode supports a tensor-parallel rollout with LoRA")
     c = cfg
     named("algorithm.adv_estimator", get_adv_estimator, c.algorithm.adv_estimator)
     named("actor.policy_loss", get_policy_loss, c.actor.policy_loss)

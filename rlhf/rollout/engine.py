@@ -164,9 +164,18 @@ class RolloutEngine:
             return gather_rollout_weights(model, **kw)
         if self._lora_base is None:
             self._lora_base, _ = gather_rollout_weights(model, name_filter=lambda n: ".lora_" not in n, **kw)
-        adapters, rs = gather_rollout_weights(model, name_filter=lambda n: ".lora_" in n, **kw)
+        # The adapters whole (small); under a TP rollout B @ A is cut like the base weight it adds to.
+        adapters, rs = gather_rollout_weights(model, name_filter=lambda n: ".lora_" in n,
+                                              **{**kw, "tp_rank": 0, "tp_size": 1})
         alpha, rank = self.lora
-        return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank), rs
+        slicer = None
+        if lay.tp > 1:
+            from rlhf.rollout.reshard import rollout_slice
+
+            config = next((m.config for m in model.modules()
+                           if hasattr(getattr(m, "config", None), "model_type")), None)
+            slicer = lambda full, name: rollout_slice(full, name, lay.tp_rank, lay.tp, config)  # noqa: E731
+        return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank, slice_delta=slicer), rs
 
     def _sampler(self, hf_config, weights: dict[str, torch.Tensor], consume: bool) -> Sampler:
         """A sampler holding ``weights`` (``consume``: the dict is handed over and emptied). With

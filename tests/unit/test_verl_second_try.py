@@ -41,7 +41,7 @@ def test_batch_larger_than_dataset_is_one_line_at_dry_run(assets):
 
 
 @pytest.mark.parametrize("overrides, msg", [
-    (("model.lora_rank=8", "rollout.tp=2"), "LoRA needs rollout.tp = 1"),
+    (("model.lora_rank=8", "rollout.tp=2", "trainer.mode=one_step_off"), "one_step_off needs rollout.tp = 1"),
     (("reward.reward_fn=/no/such/reward.py:compute_score",), "reward.reward_fn .verl: custom_reward_function"),
     (("algorithm.adv_estimator=grpoo",), "algorithm.adv_estimator"),
 ])
@@ -348,3 +348,29 @@ def test_per_sample_tool_kwargs_and_step_rewards(tmp_path, workers):
     assert [x["tool_rewards"] for x in b.extra_infos] == [[0.0], [0.0], [1.0], [1.0]]
     assert b.extra_infos[2]["rollout_reward_scores"] == {"calc_gsm8k_reward": [1.0]}
     assert b.extra_infos[2]["tools_kwargs"] == kw("3")["tools_kwargs"]
+
+
+def test_lora_merge_under_a_tensor_parallel_rollout():
+    """Item 3: with rollout.tp > 1 each rank merges B @ A cut like its slice of the base weight, which
+    equals the slice of the fully merged weight (column- and row-parallel projections)."""
+    import torch
+
+    from rlhf.models.lora import merged_weights_for_rollout
+    from rlhf.rollout.reshard import rollout_slice
+
+    g = torch.Generator().manual_seed(0)
+    names = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj")
+    base = {f"{n}.weight": torch.randn(8, 6, generator=g) for n in names}
+    adapters = {}
+    for n in names:
+        adapters[f"base_model.model.{n}.lora_A.default.weight"] = torch.randn(2, 6, generator=g)
+        adapters[f"base_model.model.{n}.lora_B.default.weight"] = torch.randn(8, 2, generator=g)
+    full = merged_weights_for_rollout(base, adapters, 16, 2)
+    for rank in range(2):
+        sliced_base = {k: rollout_slice(w, k, rank, 2) for k, w in base.items()}
+        mine = merged_weights_for_rollout(sliced_base, adapters, 16, 2,
+                                          slice_delta=lambda d, k: rollout_slice(d, k, rank, 2))
+        for k in base:
+            torch.testing.assert_close(mine[k], rollout_slice(full[k], k, rank, 2))
+    assert mine["model.layers.0.self_attn.q_proj.weight"].shape == (4, 6)
+    assert mine["model.layers.0.mlp.down_proj.weight"].shape == (8, 3)
