@@ -70,6 +70,19 @@ def _dtype(v: Any) -> dict:
     return {"model.dtype": names[v]}
 
 
+def _override_config(v: Any) -> dict:
+    """verl's ``model.override_config``: dropout probabilities of 0 (the DAPO recipe's ``attention_dropout``,
+    ``embd_pdrop``, ``resid_pdrop``) are what runs here (no dropout); any other override is refused."""
+    if not v:
+        return {}
+    other = sorted(k for k, x in (v.items() if isinstance(v, dict) else [])
+                   if not (str(k).endswith(("dropout", "pdrop")) and x in (0, 0.0)))
+    if not isinstance(v, dict) or other:
+        raise ConfigError(f"verl key 'actor_rollout_ref.model.override_config' ({other or v}) is not supported here: "
+                          "overriding the model config is not (dropout settings of 0 are accepted)")
+    return {}
+
+
 def _reward_manager(v: Any) -> dict:
     """verl's registered reward managers; a custom manager class has no equivalent here."""
     if v is None:
@@ -156,7 +169,8 @@ RULES: dict[str, Rule] = {
     _AR + "model.custom_chat_template": only((None,), "the tokenizer's chat template is used",
                                              "custom chat templates are not supported; put it in the tokenizer"),
     _AR + "model.external_lib": only((None,), "nothing to import", "external model libraries are not imported"),
-    _AR + "model.override_config": only(({},), "no override", "overriding the model config is not supported"),
+    _AR + "model.override_config": to("model.path", "dropout settings of 0: no dropout is used here", convert=lambda v:
+                                      _override_config(v)),
     _AR + "model.exclude_modules": only((None,), "no LoRA exclusions", "LoRA exclude_modules is not supported"),
     _AR + "model.use_shm": ignored(_PERF),
     _AR + "model.enable_activation_offload": ignored(_PERF),
