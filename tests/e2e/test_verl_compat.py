@@ -161,7 +161,7 @@ STEP_REWARD_FN = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     import json, os
     with open(os.environ["STEP_REWARDS_LOG"], "a") as f:
-        f.write(json.dumps(extra_info.get("tool_rewards")) + "\n")
+        f.write(json.dumps(extra_info.get("tool_rewards")) + "\\n")
     return 0.0
 """
 
