@@ -24,6 +24,11 @@ USER_ERRORS = (ConfigError, DataError, FileNotFoundError, CheckpointError, NonFi
 def parse_args(description: str, argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="yaml config file")
+    ap.add_argument("--config-path", "-cp", dest="config_path",
+                    help="Hydra's (verl): directory of --config-name (default: the current directory)")
+    ap.add_argument("--config-name", "-cn", dest="config_name",
+                    help="Hydra's (verl): the yaml <config-path>/<name>.yaml; its hydra: block is ignored and its "
+                         "defaults: list resolved (rlhf/verl_compat.py)")
     ap.add_argument("--dry-run", action="store_true", help="validate config, data and layout, then exit")
     ap.add_argument("--list-keys", action="store_true", help="print every config key with its default and doc")
     ap.add_argument("--device-memory", help="with --dry-run: say whether the planned peak fits, e.g. 80GiB")
@@ -56,7 +61,28 @@ def load(args: argparse.Namespace, **kw):
     if args.list_keys:
         print("\n".join(describe(kw.get("cls")) if kw.get("cls") else describe()))
         sys.exit(0)
-    return load_config(args.config, args.overrides, **kw)
+    return load_config(config_file(args), args.overrides, **kw)
+
+
+def config_file(args: argparse.Namespace):
+    """``--config FILE``, or Hydra's ``--config-path DIR --config-name NAME`` (verl's form) as a file."""
+    from pathlib import Path
+
+    from rlhf.config import ConfigError
+
+    if not getattr(args, "config_name", None):
+        if getattr(args, "config_path", None):
+            raise ConfigError("--config-path needs --config-name (Hydra's pair; or give the file with --config)")
+        return args.config
+    if args.config:
+        raise ConfigError("give --config FILE or --config-path/--config-name, not both")
+    name = args.config_name if args.config_name.endswith((".yaml", ".yml")) else args.config_name + ".yaml"
+    path = Path(args.config_path or ".") / name
+    if not path.is_file() and Path(name).stem == "ppo_trainer":
+        return None  # verl's own trainer defaults: the defaults here (and verl's where they differ) apply
+    if not path.is_file():
+        raise ConfigError(f"--config-name {args.config_name}: no file {path} (--config-path {args.config_path or '.'})")
+    return str(path)
 
 
 def print_memory_plan(cfg, args) -> bool:
@@ -93,15 +119,21 @@ def print_memory_plan(cfg, args) -> bool:
 
 
 def check_tokenizer_and_data(cfg) -> None:
-    """The dry-run checks that need no process group: tokenizer and prompt files."""
-    from rlhf.data.prompts import load_data
+    """The dry-run checks that need no process group: the trainer's start-up checks (names, reward
+    function, LoRA layout), tokenizer, prompt files and the batch size against them."""
+    from rlhf.config_checks import check_startup
+    from rlhf.data.prompts import load_data, make_loader
     from rlhf.models.loading import load_tokenizer
 
+    check_startup(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
                                key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         if files:
-            print(f"[rlhf] {key}: {load_data(cfg, files, tokenizer).stats.summary()}", flush=True)
+            ds = load_data(cfg, files, tokenizer)
+            print(f"[rlhf] {key}: {ds.stats.summary()}", flush=True)
+            if key == "data.train_files":
+                make_loader(cfg, len(ds))
     print("dry run OK: config and data are valid; the layout was checked by the memory plan", flush=True)
 
 

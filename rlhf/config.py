@@ -61,7 +61,9 @@ class DataConfig:
     max_response_length: int = _f(512, "Maximum generated tokens per response.")
     train_batch_size: int = _f(1024, "Prompts per step, global over all dp ranks.")
     gen_batch_size: int = _f(0, "Prompts per generation batch under algorithm.filter_groups (verl); 0 = train_batch_size.")
-    truncation: Literal["error", "left", "right"] = _f("error", "How to shorten over-long prompts when not filtering.")
+    truncation: Literal["error", "left", "right", "middle"] = _f(
+        "error", "How to shorten over-long prompts when not filtering: error, left (keep the end), right (keep the "
+                 "start), middle (keep both ends, as verl).")
     filter_overlong_prompts: bool = _f(True, "Drop (and count) prompts longer than max_prompt_length.")
     apply_chat_template: bool = _f(True, "Render prompts with the tokenizer's chat template when it has one.")
     shuffle: bool = _f(True, "Shuffle the training prompts each epoch.")
@@ -199,6 +201,10 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     reward_fn: str = _f("default", "Registered reward name or path/to/file.py:function.")
+    reward_manager: Literal["naive", "prime", "dapo", "batch"] = _f(
+        "naive", "verl's reward manager: naive, prime and dapo call the function per sample (in the worker pool; "
+                 "dapo's overlong penalty is reward.overlong_buffer_*), batch calls it once per batch in the trainer "
+                 "process: fn(data_sources, solution_strs, ground_truths, extra_infos) -> one score per response.")
     reward_kwargs: dict = _f({}, "Keyword arguments passed to the reward function, e.g. {format_score: 0.1} "
                                  "(verl custom_reward_function.reward_kwargs).")
     overlong_buffer_enable: bool = _f(False, "DAPO overlong reward shaping.")
@@ -281,7 +287,9 @@ class TrainerConfig:
     output_dir: str = _f("outputs/run", "Run directory: resolved config, metrics, checkpoints, export.")
     project_name: str = _f("rlhf", "Project name for loggers.")
     experiment_name: str = _f("run", "Experiment name for loggers.")
-    logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, tensorboard, mlflow, wandb.")
+    logger: list = _f(["console", "jsonl"], "Backends: console, jsonl, file (verl's file logger: "
+                                            "VERL_FILE_LOGGER_PATH), tensorboard (TENSORBOARD_DIR when set), mlflow, "
+                                            "wandb. output_dir/metrics.jsonl is always written.")
     max_nan_steps: int = _f(3, "Optimizer steps with a non-finite loss/grad norm are skipped and counted; "
                                  "abort after this many in a row.")
     collective_timeout_s: float = _f(600.0, "Seconds a collective waits for the slowest rank (every process group); "
@@ -297,6 +305,8 @@ class TrainerConfig:
                        "response_length_collapse": 0.25},
                       "Training-health alerts, name -> threshold (rlhf/ops/alerts.py): a warning line and "
                       "alerts/<name> = 1 when crossed; {} disables.")
+    rollout_data_dir: str = _f("", "verl's rollout dump: each training step's samples to <dir>/<step>.jsonl (input, "
+                                   "output, gts, score, step and the reward dict's keys); empty = off.")
     log_val_generations: int = _f(0, "Validation samples (prompt, response, ground truth, score) logged each "
                                      "validation to generations.jsonl and the trackers' tables (verl's name).")
     profile_steps: list = _f([], "Steps to record with torch.profiler: a chrome trace per rank in "
@@ -427,7 +437,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as e:
         why = " ".join(str(e).split())
         raise ConfigError(f"override '{text}': the value {raw!r} is not valid yaml ({why[:160]}); "
-                          f"quote it, e.g. {key}='\"...\"'") from None
+                          f"quote it for the shell, e.g. '{key}=[a, b]'") from None
     # yaml reads 1e-6 as a string (no dot); accept it as a float.
     if isinstance(value, str):
         try:
@@ -500,6 +510,9 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
             raise ConfigError(f"config file {path}: the top level must be a mapping of sections (model:, data:, "
                               f"actor:, ...), got a {type(tree).__name__}")
         tree = _fix_yaml_floats(tree)
+        from rlhf.verl_compat import hydra_yaml
+
+        tree = hydra_yaml(tree, p)  # verl's yaml shape: hydra: ignored, defaults: resolved
     for ov in overrides:
         keys, value = parse_override(ov)
         _set_dotted(tree, keys, value)

@@ -119,3 +119,47 @@ def check_logger(backends: list, key: str = "trainer.logger") -> None:
         check_backends(backends)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"config key '{key}': {e}") from None
+
+
+def named(key: str, lookup, name):
+    """Registry lookup whose unknown-name error names the config key (and lists valid names)."""
+    try:
+        return lookup(name)
+    except (ValueError, KeyError, AttributeError, TypeError, ImportError, SyntaxError, OSError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def check_startup(cfg: Config) -> None:
+    """Checks that need neither a process group nor the data: names resolved in registries, the reward
+    function loaded (custom_reward_function.path / name), LoRA's rollout layout. The trainer makes
+    them at start-up and a one-process ``--dry-run`` makes them too, so both forms check the same."""
+    import torch
+
+    from rlhf.algos.advantages import get_adv_estimator
+    from rlhf.algos.aggregation import agg_loss
+    from rlhf.algos.kl import get_kl_controller, kl_penalty
+    from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
+    from rlhf.algos.policy_loss import get_policy_loss
+    from rlhf.rewards.registry import get_reward_fn
+
+    if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1 and cfg.trainer.mode == "one_step_off":
+        raise ConfigError(f"config key 'model.lora_rank': LoRA under trainer.mode one_step_off needs rollout.tp = 1 "
+                          f"(got {cfg.rollout.tp}; verl's actor_rollout_ref.rollout.tensor_model_parallel_size); the "
+                          "colocated mode supports a tensor-parallel rollout with LoRA")
+    c = cfg
+    named("algorithm.adv_estimator", get_adv_estimator, c.algorithm.adv_estimator)
+    named("actor.policy_loss", get_policy_loss, c.actor.policy_loss)
+    named("actor.loss_agg_mode", lambda m: agg_loss(torch.zeros(1, 1), torch.ones(1, 1), m), c.actor.loss_agg_mode)
+    for key, name in (("actor.kl_loss_type", c.actor.kl_loss_type), ("algorithm.kl_penalty", c.algorithm.kl_penalty)):
+        named(key, lambda n: kl_penalty(torch.zeros(1), torch.zeros(1), n), name)
+    k = c.algorithm.kl_ctrl
+    named("algorithm.kl_ctrl.type", lambda t: get_kl_controller(t, k.kl_coef, k.target_kl, k.horizon), k.type)
+    alg = c.algorithm
+    if alg.adv_estimator in TOKEN_BASELINE_ESTIMATORS and (c.parallel.tp > 1 or c.parallel.pp > 1):
+        raise ConfigError(f"algorithm.adv_estimator {alg.adv_estimator!r} needs sum_v pi(v)^2 of full-vocab "
+                          "logits, computed on data-parallel ranks only; set parallel.tp: 1 and parallel.pp: 1")
+    if alg.gdpo_reward_weights is not None and len(alg.gdpo_reward_weights) != max(1, len(alg.gdpo_reward_keys)):
+        raise ConfigError(f"algorithm.gdpo_reward_weights has {len(alg.gdpo_reward_weights)} entries for "
+                          f"{len(alg.gdpo_reward_keys)} algorithm.gdpo_reward_keys")
+    key = "reward.reward_fn" + (" (verl: custom_reward_function.path / name)" if ".py" in c.reward.reward_fn else "")
+    named(key, lambda fn: get_reward_fn(fn, c.reward.reward_kwargs), c.reward.reward_fn)

@@ -95,6 +95,14 @@ def load_value_model(path: str, *, dtype: str = "float32", attn_implementation: 
     return model
 
 
+def _head_output_not_a_view(module, args, out):
+    """``Linear(H, 1)`` on a ``[1, T, H]`` input (the packed row) computes a 2-D matmul and returns its
+    ``[1, T, 1]`` reshape: a view. FSDP2 warns for every root output that is a view, since an in-place op
+    on it would skip the pre-backward hook; the critic only reads it out of place (no wrong gradients),
+    and the copy of ``T`` scalars removes the warning."""
+    return out.clone() if out._base is not None else out
+
+
 class CriticWorker:
     """Value model in the training layout of ``mesh`` with its own optimizer and LR schedule.
 
@@ -128,6 +136,7 @@ class CriticWorker:
             attn_implementation=model_cfg.attn_implementation, trust_remote_code=model_cfg.trust_remote_code,
             key="critic.model_path" if critic_cfg.model_path else "model.path")
         self.hf_config = model.config
+        value_head(model).register_forward_hook(_head_output_not_a_view)
         self.parallel: ParallelModel = parallelize_model(
             model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,
             param_offload=model_cfg.param_offload, activation_checkpointing=model_cfg.enable_gradient_checkpointing,

@@ -180,6 +180,19 @@ def generation_rows(records: Sequence[SampleRecord], batch, prompt_text: dict[in
     return sorted(rows, key=lambda row: (row["sample"], row["key"]))[:n]
 
 
+def rollout_rows(batch, scores: Sequence[float], extra_metrics: dict, examples, step: int) -> list[dict]:
+    """verl's rollout dump (``trainer.rollout_data_dir``): one row per sample, ``input`` (the prompt
+    text), ``output``, ``gts``, ``score`` (after reward shaping, before any KL penalty), ``step`` and
+    the reward dict's numeric keys."""
+    rows = []
+    for i, key in enumerate(batch.index.tolist()):
+        row = {"input": examples[key].prompt_text, "output": batch.response_texts[i],
+               "gts": str(batch.ground_truths[i]), "score": float(scores[i]), "step": step}
+        row.update({k: v[i] for k, v in extra_metrics.items() if v[i] == v[i]})  # NaN: not reported
+        rows.append(row)
+    return rows
+
+
 def flat_metrics(summary: dict[str, dict[str, float]], prefix: str = "val") -> dict[str, float]:
     """``{prefix/source/metric: v}`` plus, from the ``all`` entry, ``prefix/acc``, ``/score``,
     ``/response_length``, ``/n`` (mean over every sample, as validation always logged), pass@k,

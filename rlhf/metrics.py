@@ -30,7 +30,7 @@ import torch
 
 from rlhf.trackers import flatten_config, mlflow_name, mlflow_start_run, tensorboard_config, wandb_run_id
 
-BACKENDS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")
+BACKENDS = ("console", "jsonl", "file", "tensorboard", "mlflow", "wandb")
 # Backend -> (module that must be importable, pip package).
 _BACKEND_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
                      "wandb": ("wandb", "wandb")}
@@ -61,6 +61,14 @@ def check_backends(backends: Sequence[str]) -> None:
         module, package = _BACKEND_PACKAGES.get(b, (None, None))
         if module is not None and importlib.util.find_spec(module) is None:
             raise ImportError(f"logger backend {b!r} needs the {package} package: pip install {package}")
+
+
+def verl_file_logger_path(project: str, experiment: str) -> Path:
+    """Where verl's ``file`` logger writes: ``VERL_FILE_LOGGER_PATH``, else
+    ``${VERL_FILE_LOGGER_ROOT:-.}/<project>/<experiment>.jsonl``."""
+    if os.environ.get("VERL_FILE_LOGGER_PATH"):
+        return Path(os.environ["VERL_FILE_LOGGER_PATH"])
+    return Path(os.path.expanduser(os.environ.get("VERL_FILE_LOGGER_ROOT", "."))) / project / f"{experiment}.jsonl"
 
 
 def _to_float(key: str, value: Any) -> float:
@@ -111,7 +119,8 @@ class MetricsLogger:
 
     Args:
         output_dir: run directory; ``metrics.jsonl`` is appended to (a resumed run continues the file).
-        backends: any of ``console``, ``jsonl``, ``tensorboard``, ``mlflow``, ``wandb``.
+        backends: any of ``console``, ``jsonl`` (metrics.jsonl is written whatever the list), ``file``
+            (verl's file logger), ``tensorboard`` (in ``TENSORBOARD_DIR`` when set), ``mlflow``, ``wandb``.
         total_steps: for the progress bar and ETA.
         project, experiment: names given to tensorboard's subdirectory / mlflow / wandb.
         rank: global rank; ranks other than 0 do nothing.
@@ -152,11 +161,17 @@ class MetricsLogger:
         self._tb: Any = None
         self._mlflow: Any = None
         self._wandb: Any = None
+        self._verl_file: TextIO | None = None
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if "jsonl" in self.backends:
-            self._file = self.path.open("a")
+        # metrics.jsonl is always written (the run's own record; "jsonl" in the backends changes nothing),
+        # so a verl command that lists only its loggers still leaves the summaries.
+        self._file = self.path.open("a")
+        if "file" in self.backends:  # verl's FileLogger: {"step", "data"} lines at its path
+            path = verl_file_logger_path(project, experiment)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._verl_file = path.open("a")
         if "tensorboard" in self.backends:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -164,7 +179,9 @@ class MetricsLogger:
                 raise ImportError(
                     "logger backend 'tensorboard' needs the tensorboard package: pip install tensorboard"
                 ) from e
-            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard" / experiment))
+            # verl's TENSORBOARD_DIR, when set, is the log directory
+            self._tb = SummaryWriter(log_dir=os.environ.get("TENSORBOARD_DIR") or
+                                     str(self.output_dir / "tensorboard" / experiment))
             if config:
                 tensorboard_config(self._tb, config, self.console_keys)
         if "mlflow" in self.backends:
@@ -203,6 +220,10 @@ class MetricsLogger:
             row.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
+        if self._verl_file is not None:
+            data = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+            self._verl_file.write(json.dumps({"step": step, "data": data}) + "\n")
+            self._verl_file.flush()
         if "console" in self.backends:
             line = progress_line(
                 step, self.total_steps, time.perf_counter() - self._start, step - self._first_step,
@@ -224,9 +245,8 @@ class MetricsLogger:
         if not self.enabled or not rows:
             return
         rows = [{"step": step, **row} for row in rows]
-        if "jsonl" in self.backends:
-            with (self.output_dir / "generations.jsonl").open("a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
+        with (self.output_dir / "generations.jsonl").open("a") as f:  # always, as metrics.jsonl
+            f.writelines(json.dumps(row) + "\n" for row in rows)
         columns = list(rows[0])
         if self._tb is not None:
             table = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
@@ -290,6 +310,9 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._verl_file is not None:
+            self._verl_file.close()
+            self._verl_file = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -363,7 +363,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     gen_bs = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size > 0 else d.train_batch_size
     seqs = math.ceil(gen_bs / replicas) * r.n
     slots = min(r.max_num_seqs, seqs)
-    kv_per_token = s.num_layers * 2 * s.kv_dim / r.tp * rb
+    kv_per_token = s.num_layers * 2 * s.kv_dim / min(r.tp, s.num_kv_heads) * rb  # KV heads replicated past tp
     kv_tokens = r.kv_cache_tokens or (int(r.kv_cache_memory * 2**30 // kv_per_token) if r.kv_cache_memory else 0)
     if kv_tokens:  # paged: the cache is the budget; sequences beyond it are preempted, not allocated
         slots = min(slots, max(1, kv_tokens // seq_len))

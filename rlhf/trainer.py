@@ -10,6 +10,7 @@ global counts, so results do not depend on the layout.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -21,18 +22,17 @@ from rlhf.actor import PolicyWorker
 from rlhf.agent.rollout import make_agent
 from rlhf.algos.advantages import get_adv_estimator
 from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
-from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
+from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty, update_kl_controller
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
 from rlhf.batch import RolloutBatch, minibatch_major_shard
 from rlhf.checkpoint import (ModelOptimState, check_output_dir, export_hf, find_resume_path, load_checkpoint,
                              load_rank_state, save_checkpoint)
-from rlhf.algos.aggregation import agg_loss
 from rlhf.algos.dynamic_sampling import select_informative_groups
-from rlhf.algos.policy_loss import get_policy_loss
 from rlhf.algos.rollout_correction import rollout_is_weights
 from rlhf.config import Config, ConfigError
+from rlhf.config_checks import check_startup
 from rlhf.data.prompts import data_metrics, load_data, make_loader, prompt_batch
-from rlhf.evaluation import flat_metrics, generation_rows, score_batch, summarize, val_sampling
+from rlhf.evaluation import flat_metrics, generation_rows, rollout_rows, score_batch, summarize, val_sampling
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.models.loading import check_rollout_support, load_tokenizer, model_config
 from rlhf.models.lora import reference_context
@@ -42,7 +42,6 @@ from rlhf.ops.oom import apply_oom_records, record_oom
 from rlhf.ops.runtime import StepOps
 from rlhf.regroup import regroup_rows
 from rlhf.rewards.pool import RewardPool, make_scorer
-from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import FailedStepGuard, mean_of_sums, reward_components
 from rlhf.rewards.streaming import StreamingScores
 from rlhf.rollout.engine import RolloutEngine, decode_responses, rollout_dtype
@@ -74,15 +73,12 @@ class RLTrainer:
         check_output_dir(cfg.trainer.output_dir)
         check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
                               cfg.data.max_prompt_length + cfg.data.max_response_length)
-        if cfg.model.lora_rank > 0 and cfg.rollout.tp > 1:
-            raise ConfigError(f"model.lora_rank: LoRA needs rollout.tp = 1 (got {cfg.rollout.tp})")
-        self._check_names()
+        check_startup(cfg)  # the same checks a one-process --dry-run makes (rlhf/config_checks.py)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
                                         key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
-        self._named("reward.reward_fn", lambda fn: get_reward_fn(fn, cfg.reward.reward_kwargs), cfg.reward.reward_fn)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
@@ -104,7 +100,7 @@ class RLTrainer:
         # Worker processes with a per-call timeout: a hung reward function scores 0 instead of hanging the job.
         self.scorer = make_scorer(cfg.reward.reward_fn, num_workers=cfg.reward.num_workers,
                                   timeout_s=cfg.reward.timeout_s, reward_kwargs=cfg.reward.reward_kwargs,
-                                  mesh=self.mesh)
+                                  mesh=self.mesh, manager=cfg.reward.reward_manager)
         self.reward_guard = FailedStepGuard(cfg.reward.max_failed_steps, cfg.reward.timeout_s, self.scorer)
         self.reward_model = None
         if cfg.reward.reward_model.enable:
@@ -136,30 +132,6 @@ class RLTrainer:
                                         tis_cap=cfg.actor.tis_imp_ratio_cap, dp_group=self.dp_group)
 
     # ------------------------------------------------------------------ setup helpers
-
-    @staticmethod
-    def _named(key: str, lookup, name: str):
-        """Registry lookup whose unknown-name error names the config key (and lists valid names)."""
-        try:
-            return lookup(name)
-        except (ValueError, KeyError, AttributeError, TypeError) as e:
-            raise ConfigError(f"{key}: {e}") from None
-
-    def _check_names(self) -> None:
-        """Fail at start-up, not at step 1, on a misspelt algorithm name."""
-        c = self.cfg
-        self._named("algorithm.adv_estimator", get_adv_estimator, c.algorithm.adv_estimator)
-        self._named("actor.policy_loss", get_policy_loss, c.actor.policy_loss)
-        self._named("actor.loss_agg_mode", lambda m: agg_loss(torch.zeros(1, 1), torch.ones(1, 1), m), c.actor.loss_agg_mode)
-        for key, name in (("actor.kl_loss_type", c.actor.kl_loss_type), ("algorithm.kl_penalty", c.algorithm.kl_penalty)):
-            self._named(key, lambda n: kl_penalty(torch.zeros(1), torch.zeros(1), n), name)
-        alg = c.algorithm
-        if alg.adv_estimator in TOKEN_BASELINE_ESTIMATORS and (c.parallel.tp > 1 or c.parallel.pp > 1):
-            raise ConfigError(f"algorithm.adv_estimator {alg.adv_estimator!r} needs sum_v pi(v)^2 of full-vocab "
-                              "logits, computed on data-parallel ranks only; set parallel.tp: 1 and parallel.pp: 1")
-        if alg.gdpo_reward_weights is not None and len(alg.gdpo_reward_weights) != max(1, len(alg.gdpo_reward_keys)):
-            raise ConfigError(f"algorithm.gdpo_reward_weights has {len(alg.gdpo_reward_weights)} entries for "
-                              f"{len(alg.gdpo_reward_keys)} algorithm.gdpo_reward_keys")
 
     def _load_data(self, files, key: str):
         ds = load_data(self.cfg, files, self.tokenizer)
@@ -198,13 +170,15 @@ class RLTrainer:
                                              turns=turns)
         if turns is not None:
             stats.update(self.agent.metrics(batch, turns, self.dp_group))
+            if self.agent.executes:  # tool step rewards to the reward function's extra_info (verl)
+                self.agent.attach_step_rewards(batch, turns, self.cfg.rollout.n, self.group)
         return batch, stats
 
     def _stream_scores(self, prompts) -> StreamingScores | None:
         """Scoring during generation needs a worker pool and each row generated once by a rank whose
         peers are all dp ranks (no shared scorer, rollout.tp = 1)."""
         if not self.cfg.reward.score_during_generation or not isinstance(self.scorer, RewardPool) \
-                or self.rollout.layout.tp > 1:
+                or self.rollout.layout.tp > 1 or (self.agent is not None and self.agent.executes):
             return None
         return StreamingScores(self.scorer, self.tokenizer, prompts)
 
@@ -300,6 +274,13 @@ class RLTrainer:
             sums["reward/overlong_penalty"] = penalty.sum()
         batch.token_level_scores = place_reward_on_last_token(scores, batch.response_mask)
         batch.acc = acc
+        if self.cfg.trainer.rollout_data_dir:  # verl's rollout dump: <dir>/<step>.jsonl
+            rows = rollout_rows(batch, scores.tolist(), res.extra_metrics, self.train_data.examples, self.timer.step)
+            rows = [row for piece in all_gather_object(rows, self.dp_group) for row in piece]
+            if self.env.is_main:
+                Path(self.cfg.trainer.rollout_data_dir).mkdir(parents=True, exist_ok=True)
+                with (Path(self.cfg.trainer.rollout_data_dir) / f"{self.timer.step}.jsonl").open("a") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in rows)
         if self.cfg.algorithm.gdpo_reward_keys:
             batch.reward_components = reward_components(res, self.cfg.algorithm.gdpo_reward_keys).to(self.device)
         # The reward dict's other numeric keys: means over every dp rank's samples that reported them.
@@ -424,7 +405,7 @@ class RLTrainer:
             if step > self.cfg.algorithm.critic_warmup:
                 metrics.update(self.update_actor(batch))
         if self.cfg.algorithm.use_kl_in_reward and "kl_penalty/kl" in metrics:
-            self.kl_ctrl.update(metrics["kl_penalty/kl"], n_steps=self.cfg.data.train_batch_size)
+            update_kl_controller(self.kl_ctrl, metrics["kl_penalty/kl"], self.cfg.data.train_batch_size, self.cfg.rollout.n)
         if self.offpolicy is not None:
             with self.timer("async_exchange"):  # next batch in, these weights out
                 metrics.update(self.offpolicy.after_update(step, batch, self.actor.model, self.loader))

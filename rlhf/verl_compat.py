@@ -28,6 +28,7 @@ of a verl command line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -35,7 +36,7 @@ import typing
 from typing import Any, Optional
 
 from rlhf.config import ConfigError
-from rlhf.verl_keys import NATIVE_ONLY_SECTIONS, RULES, VERL_DEFAULTS, VERL_FOLLOWS, VERL_ONLY, Rule
+from rlhf.verl_keys import NATIVE_ONLY_SECTIONS, RULES, VERL_DEFAULTS, VERL_FOLLOWS, VERL_ONLY, Rule, hint_for
 
 
 # --------------------------------------------------------------------------- tree helpers
@@ -116,7 +117,26 @@ class _Translation:
         self.fallbacks: list[tuple[str, str, Any]] = []
         self.lines: list[str] = []
         self.reward_fn: dict[str, Any] = {}
+        self.resume: dict[str, Any] = {}    # trainer.resume_mode / resume_from_path, decided together
+        self.errors: list[str] = []         # every refused key, reported at once
         self.count = 0                      # verl keys seen
+        self.dp, self.dp_from = 1, "WORLD_SIZE"  # divisor of verl's deprecated global micro-batch sizes
+
+    def set_dp(self, tree: dict) -> None:
+        """verl divides a global micro-batch size by ``world // ulysses_sequence_parallel_size``; the world is
+        ``trainer.nnodes x n_gpus_per_node`` where both are set (what a one-process dry run plans for and
+        a torchrun launch is checked against), else the launched ``WORLD_SIZE``."""
+        nodes, gpus = _get(tree, "trainer.nnodes"), _get(tree, "trainer.n_gpus_per_node")
+        if isinstance(nodes, int) and isinstance(gpus, int) and nodes > 0 and gpus > 0:
+            world, self.dp_from = nodes * gpus, "trainer.nnodes x n_gpus_per_node"
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            self.dp_from = f"WORLD_SIZE {world}"
+        sp = next((v for v in (_get(tree, "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+                               _get(tree, "parallel.sp")) if isinstance(v, int) and v > 0), 1)
+        self.dp = max(1, world // sp)
+        if sp > 1:
+            self.dp_from += f" / ulysses_sequence_parallel_size {sp}"
 
     def put(self, verl_key: str, native: str, value: Any) -> None:
         if not has_key(self.cls, native):
@@ -131,7 +151,9 @@ class _Translation:
             if value is not None and value not in rule.ok:
                 raise ConfigError(f"verl key '{key}={_show(value)}' is not supported here: {rule.why}")
             self.lines.append(f"{key}={_show(value)}: accepted ({rule.note})")
-        elif key.startswith("custom_reward_function.") and key != "custom_reward_function.reward_kwargs":
+        elif key in ("trainer.resume_mode", "trainer.resume_from_path"):
+            self.resume[key] = value  # decided together in finish(), as verl does
+        elif key in ("custom_reward_function.path", "custom_reward_function.name"):
             self.reward_fn[key.rsplit(".", 1)[1]] = value
         elif rule.fallback:
             self.fallbacks.append((key, rule, value))
@@ -139,11 +161,22 @@ class _Translation:
             if value is None and rule.convert is None:
                 self.lines.append(f"{key}=null: default of {rule.native} kept")
                 return
-            pairs = rule.convert(value) if rule.convert else {rule.native: value}
+            note = rule.note
+            if getattr(rule.convert, "needs_dp", False):
+                try:
+                    pairs = rule.convert(value, self.dp)
+                except ConfigError as e:
+                    raise ConfigError(f"verl key '{key}={_show(value)}' {e}") from None
+                got = next(iter(pairs.values()), None)
+                note = (f"global {value} // {self.dp} data-parallel ranks ({self.dp_from})"
+                        + (f"; {value} does not divide by {self.dp}, rounded down as verl does"
+                           if got is not None and got * self.dp != value else ""))
+            else:
+                pairs = rule.convert(value) if rule.convert else {rule.native: value}
             for native, v in pairs.items():
                 self.put(key, native, v)
             shown = ", ".join(f"{n}={_show(v)}" for n, v in pairs.items()) or "nothing to set"
-            self.lines.append(f"{key}={_show(value)} -> {shown}" + (f" ({rule.note})" if rule.note else ""))
+            self.lines.append(f"{key}={_show(value)} -> {shown}" + (f" ({note})" if note else ""))
         else:
             self.lines.append(f"{key}={_show(value)}: accepted, no effect here ({rule.note})")
 
@@ -157,15 +190,47 @@ class _Translation:
             if rule is not None:
                 del node[name]
                 self.count += 1
-                self.apply(key, rule, value)
+                try:
+                    self.apply(key, rule, value)
+                except ConfigError as e:
+                    self.errors.append(str(e))
             elif isinstance(value, dict) and any(r.startswith(key + ".") for r in RULES):
                 self.walk(value, key + ".")
                 if not value:
                     del node[name]
             elif any(key == p or key.startswith(p + ".") for p in VERL_ONLY):
-                raise ConfigError(f"verl key '{key}' has no equivalent here (README: 'Coming from verl')")
+                del node[name]
+                self.count += 1
+                self.errors.append(f"verl key '{key}' has no equivalent here{hint_for(key)}")
+
+    def _finish_resume(self) -> None:
+        """verl: ``resume_mode`` auto (the default) or disable ignore ``resume_from_path``;
+        ``resume_path`` needs it (a ``.../global_step_N`` directory)."""
+        if not self.resume:
+            return
+        mode = self.resume.get("trainer.resume_mode") or "auto"
+        path = self.resume.get("trainer.resume_from_path")
+        if mode not in ("auto", "disable", "resume_path"):
+            raise ConfigError(f"verl key 'trainer.resume_mode={mode}': expected auto, disable or resume_path")
+        if mode == "resume_path":
+            if not isinstance(path, str) or not path:
+                raise ConfigError("verl key 'trainer.resume_mode=resume_path' needs trainer.resume_from_path "
+                                  "(a checkpoint directory .../global_step_N); got " + _show(path))
+            if "global_step_" not in path:
+                raise ConfigError(f"verl key 'trainer.resume_from_path={path}': must name a checkpoint directory "
+                                  ".../global_step_N (as in verl)")
+            self.put("trainer.resume_from_path", "checkpoint.resume", path)
+            self.lines.append(f"trainer.resume_mode='resume_path', trainer.resume_from_path={path!r} -> "
+                              f"checkpoint.resume={path!r}")
+            return
+        self.put("trainer.resume_mode", "checkpoint.resume", mode)
+        self.lines.append(f"trainer.resume_mode={mode!r} -> checkpoint.resume={mode!r}")
+        if path:
+            self.lines.append(f"trainer.resume_from_path={path!r}: ignored, as in verl (used only with "
+                              "trainer.resume_mode=resume_path)")
 
     def finish(self, tree: dict) -> None:
+        self._finish_resume()
         if self.reward_fn:
             path = self.reward_fn.get("path")
             if path is None:
@@ -236,10 +301,19 @@ def translate(tree: dict, cls: Optional[type] = None, *, verbose: bool = True) -
         cls = Config
     tree = _strip_plus(tree)
     t = _Translation(cls)
+    t.set_dp(tree)
     _normalize(tree, t.lines)
     t.walk(tree, "")
     verl_only = t.count > 0 and not any(s in tree for s in NATIVE_ONLY_SECTIONS) and not _native_reward(tree)
-    t.finish(tree)
+    if not t.errors:
+        try:
+            t.finish(tree)
+        except ConfigError as e:
+            t.errors.append(str(e))
+    if t.errors:  # every refused key at once (and any unknown native key), not one per attempt
+        errors = t.errors + [f"unknown config key '{k}'" for k in _unknown(tree, cls)]
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"{len(errors)} settings cannot be used here: " + "; ".join(errors))
     defaults = _verl_defaults(tree, cls) if verl_only else []
     if verbose and t.lines and int(os.environ.get("RANK", "0")) == 0:
         for line in t.lines:
@@ -250,10 +324,64 @@ def translate(tree: dict, cls: Optional[type] = None, *, verbose: bool = True) -
     return tree
 
 
+def _unknown(tree: dict, cls: type, prefix: str = "") -> list[str]:
+    """Dotted keys of ``tree`` that ``cls`` has no setting for."""
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if not has_key(cls, key):
+            out.append(key)
+        elif isinstance(v, dict) and v and has_key(cls, key + "._") is False:
+            out += _unknown(v, cls, key + ".")
+    return out
+
+
 def _native_reward(tree: dict) -> bool:
     """A ``reward`` section with native keys (verl has ``reward.reward_manager`` / ``reward_kwargs`` too)."""
     reward = tree.get("reward")
     return isinstance(reward, dict) and any(k not in ("reward_manager", "reward_kwargs") for k in reward)
+
+
+# --------------------------------------------------------------------------- verl's yaml shape
+
+# verl's generated trainer configs and its config groups (``actor@actor_rollout_ref.actor: dp_actor``):
+# their defaults are this package's (and VERL_DEFAULTS for a verl-only configuration).
+VERL_TRAINER_CONFIGS = ("ppo_trainer", "ppo_megatron_trainer", "_generated_ppo_trainer")
+VERL_CONFIG_GROUPS = ("actor", "ref", "rollout", "critic", "reward_model", "data", "model", "algorithm", "trainer",
+                      "npu_profile", "profiler", "engine", "optim", "reward", "legacy_data", "legacy_reward_impl")
+
+
+def hydra_yaml(tree: dict, path) -> dict:
+    """A yaml in verl's Hydra shape as a plain key tree: ``hydra:`` (search paths, run dirs) is dropped;
+    each ``defaults:`` entry is ``_self_``, verl's trainer defaults (``ppo_trainer``: the defaults here
+    apply), a verl config group (``actor@actor_rollout_ref.actor: dp_actor``), or a yaml beside ``path``
+    (merged first, the file's own keys over it, as Hydra does with ``_self_`` last)."""
+    from pathlib import Path
+
+    import yaml
+
+    if not isinstance(tree, dict) or not ({"hydra", "defaults"} & set(tree)):
+        return tree
+    tree = dict(tree)
+    tree.pop("hydra", None)
+    defaults = tree.pop("defaults", []) or []
+    if not isinstance(defaults, list):
+        raise ConfigError(f"{path}: 'defaults' must be a list (Hydra's defaults list)")
+    base: dict = {}
+    for entry in defaults:
+        name = entry if isinstance(entry, str) else next(iter(entry)) if isinstance(entry, dict) and entry else None
+        if name is None:
+            raise ConfigError(f"{path}: defaults entry {entry!r} is not a name or a group: option mapping")
+        name = str(name).lstrip("/").removeprefix("override ")
+        if name == "_self_" or name in VERL_TRAINER_CONFIGS or name.split("@")[0] in VERL_CONFIG_GROUPS:
+            continue
+        other = Path(path).parent / (name if name.endswith((".yaml", ".yml")) else name + ".yaml")
+        if not isinstance(entry, str) or not other.is_file():
+            raise ConfigError(f"{path}: defaults entry {entry!r} is neither verl's trainer defaults (ppo_trainer), "
+                              f"a verl config group, nor a yaml file {other}")
+        _merge(base, hydra_yaml(yaml.safe_load(other.read_text()) or {}, other))
+    _merge(base, tree)
+    return base
 
 
 # --------------------------------------------------------------------------- launch layout
@@ -287,13 +415,25 @@ def check_launch_world(cfg, world: int, *, dry_run: bool) -> int:
 
 
 def _flatten(tree: dict, prefix: str = "") -> list[str]:
+    """``key=value`` overrides of a key tree, each value in yaml flow style (as parse_override reads it)."""
+    import yaml
+
     out = []
     for k, v in tree.items():
         if isinstance(v, dict) and v and prefix + k != "trainer.alerts":
             out += _flatten(v, f"{prefix}{k}.")
         else:
-            out.append(f"{prefix}{k}={v!r}" if isinstance(v, str) and (" " in v or not v) else f"{prefix}{k}={v}")
+            text = yaml.safe_dump(v, default_flow_style=True, width=1 << 20)
+            text = text.removesuffix("\n...\n").strip()  # a bare scalar ends with yaml's document marker
+            out.append(f"{prefix}{k}={text}")
     return out
+
+
+def shell_command(tree: dict, script: str) -> str:
+    """The native command line, each override quoted for a POSIX shell where it needs it."""
+    import shlex
+
+    return f"python {script} " + " ".join(shlex.quote(o) for o in _flatten(tree))
 
 
 def main(argv=None) -> None:
@@ -310,12 +450,13 @@ def main(argv=None) -> None:
         for ov in args.overrides:
             keys, value = parse_override(ov)
             _set(tree, ".".join(keys), value)
-        tree = translate(tree)
+        with contextlib.redirect_stdout(sys.stderr):  # the [verl] lines; stdout is the command alone
+            tree = translate(tree)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     script = "train_ppo.py" if _get(tree, "algorithm.adv_estimator", "grpo") == "gae" else "train_grpo.py"
-    print(f"python {script} " + " ".join(_flatten(tree)))
+    print(shell_command(tree, script))
 
 
 if __name__ == "__main__":

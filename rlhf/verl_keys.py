@@ -9,7 +9,6 @@ results here (``ignored``), or accepted only for harmless values and refused oth
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -47,13 +46,19 @@ def only(ok: tuple, note: str, why: str) -> Rule:
     return Rule(ok=ok, note=note, why=why)
 
 
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _per_gpu(native: str) -> Callable[[Any], dict]:
-    """verl's deprecated global micro-batch sizes are divided over the ranks (as verl does)."""
-    return lambda v: {} if v is None else {native: max(1, int(v) // _world())}
+def _per_gpu(native: str) -> Callable[[Any, int], dict]:
+    """verl's deprecated global micro-batch sizes, divided over the data-parallel ranks as verl does
+    (``//= world // ulysses_sequence_parallel_size``); ``dp``: that divisor, from
+    ``trainer.nnodes x n_gpus_per_node`` when set, else the launched ``WORLD_SIZE``."""
+    def convert(v: Any, dp: int) -> dict:
+        if v is None:
+            return {}
+        if int(v) < dp:
+            raise ConfigError(f"is a global micro-batch size (deprecated in verl) smaller than the {dp} "
+                              f"data-parallel ranks it is divided over; set its *_per_gpu key instead")
+        return {native: int(v) // dp}
+    convert.needs_dp = True
+    return convert
 
 
 def _dtype(v: Any) -> dict:
@@ -64,12 +69,27 @@ def _dtype(v: Any) -> dict:
     return {"model.dtype": names[v]}
 
 
-def _resume_mode(v: Any) -> dict:
-    if v in ("auto", "disable"):
-        return {"checkpoint.resume": v}
-    if v == "resume_path":
-        return {}  # the path comes with trainer.resume_from_path
-    raise ConfigError(f"verl key 'trainer.resume_mode={v}': expected auto, disable or resume_path")
+def _override_config(v: Any) -> dict:
+    """verl's ``model.override_config``: dropout probabilities of 0 (the DAPO recipe's ``attention_dropout``,
+    ``embd_pdrop``, ``resid_pdrop``) are what runs here (no dropout); any other override is refused."""
+    if not v:
+        return {}
+    other = sorted(k for k, x in (v.items() if isinstance(v, dict) else [])
+                   if not (str(k).endswith(("dropout", "pdrop")) and x in (0, 0.0)))
+    if not isinstance(v, dict) or other:
+        raise ConfigError(f"verl key 'actor_rollout_ref.model.override_config' ({other or v}) is not supported here: "
+                          "overriding the model config is not (dropout settings of 0 are accepted)")
+    return {}
+
+
+def _reward_manager(v: Any) -> dict:
+    """verl's registered reward managers; a custom manager class has no equivalent here."""
+    if v is None:
+        return {}
+    if v not in ("naive", "prime", "dapo", "batch"):
+        raise ConfigError(f"verl key 'reward_model.reward_manager={v}': expected naive, prime, dapo or batch "
+                          "(custom reward manager classes are not supported)")
+    return {"reward.reward_manager": v}
 
 
 # verl's algorithm.rollout_correction (docs/algo/rollout_corr.md), its older loss_type included.
@@ -136,7 +156,7 @@ _ONE_SETTING = ("the actor, reference and rollout share one log-prob micro-batch
 
 _AR, _A, _R = "actor_rollout_ref.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
 _OVERLONG_BUFFER = ("reward_model.overlong_buffer", "reward_model.reward_kwargs.overlong_buffer_cfg",
-                    "reward.reward_kwargs.overlong_buffer_cfg")
+                    "reward.reward_kwargs.overlong_buffer_cfg", "custom_reward_function.overlong_buffer")
 
 RULES: dict[str, Rule] = {
     # ---------------------------------------------------------------- actor_rollout_ref.model
@@ -148,7 +168,8 @@ RULES: dict[str, Rule] = {
     _AR + "model.custom_chat_template": only((None,), "the tokenizer's chat template is used",
                                              "custom chat templates are not supported; put it in the tokenizer"),
     _AR + "model.external_lib": only((None,), "nothing to import", "external model libraries are not imported"),
-    _AR + "model.override_config": only(({},), "no override", "overriding the model config is not supported"),
+    _AR + "model.override_config": to("model.path", "dropout settings of 0: no dropout is used here", convert=lambda v:
+                                      _override_config(v)),
     _AR + "model.exclude_modules": only((None,), "no LoRA exclusions", "LoRA exclude_modules is not supported"),
     _AR + "model.use_shm": ignored(_PERF),
     _AR + "model.enable_activation_offload": ignored(_PERF),
@@ -164,6 +185,9 @@ RULES: dict[str, Rule] = {
         "ppo_epochs", "shuffle", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
         "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type", "tis_imp_ratio_cap",
         "grad_clip")},
+    _A + "use_token_level_loss": to("actor.loss_agg_mode", "verl's older switch: true is token-mean, false "
+                                    "seq-mean-token-mean", convert=lambda v: {} if v is None else
+                                    {"actor.loss_agg_mode": "token-mean" if v else "seq-mean-token-mean"}),
     _A + "ppo_micro_batch_size": to("actor.ppo_micro_batch_size_per_gpu", "global size / world size (deprecated in verl)",
                                     convert=_per_gpu("actor.ppo_micro_batch_size_per_gpu")),
     _A + "ulysses_sequence_parallel_size": to("parallel.sp"),
@@ -291,7 +315,7 @@ RULES: dict[str, Rule] = {
     "reward_model.micro_batch_size_per_gpu": to("reward.reward_model.micro_batch_size_per_gpu"),
     "reward_model.max_length": to("reward.reward_model.max_length"),
     "reward_model.model.input_tokenizer": ignored("responses are decoded with the actor's tokenizer"),
-    "reward_model.reward_manager": ignored("rule-based rewards run in a worker pool (reward.num_workers)"),
+    "reward_model.reward_manager": to("reward.reward_manager", convert=_reward_manager),
     "reward_model.launch_reward_fn_async": ignored("see reward.score_during_generation"),
     # DAPO's overlong buffer, in each of the three places verl versions put it
     **{f"{where}.{k}": to(native) for where in _OVERLONG_BUFFER for k, native in (
@@ -300,7 +324,7 @@ RULES: dict[str, Rule] = {
     **{f"{where}.log": ignored("reward shaping is logged") for where in _OVERLONG_BUFFER},
     "reward_model.reward_kwargs.max_resp_len": follows("data.max_response_length"),
     "reward.reward_kwargs.max_resp_len": follows("data.max_response_length"),
-    "reward.reward_manager": ignored("rule-based rewards run in a worker pool (reward.num_workers)"),
+    "reward.reward_manager": to("reward.reward_manager", convert=_reward_manager),
     "reward_model.sandbox_fusion.url": only((None,), "no sandbox", "sandbox-fusion code execution is not supported"),
     **{"reward_model." + k: ignored(_PERF) for k in (
         "model.fsdp_config", "model.use_remove_padding", "model.trust_remote_code", "model.use_shm",
@@ -337,8 +361,8 @@ RULES: dict[str, Rule] = {
     "trainer.save_freq": to("checkpoint.save_freq"),
     "trainer.default_local_dir": to("trainer.output_dir", "checkpoints go to <dir>/checkpoints/global_step_N"),
     "trainer.critic_warmup": to("algorithm.critic_warmup"),
-    "trainer.resume_mode": to("checkpoint.resume", convert=_resume_mode),
-    "trainer.resume_from_path": to("checkpoint.resume"),
+    "trainer.resume_mode": to("checkpoint.resume", "with trainer.resume_from_path (rlhf/verl_compat.py)"),
+    "trainer.resume_from_path": to("checkpoint.resume", "used only with trainer.resume_mode=resume_path"),
     "trainer.max_actor_ckpt_to_keep": to("checkpoint.max_to_keep", "null = keep all (0)",
                                          convert=lambda v: {"checkpoint.max_to_keep": 0 if v is None else v}),
     "trainer.max_critic_ckpt_to_keep": ignored("actor and critic are saved together (checkpoint.max_to_keep)"),
@@ -348,7 +372,7 @@ RULES: dict[str, Rule] = {
     "trainer.del_local_ckpt_after_load": only((False,), "checkpoints are kept", "deleting checkpoints is not supported"),
     "trainer.val_only": only((False,), "training runs", "validation-only runs: use python -m rlhf.eval"),
     "trainer.balance_batch": ignored("micro-batches are balanced by token count (actor.use_dynamic_bsz)"),
-    "trainer.rollout_data_dir": ignored("rollouts are not dumped"),
+    "trainer.rollout_data_dir": to("trainer.rollout_data_dir", convert=lambda v: {"trainer.rollout_data_dir": v or ""}),
     "trainer.validation_data_dir": ignored("see trainer.log_val_generations (generations.jsonl)"),
     **{"trainer." + k: ignored("no Ray / verl worker here") for k in (
         "ray_wait_register_center_timeout", "use_legacy_worker_impl", "esi_redundant_time", "use_v1")},
@@ -358,9 +382,26 @@ RULES: dict[str, Rule] = {
     "transfer_queue": ignored("no Ray: torchrun launches the ranks"),
 }
 
+# Where a refused key has a near equivalent: the hint printed with its refusal.
+HINTS: dict[str, str] = {
+    _A + "loss_mode": f"set {_A}policy_loss.loss_mode",
+    _A + "k_percent": f"set {_A}policy_loss.kl_cov_ratio (a fraction of the tokens)",
+    _A + "ppo_kl_coef": f"set {_A}policy_loss.ppo_kl_coef",
+    "reward_model.overlong_buffer_cfg": "set reward_model.overlong_buffer.{enable,len,penalty_factor}",
+}
+
+
+def hint_for(key: str) -> str:
+    """`` (README: ...)`` or the hint of the closest refused key with one."""
+    for k in sorted(HINTS, key=len, reverse=True):
+        if key == k or key.startswith(k + "."):
+            return f"; {HINTS[k]}"
+    return " (README: 'Coming from verl')"
+
+
 # Subtrees that exist only in verl's spelling: an unlisted key under them is refused by name.
 VERL_ONLY = ("actor_rollout_ref", "custom_reward_function", "reward_model", "critic.optim", "critic.model",
-             "reward.reward_manager", "reward.reward_kwargs.overlong_buffer_cfg")
+             "reward.reward_kwargs.overlong_buffer_cfg")
 
 # verl's defaults (ppo_trainer.yaml) where they differ from ours; applied, where unset, to a
 # configuration written only in verl's spelling.

@@ -42,6 +42,7 @@ class _Waiting:
     items: list  # per call: a runner ticket (int), or the ToolResult already known
     last_token: int  # the token the turn ended with
     length: int  # trajectory length at the turn end
+    names: list = field(default_factory=list)  # the called tools' names, per item
 
 
 @dataclass
@@ -74,6 +75,21 @@ class AgentLoop:
         self.rows: dict[int, _Row] = collections.defaultdict(_Row)
         self.waiting: dict[int, _Waiting] = {}
         self.counts = AgentCounts()
+        self.prompt_infos: list = []  # the replica chunk's prompts: (key, extra_info), row = prompt * n + sample
+        self.n = 1
+        self.step_rewards: dict[tuple, dict[str, list[float]]] = {}  # (prompt key, sample) -> tool -> rewards
+
+    def set_prompts(self, keys: list, extra_infos: list, n: int) -> None:
+        """The prompts of the sampler's rows (called by the engine before generating): their per-sample
+        tool kwargs (verl's ``extra_info.tools_kwargs``) and the keys the step rewards are filed under."""
+        self.prompt_infos, self.n = list(zip(keys, extra_infos)), n
+
+    def _create_kwargs(self, row: int, name: str) -> dict:
+        if not self.prompt_infos:
+            return {}
+        info = self.prompt_infos[row // self.n][1]
+        kw = (info or {}).get("tools_kwargs") or {}
+        return dict(((kw.get(name) or {}).get("create_kwargs")) or {})
 
     # ------------------------------------------------------------------ TurnHandler
 
@@ -90,15 +106,17 @@ class AgentLoop:
         calls = calls[:self.max_parallel_calls]
         self.counts.calls += len(calls)
         items: list[Union[int, ToolResult, None]] = []
+        names: list[str] = []
         for call in calls:
             call = check_call(call, self.schemas)
+            names.append(getattr(call, "name", ""))
             if isinstance(call, CallError):  # answered at once
                 items.append(ToolResult(call.message, call.kind))
             elif self.runner is not None:
-                items.append(self.runner.submit(call.name, call.arguments))
+                items.append(self.runner.submit(call.name, call.arguments, self._create_kwargs(row, call.name)))
             else:
                 items.append(None)  # a TP peer: the result comes from the group's first rank
-        self.waiting[row] = _Waiting(items, response[-1], len(response))
+        self.waiting[row] = _Waiting(items, response[-1], len(response), names)
         return True
 
     def poll(self, wait: bool) -> list[tuple[int, list[int]]]:
@@ -113,9 +131,12 @@ class AgentLoop:
         for row, results in ready:
             w = self.waiting.pop(row)
             st = self.rows[row]
-            for r in results:
+            for name, r in zip(w.names, results):
                 if r.error is not None:
                     self.counts.errors[r.error] += 1
+                if r.reward is not None and self.prompt_infos:
+                    key = (self.prompt_infos[row // self.n][0], row % self.n)
+                    self.step_rewards.setdefault(key, {}).setdefault(name, []).append(r.reward)
             ids = self.fmt.ids([r.text for r in results], w.last_token)
             st.observations += 1
             st.turn_start = w.length + len(ids)

@@ -42,6 +42,11 @@ class ToolAgent:
             raise ConfigError(str(e)) from None
         self.cfg, self.tokenizer, self.layout = cfg, tokenizer, layout
         self.schemas = {s[2]["function"]["name"]: s[2] for s in specs}
+        from rlhf.agent.tools import Tool, _tool_class
+
+        # Tools that take per-sample kwargs or give step rewards (their own Tool.execute): the trajectories'
+        # step rewards then reach the reward function, which is therefore called after generation.
+        self.executes = any(_tool_class(s[0]).execute is not Tool.execute for s in specs)
         tp_group = getattr(layout, "tp_group", None)
         # Under a TP rollout the group's first rank runs the tools and broadcasts their results.
         self.tp_src = dist.get_global_rank(tp_group, 0) if tp_group is not None else 0
@@ -78,6 +83,25 @@ class ToolAgent:
                f"{prefix}tool_error_rate": float(tools[1:].sum()) / max(calls, 1.0)}
         out.update({f"{prefix}tool_errors/{k}": float(tools[1 + i]) for i, k in enumerate(ERROR_KINDS)})
         return out
+
+    def attach_step_rewards(self, batch, loop: AgentLoop, n: int, group=None) -> None:
+        """As verl, each trajectory's tool step rewards go to the reward function in its ``extra_info``:
+        ``rollout_reward_scores`` (``{tool name: [rewards]}``) and ``tool_rewards`` (all, in call order
+        per tool). Collective over ``group`` (the ranks that generated: rows come from any replica);
+        ``batch`` holds ``n`` samples per prompt in order."""
+        from rlhf.parallel import all_gather_object
+
+        merged: dict = {}
+        for piece in all_gather_object(loop.step_rewards, group):
+            merged.update(piece)
+        infos = []
+        for j, key in enumerate(batch.index.tolist()):
+            info = dict(batch.extra_infos[j] or {})
+            scores = merged.get((key, j % n), {})
+            info["rollout_reward_scores"] = scores
+            info["tool_rewards"] = [r for rewards in scores.values() for r in rewards]
+            infos.append(info)
+        batch.extra_infos = infos
 
     def close(self) -> None:
         if self.runner is not None:

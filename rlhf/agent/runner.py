@@ -27,10 +27,11 @@ from rlhf.rewards.pool import RewardPool
 class ToolResult:
     text: str  # the observation
     error: Optional[str] = None  # None, or a kind of rlhf.agent.parser.ERROR_KINDS
+    reward: Optional[float] = None  # the tool's step reward (Tool.execute), if it gave one
 
 
 class ToolRunner(Protocol):
-    def submit(self, name: str, arguments: dict) -> int: ...
+    def submit(self, name: str, arguments: dict, create_kwargs: Optional[dict] = None) -> int: ...
 
     def wait_any(self, tickets: Sequence[int], timeout: Optional[float] = None) -> list[int]: ...
 
@@ -45,8 +46,8 @@ class ToolCollector:
     def __init__(self) -> None:
         self.outcome: Optional[ToolResult] = None
 
-    def ok(self, i: int, text: str, error: Optional[str]) -> None:
-        self.outcome = ToolResult(text, error)
+    def ok(self, i: int, text: str, error: Optional[str], reward: Optional[float] = None) -> None:
+        self.outcome = ToolResult(text, error, reward)
 
     def fail(self, i: int, msg: str, *, timeout: bool = False) -> None:
         self.outcome = ToolResult(f"error: the tool call {msg}" if timeout else f"error: {msg}",
@@ -71,8 +72,8 @@ class ToolPool(RewardPool):
     def _init_error(self, message: str) -> str:
         return f"tool worker could not load the tools of {self.spec}: {message}"
 
-    def submit(self, name: str, arguments: dict) -> int:  # type: ignore[override]
-        return self._enqueue([(name, arguments)], ToolCollector())
+    def submit(self, name: str, arguments: dict, create_kwargs: Optional[dict] = None) -> int:  # type: ignore[override]
+        return self._enqueue([(name, arguments, create_kwargs or {})], ToolCollector())
 
     def take(self, ticket: int) -> ToolResult:
         return self.result(ticket)
@@ -86,9 +87,9 @@ class SerialTools:
         self._done: dict[int, ToolResult] = {}
         self._ids = itertools.count()
 
-    def submit(self, name: str, arguments: dict) -> int:
+    def submit(self, name: str, arguments: dict, create_kwargs: Optional[dict] = None) -> int:
         ticket = next(self._ids)
-        self._done[ticket] = ToolResult(*self.tools.run(name, arguments))
+        self._done[ticket] = ToolResult(*self.tools.run(name, arguments, create_kwargs))
         return ticket
 
     def wait_any(self, tickets: Sequence[int], timeout: Optional[float] = None) -> list[int]:

@@ -50,6 +50,15 @@ class Tool:
     def __call__(self, **arguments: Any) -> str:
         raise NotImplementedError
 
+    def execute(self, arguments: dict, create_kwargs: dict) -> "str | tuple[str, float]":
+        """One call with the trajectory's per-sample kwargs: verl's ``extra_info.tools_kwargs[<tool
+        name>].create_kwargs`` of the prompt (e.g. ``{"ground_truth": ...}``), ``{}`` when it has none.
+        Return the observation, or ``(observation, step reward)`` (verl's ``execute`` reward; the
+        trajectory's step rewards reach the reward function in ``extra_info``). Default: ``self(**arguments)``.
+        Calls are independent (tools run in worker processes): what verl keeps per instance between
+        ``create`` and ``release`` comes with each call here."""
+        return self(**arguments)
+
     def close(self) -> None:
         """Release what the tool holds (called when its worker ends)."""
 
@@ -212,17 +221,23 @@ class ToolSet:
                 raise ValueError(f"tool '{class_spec}': bad config {config}: {e}") from None
             self.tools[schema["function"]["name"]] = tool
 
-    def run(self, name: str, arguments: dict) -> tuple[str, Optional[str]]:
-        """``(observation text, None)``, or ``(error message, "tool_error")`` when the tool failed."""
+    def run(self, name: str, arguments: dict, create_kwargs: Optional[dict] = None) -> tuple:
+        """``(observation text, None)`` (``(text, None, step reward)`` when the tool gave one), or
+        ``(error message, "tool_error")`` when the tool failed. ``create_kwargs``: the trajectory's
+        per-sample kwargs (:meth:`Tool.execute`)."""
+        reward = None
         try:
-            out = self.tools[name](**arguments)
+            out = self.tools[name].execute(arguments, dict(create_kwargs or {}))
+            if isinstance(out, tuple) and len(out) == 2:
+                out, reward = out
+                reward = float(reward)
         except ToolError as e:
             return str(e), "tool_error"
         except Exception as e:  # the tool's own failure is the model's observation, never the run's end
             return f"error: tool '{name}' raised {type(e).__name__}: {e}", "tool_error"
         if not isinstance(out, str):
             return f"error: tool '{name}' returned {type(out).__name__}, not a string", "tool_error"
-        return out, None
+        return (out, None) if reward is None else (out, None, reward)
 
     def close(self) -> None:
         for tool in self.tools.values():

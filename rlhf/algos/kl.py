@@ -64,7 +64,7 @@ class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019, "Fine-tuning LMs from human preferences", eq. 2).
 
     ``e = clip(KL / KL_target - 1, -0.2, 0.2)``, ``beta <- beta * (1 + e * n_steps / horizon)``;
-    ``n_steps`` is the number of samples in the batch (verl passes the batch size).
+    ``n_steps`` is the number of sequences in the batch (prompts x rollout.n; verl passes the batch size).
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
@@ -88,6 +88,12 @@ class AdaptiveKLController:
 
 
 KLController = FixedKLController | AdaptiveKLController
+
+
+def update_kl_controller(ctrl: KLController, current_kl: float, prompts: int, n: int) -> None:
+    """One step of the controller after a batch of ``prompts`` x ``n`` responses: verl's ``n_steps``
+    is the number of sequences in the batch (its ``batch_size[0]`` after the n-fold repeat), not prompts."""
+    ctrl.update(current_kl, n_steps=prompts * n)
 
 
 def get_kl_controller(

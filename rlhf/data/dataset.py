@@ -27,8 +27,8 @@ from typing import Any, Literal, Sequence
 
 import pyarrow.parquet as pq
 
-Truncation = Literal["error", "left", "right"]
-_TRUNCATIONS = ("error", "left", "right")
+Truncation = Literal["error", "left", "right", "middle"]
+_TRUNCATIONS = ("error", "left", "right", "middle")
 _MAX_REASONS = 5
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -219,7 +219,8 @@ def load_prompt_dataset(
         prompt_key: column holding the prompt (verl: ``data.prompt_key``).
         max_prompt_length: longest prompt in tokens (verl: ``data.max_prompt_length``).
         truncation: for over-long prompts when not filtered: ``"error"`` raises naming the
-            row, ``"left"`` keeps the last tokens, ``"right"`` the first (verl: ``data.truncation``).
+            row, ``"left"`` keeps the last tokens, ``"right"`` the first, ``"middle"`` both ends
+            (the first ``max // 2`` and the last ``max - max // 2``; verl: ``data.truncation``).
         filter_overlong_prompts: drop and count over-long prompts (verl: ``data.filter_overlong_prompts``).
         apply_chat_template: set False to tokenise raw text even if a template exists.
         tools: OpenAI function schemas the chat template lists (multi-turn tool use).
@@ -281,7 +282,11 @@ def load_prompt_dataset(
                         f"{max_prompt_length}; raise max_prompt_length, set filter_overlong_prompts=True, "
                         f"or truncation='left'/'right'"
                     )
-                ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                if truncation == "middle":  # verl: the first max//2 tokens and the last max - max//2
+                    half = max_prompt_length // 2
+                    ids = ids[:half] + ids[len(ids) - (max_prompt_length - half):]
+                else:
+                    ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
                 text = tokenizer.decode(ids, skip_special_tokens=False)
                 stats.n_truncated += 1
             examples.append(PromptExample(len(examples), ids, text, gt, source, extra))

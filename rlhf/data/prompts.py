@@ -32,10 +32,10 @@ def make_loader(cfg: Config, dataset_len: int) -> tuple[PromptLoader, int]:
     if gen_bs % cfg.actor.ppo_mini_batch_size:
         raise ConfigError(f"data.gen_batch_size ({gen_bs}) must be a multiple of actor.ppo_mini_batch_size "
                           f"({cfg.actor.ppo_mini_batch_size})")
-    if 0 < dataset_len < gen_bs:
+    if dataset_len < gen_bs:  # verl's loader drops the last partial batch: not one step would run
         key = "data.gen_batch_size" if gen_bs != cfg.data.train_batch_size else "data.train_batch_size"
-        raise ConfigError(f"{key}: data.train_files has {dataset_len} usable prompts, fewer than one batch of "
-                          f"{gen_bs}; lower {key} or add prompts")
+        raise ConfigError(f"{key} ({gen_bs}) is larger than the {dataset_len} training prompts of data.train_files "
+                          f"(after filtering); lower {key} to at most {dataset_len}")
     loader = PromptLoader(dataset_len, gen_bs, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     steps = cfg.trainer.total_epochs * loader.steps_per_epoch
     return loader, steps if cfg.trainer.total_training_steps < 0 else cfg.trainer.total_training_steps

@@ -140,8 +140,12 @@ def merged_weights_for_rollout(
     lora_rank: int,
     *,
     use_rslora: bool = False,
+    slice_delta=None,
 ) -> dict[str, torch.Tensor]:
     """HF-named weights with ``W + scaling * B @ A`` for every adapted linear.
+
+    ``slice_delta(delta, name)``: with a tensor-parallel rollout the base weights are this rank's
+    slices; the full ``B @ A`` (adapters are small and gathered whole) is cut the same way.
 
     Args:
         base_weights: cached full base weights, HF names (``model.layers.0.self_attn.q_proj.weight``).
@@ -171,6 +175,8 @@ def merged_weights_for_rollout(
             raise KeyError(f"adapter for '{module}' is missing lora_{'B' if 'A' in ab else 'A'}")
         w = base_weights[wkey]
         delta = ab["B"].to(device=w.device, dtype=torch.float32) @ ab["A"].to(device=w.device, dtype=torch.float32)
+        if slice_delta is not None:
+            delta = slice_delta(delta, wkey)
         merged[wkey] = (w.float() + scale * delta).to(w.dtype)
     return merged
 

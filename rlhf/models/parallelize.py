@@ -280,6 +280,8 @@ def validate_layout(parallel: Any, hf_config: Any, world_size: int, *, rollout_t
                           f"{world_size} (= parallel.dp x tp x pp = {dp} x {tp} x {pp})")
     for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
                        ("intermediate_size", hf_config.intermediate_size), *moe_sizes(hf_config).items()):
+        if key == "num_key_value_heads" and rollout_tp > value and rollout_tp % value == 0:
+            continue  # a rollout wider than the KV heads replicates them (as vLLM)
         if value % rollout_tp:
             raise ConfigError(f"impossible rollout layout: model {key}={value} is not divisible by "
                               f"rollout.tp={rollout_tp}")

@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Optional, Protocol, Sequence
 
 from rlhf.rewards.registry import get_reward_fn
-from rlhf.rewards.scoring import ScoreCollector, ScoreResult, aligned, score_responses
+from rlhf.rewards.scoring import ScoreCollector, ScoreResult, aligned, score_batched, score_responses
 
 # A worker that has not loaded its reward function after this long is broken, not slow.
 STARTUP_TIMEOUT_S = 300.0
@@ -67,10 +67,12 @@ def _aligned(texts, ground_truths, data_sources, extra_infos) -> list:
 
 
 class SerialScorer:
-    """The reward function in this process (no timeout); scored when ``result`` is asked for."""
+    """The reward function in this process (no timeout); scored when ``result`` is asked for.
+    ``batched``: verl's ``reward_manager: batch``, one call for the whole batch (:func:`score_batched`)."""
 
-    def __init__(self, spec: str, reward_kwargs: Optional[dict] = None) -> None:
+    def __init__(self, spec: str, reward_kwargs: Optional[dict] = None, *, batched: bool = False) -> None:
         self.fn = get_reward_fn(spec, reward_kwargs)
+        self.batched = batched
         self._pending: dict[int, list] = {}
         self._ids = itertools.count()
 
@@ -81,7 +83,7 @@ class SerialScorer:
 
     def result(self, ticket: int) -> ScoreResult:
         texts, gts, dss, extras = self._pending.pop(ticket)
-        return score_responses(self.fn, texts, gts, dss, extras)
+        return (score_batched if self.batched else score_responses)(self.fn, texts, gts, dss, extras)
 
     def score(self, texts, ground_truths, data_sources, extra_infos=None) -> ScoreResult:
         return self.result(self.submit(texts, ground_truths, data_sources, extra_infos))
@@ -412,13 +414,17 @@ def model_parallel_group(mesh) -> Optional[tuple[Any, int]]:
 
 
 def make_scorer(spec: str, *, num_workers: int, timeout_s: float, reward_kwargs: Optional[dict] = None,
-                mesh=None) -> Scorer:
-    """The scorer for ``reward.*``: serial (``num_workers: 0``) or a pool; shared over tp / pp peers of ``mesh``."""
+                mesh=None, manager: str = "naive") -> Scorer:
+    """The scorer for ``reward.*``: serial (``num_workers: 0``) or a pool; shared over tp / pp peers of ``mesh``.
+    ``manager``: verl's reward manager; ``batch`` calls the function once per batch in this process,
+    the others (naive, prime, dapo) call it per sample."""
     import torch.distributed as dist
 
     shared = model_parallel_group(mesh) if mesh is not None else None
     is_src = shared is None or shared[1] == dist.get_rank()
-    if num_workers == 0 or not is_src:
+    if manager == "batch":
+        inner: Scorer = SerialScorer(spec, reward_kwargs, batched=True)
+    elif num_workers == 0 or not is_src:
         # Peers that only receive need no processes; the serial scorer still checks the spec.
         inner: Scorer = SerialScorer(spec, reward_kwargs)
     else:

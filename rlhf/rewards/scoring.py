@@ -79,7 +79,12 @@ def score_one(fn: Callable[..., Any], data_source: str, response: str, ground_tr
               extra_info: dict[str, Any] | None) -> tuple[float, dict[str, float], str | None]:
     """One sample: ``(score, numeric extras, pred)``. Raises on any failure of the function or its
     output (an exception, a dict without 'score', a non-number, NaN/inf)."""
-    out = fn(data_source, response, ground_truth, extra_info)
+    return parse_score(fn(data_source, response, ground_truth, extra_info))
+
+
+def parse_score(out: Any) -> tuple[float, dict[str, float], str | None]:
+    """What a reward function returned for one sample (a number or a dict with 'score') as
+    ``(score, numeric extras, pred)``; raises on a dict without 'score', a non-number, NaN/inf."""
     metrics: dict[str, float] = {}
     pred = None
     if isinstance(out, dict):
@@ -175,6 +180,35 @@ def score_responses(
             acc.fail(i, f"{type(e).__name__}: {e}")
             continue
         acc.ok(i, value, metrics, pred)
+    return acc.result()
+
+
+def score_batched(
+    fn: Callable[..., Any],
+    responses: Sequence[str],
+    ground_truths: Sequence[str],
+    data_sources: Sequence[str],
+    extra_infos: Sequence[dict[str, Any] | None] | None = None,
+) -> ScoreResult:
+    """verl's ``reward_manager: batch``: one call ``fn(data_sources=, solution_strs=, ground_truths=,
+    extra_infos=)`` for the whole batch, returning one score (a number or a dict with 'score') per
+    response. A call that raises or returns the wrong count scores every sample 0, counted as errors."""
+    extra_infos = aligned(responses, ground_truths, data_sources, extra_infos)
+    acc = ScoreCollector(data_sources)
+    try:
+        outs = list(fn(data_sources=list(data_sources), solution_strs=list(responses),
+                       ground_truths=list(ground_truths), extra_infos=extra_infos))
+        if len(outs) != len(responses):
+            raise ValueError(f"returned {len(outs)} scores for {len(responses)} responses")
+    except Exception as e:  # user code: counted, never fatal
+        for i in range(len(responses)):
+            acc.fail(i, f"{type(e).__name__}: {e} (reward.reward_manager batch)")
+        return acc.result()
+    for i, out in enumerate(outs):
+        try:
+            acc.ok(i, *parse_score(out))
+        except Exception as e:
+            acc.fail(i, f"{type(e).__name__}: {e}")
     return acc.result()
 
 

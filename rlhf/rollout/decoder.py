@@ -83,7 +83,10 @@ class DecoderSpec:
 
     def shard(self, tp_size: int) -> DecoderSpec:
         """Spec with the per-rank head / MLP sizes of a ``tp_size``-way tensor-parallel rollout."""
-        sizes = {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads}
+        sizes = {"num_heads": self.num_heads}
+        kv = self.num_kv_heads  # a rollout wider than the KV heads replicates them (one per rank, as vLLM)
+        if kv % tp_size and tp_size % kv:
+            sizes["num_kv_heads"] = kv
         m = self.arch.moe
         if m is None or m.has_dense_layers:
             sizes["intermediate_size"] = self.intermediate_size
@@ -94,7 +97,7 @@ class DecoderSpec:
         return dataclasses.replace(
             self,
             num_heads=self.num_heads // tp_size,
-            num_kv_heads=self.num_kv_heads // tp_size,
+            num_kv_heads=max(1, self.num_kv_heads // tp_size),
             intermediate_size=self.intermediate_size // tp_size,
         )
 

@@ -165,9 +165,18 @@ class RolloutEngine:
             return gather_rollout_weights(model, **kw)
         if self._lora_base is None:
             self._lora_base, _ = gather_rollout_weights(model, name_filter=lambda n: ".lora_" not in n, **kw)
-        adapters, rs = gather_rollout_weights(model, name_filter=lambda n: ".lora_" in n, **kw)
+        # The adapters whole (small); under a TP rollout B @ A is cut like the base weight it adds to.
+        adapters, rs = gather_rollout_weights(model, name_filter=lambda n: ".lora_" in n,
+                                              **{**kw, "tp_rank": 0, "tp_size": 1})
         alpha, rank = self.lora
-        return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank), rs
+        slicer = None
+        if lay.tp > 1:
+            from rlhf.rollout.reshard import rollout_slice
+
+            config = next((m.config for m in model.modules()
+                           if hasattr(getattr(m, "config", None), "model_type")), None)
+            slicer = lambda full, name: rollout_slice(full, name, lay.tp_rank, lay.tp, config)  # noqa: E731
+        return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank, slice_delta=slicer), rs
 
     def _sampler(self, hf_config, weights: dict[str, torch.Tensor], consume: bool) -> Sampler:
         """A sampler holding ``weights`` (``consume``: the dict is handed over and emptied). With
@@ -243,6 +252,8 @@ class RolloutEngine:
         if local_rows is None and dist.is_initialized() and lay.size > 1:
             prompts, local_rows = self._global_prompts(prompts, lay.group)
         if local_rows is None:
+            if hasattr(turns, "set_prompts"):  # per-sample tool kwargs of the rows (rlhf.agent.loop)
+                turns.set_prompts(prompts.keys, prompts.extra_infos, n)
             out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys,
                                    on_finished=_rows_to_samples(on_finished, 0, n), turns=turns)
             mine = prompts
@@ -250,6 +261,8 @@ class RolloutEngine:
             start, end = chunk_bounds(len(prompts.prompt_ids), lay.dp)[lay.dp_rank]
             out = None
             if end > start:
+                if hasattr(turns, "set_prompts"):
+                    turns.set_prompts(prompts.keys[start:end], prompts.extra_infos[start:end], n)
                 out = sampler.generate(prompts.prompt_ids[start:end], params, step=step,
                                        prompt_keys=prompts.keys[start:end],
                                        on_finished=_rows_to_samples(on_finished, start, n), turns=turns)

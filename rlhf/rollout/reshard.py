@@ -92,18 +92,38 @@ def fused_parts(name: str, rows: int, config=None) -> Optional[list[int]]:
     return [heads * d, kv_heads * d, kv_heads * d]
 
 
+_KV = re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$")
+
+
+def kv_replicas(tp_size: int, config=None) -> int:
+    """Ranks sharing one KV head: ``tp / num_key_value_heads`` when a tensor-parallel rollout is wider
+    than the KV heads (each rank then holds one, replicated, as vLLM does), else 1."""
+    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    return tp_size // kv if kv and tp_size > kv and tp_size % kv == 0 else 1
+
+
+def _narrow_heads(t: torch.Tensor, dim: int, tp_rank: int, tp_size: int, replicas: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s part of ``t`` along ``dim``: a ``1 / tp`` slice, or with ``replicas`` ranks per
+    head the head ``tp_rank // replicas`` (of ``tp / replicas``)."""
+    parts, index = (tp_size // replicas, tp_rank // replicas) if replicas > 1 else (tp_size, tp_rank)
+    size = t.shape[dim] // parts
+    return t.narrow(dim, index * size, size)
+
+
 def rollout_slice(full: torch.Tensor, name: str, tp_rank: int, tp_size: int, config=None) -> torch.Tensor:
     """The rollout-TP rank's part of a full HF parameter (the full tensor when replicated);
-    ``config`` (the HF config) is needed for a fused q|k|v projection."""
+    ``config`` (the HF config) is needed for a fused q|k|v projection and for a rollout wider than
+    the KV heads (``k_proj`` / ``v_proj`` rows then give each rank its group's KV head whole)."""
     dim = rollout_shard_dim(name)
     if tp_size == 1 or dim is None:
         return full
+    reps = kv_replicas(tp_size, config)
     parts = fused_parts(name, full.shape[0], config)
     if parts is not None:
-        chunks = [p.narrow(0, tp_rank * (p.shape[0] // tp_size), p.shape[0] // tp_size) for p in full.split(parts)]
+        chunks = [_narrow_heads(p, 0, tp_rank, tp_size, reps if k > 0 and ".self_attn." in name else 1)
+                  for k, p in enumerate(full.split(parts))]
         return torch.cat(chunks)
-    size = full.shape[dim] // tp_size
-    return full.narrow(dim, tp_rank * size, size)
+    return _narrow_heads(full, dim, tp_rank, tp_size, reps if _KV.search(name) else 1)
 
 
 @dataclass
@@ -214,7 +234,8 @@ def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
         t = t.to(dtype)
     t = to_mesh_device(t)  # after the cast: fewer bytes leave the host under param_offload
     dim = rollout_shard_dim(name) if do_slice and tp_size > 1 else None
-    if isinstance(t, DTensor) and dim is not None and not _FUSED.search(name):  # a fused one is sliced per part
+    if isinstance(t, DTensor) and dim is not None and not _FUSED.search(name) \
+            and not (_KV.search(name) and kv_replicas(tp_size, config) > 1):  # a fused one is sliced per part
         keep = _tp_dim_matches(t, dim, tp_group, tp_size)
         if keep is not None:  # training TP shard == rollout TP shard: gather dp only
             local_bytes = _nbytes(t.to_local())

@@ -216,7 +216,9 @@ def test_first_trainer_step_metrics_agree(results, name):
     (dict(tp=1, pp=1), dict(world=4, train_batch_size=6), r"data.train_batch_size \(6\) is not divisible by dp \(4"),
     (dict(tp=1, pp=2), dict(world=4, mini_batch_size=2, n=1), "1 rows is not divisible by parallel.pp_microbatches=2"),
     (dict(tp=1, pp=1), dict(world=4, rollout_tp=3), "rollout.tp=3 does not divide the world size 4"),
-    (dict(tp=1, pp=1), dict(world=4, rollout_tp=4), "num_key_value_heads=2 is not divisible by rollout.tp=4"),
+    # a rollout wider than the KV heads replicates them (issue 39 item 8); wider than the heads is refused
+    (dict(tp=1, pp=1), dict(world=4, rollout_tp=4), None),
+    (dict(tp=1, pp=1), dict(world=8, rollout_tp=8), "num_attention_heads=4 is not divisible by rollout.tp=8"),
 ])
 def test_validate_layout_names_the_product(sizes, kw, message):
     from transformers import Qwen2Config

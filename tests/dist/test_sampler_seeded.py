@@ -94,3 +94,29 @@ def test_tensor_parallel_rollout_matches_single_process():
     """2-way TP over gloo (sharded q/k/v/o/MLP, all-reduce after o_proj and down_proj); the KV
     budget from per-rank free memory is the group's minimum."""
     run_distributed(_generate_tensor_parallel, 2)
+
+
+def _generate_replicated_kv(rank: int, world_size: int) -> None:
+    """A rollout wider than the KV heads (1 KV head, tp 2): each rank holds the KV head whole (replicated,
+    as vLLM), its half of the query heads; same tokens and log-probs as one process."""
+    from rlhf.rollout.reshard import rollout_slice
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=1, initializer_range=0.1)
+    weights = transformers.Qwen2ForCausalLM(cfg).eval().state_dict()
+    ref = Sampler(cfg, dict(weights), pad_token_id=0, max_num_seqs=64, device=dist_device()).generate(
+        PROMPTS, PARAMS, step=STEP)
+    sharded = {k: rollout_slice(v, k, rank, world_size, cfg).clone() for k, v in weights.items()}
+    assert sharded["model.layers.0.self_attn.k_proj.weight"].shape == weights["model.layers.0.self_attn.k_proj.weight"].shape
+    s = Sampler(cfg, sharded, pad_token_id=0, max_num_seqs=5, tp_group=dist.group.WORLD, device=dist_device())
+    assert s.spec.num_heads == 2 and s.spec.num_kv_heads == 1
+    out = s.generate(PROMPTS, PARAMS, step=STEP)
+    assert torch.equal(out.response_ids, ref.response_ids)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-4, rtol=0)
+    dist.barrier()
+
+
+def test_rollout_tp_above_the_kv_heads_replicates_them():
+    """Issue 39 item 8: rollout.tp 2 with one KV head (verl/vLLM replicate KV heads)."""
+    run_distributed(_generate_replicated_kv, 2)

@@ -42,7 +42,7 @@ def _error_line(r) -> str:
                                            "model's max_position_embeddings"),
     ({"actor.lr": "[1,"}, "override 'actor.lr=[1,': the value '[1,' is not valid yaml"),
     ({"data.train_batch_size": 128, "actor.ppo_mini_batch_size": 128},
-     "data.train_batch_size: data.train_files has 64 usable prompts, fewer than one batch of 128"),
+     "data.train_batch_size (128) is larger than the 64 training prompts of data.train_files"),
 ])
 def test_one_line_errors(tiny_assets, tmp_path, override, expect):
     r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **override))

@@ -22,9 +22,11 @@ FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def verl_args(name: str, home: Path) -> list[str]:
-    """A fixture's arguments as bash would pass them (quotes removed, $HOME expanded)."""
+    """A fixture's arguments as bash would pass them (quotes removed, $HOME expanded; the multi-turn
+    example's $PROJECT_DIR is the home, $CONFIG_PATH its examples/sglang_multiturn/config)."""
     lines = [line for line in (FIXTURES / name).read_text().splitlines() if not line.lstrip().startswith("#")]
-    return shlex.split("\n".join(lines).replace("\\\n", " ").replace("$HOME", str(home)))
+    text = "\n".join(lines).replace("\\\n", " ").replace("$CONFIG_PATH", "$PROJECT_DIR/examples/sglang_multiturn/config")
+    return shlex.split(text.replace("$PROJECT_DIR", str(home)).replace("$HOME", str(home)))
 
 
 @pytest.fixture(scope="module")
@@ -36,23 +38,51 @@ def verl_home(tmp_path_factory) -> Path:
     data = home / "data" / "gsm8k"
     make_addition_task(data, n_train=1024, n_val=16, seed=0)  # the GRPO example takes 1024 prompts a step
     shutil.copy(data / "val.parquet", data / "test.parquet")
-    for name in ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2-7B-Instruct"):
+    for f in ("train.parquet", "test.parquet"):  # as verl's multi-turn GSM8K data: the tool's per-sample kwargs
+        _with_tools_kwargs(data / f)
+    make_addition_task(home / "data" / "dapo", n_train=2048, n_val=16, seed=1)  # DAPO generates 1536 a batch
+    shutil.copy(home / "data" / "dapo" / "train.parquet", home / "data" / "dapo" / "dapo-math-17k.parquet")
+    shutil.copy(home / "data" / "dapo" / "val.parquet", home / "data" / "dapo" / "aime-2024.parquet")
+    config = home / "examples" / "sglang_multiturn" / "config"
+    (config / "tool_config").mkdir(parents=True)
+    shutil.copy(FIXTURES / "verl_gsm8k_multiturn" / "gsm8k_multiturn_grpo.yaml", config)
+    (config / "tool_config" / "gsm8k_tool_config.yaml").write_text(
+        (FIXTURES / "verl_gsm8k_multiturn" / "gsm8k_tool_config.yaml").read_text().replace("$FIXTURES", str(FIXTURES)))
+    # Qwen2.5-32B has 8 KV heads (the DAPO recipe's rollout tp 4 and sp 8 divide them); the others 2
+    for name, heads in (("Qwen/Qwen2.5-0.5B-Instruct", 2), ("Qwen/Qwen2-7B-Instruct", 2),
+                        ("Qwen/Qwen2.5-3B-Instruct", 2), ("Qwen/Qwen2.5-32B", 8)):
         repo = home / "hub" / ("models--" + name.replace("/", "--"))
-        write_tiny_model(str(repo / "snapshots" / "c0ffee"), hidden_size=32, num_layers=2, num_heads=4,
-                         num_kv_heads=2, intermediate_size=64)
+        write_tiny_model(str(repo / "snapshots" / "c0ffee"), hidden_size=32, num_layers=2, num_heads=max(4, heads),
+                         num_kv_heads=heads, intermediate_size=64)
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text("c0ffee")
     return home
 
 
-def _dry_run(fixture: str, home: Path) -> str:
-    """``python train_ppo.py --dry-run <fixture's arguments>`` (verl's main_ppo); its stdout."""
+def _with_tools_kwargs(path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path).to_pylist()
+    for row in rows:
+        row["extra_info"] = {**row["extra_info"], "tools_kwargs": {"calc_gsm8k_reward": {
+            "create_kwargs": {"ground_truth": row["reward_model"]["ground_truth"]}}}}
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def _env(home: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "HUGGINGFACE_HUB_CACHE", "WORLD_SIZE", "RANK")}
-    env.update(OMP_NUM_THREADS="1", HOME=str(home), HF_HUB_CACHE=str(home / "hub"), PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", HOME=str(home), HF_HUB_CACHE=str(home / "hub"), PYTHONPATH=str(ROOT),
+               WANDB_MODE="offline", WANDB_SILENT="true")
+    return env
+
+
+def _dry_run(fixture: str, home: Path, rows: int = 1024) -> str:
+    """``python train_ppo.py --dry-run <fixture's arguments>`` (verl's main_ppo); its stdout."""
     r = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--dry-run", *verl_args(fixture, home)],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=home)
+                       capture_output=True, text=True, timeout=300, env=_env(home), cwd=home)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "data.train_files: 1024/1024 rows loaded" in r.stdout
+    assert f"data.train_files: {rows}/{rows} rows loaded" in r.stdout
     return r.stdout
 
 
@@ -78,3 +108,79 @@ def test_verl_grpo_example_dry_runs(verl_home):
     assert "planning for 8; run it with torchrun --nnodes=1 --nproc_per_node=8" in out
     assert "[plan] layout: world 8 = dp 8 x tp 1 x pp 1, rollout.tp 2" in out
     assert "dry run OK: config and data are valid" in out
+
+
+def test_verl_lora_example_dry_runs(verl_home):
+    """Issue 39: the LoRA example (rollout tp 2 on trainer.n_gpus_per_node=2) dry-runs unchanged."""
+    out = _dry_run("verl_grpo_lora_qwen2_5_3b.args", verl_home)
+    assert "[verl] actor_rollout_ref.model.lora_rank=64 -> model.lora_rank=64" in out
+    assert "rollout.tp 2" in out and "dry run OK" in out
+
+
+def test_verl_dapo_recipe_dry_runs(verl_home):
+    """Issue 39: the DAPO 32B recipe (16 nodes x 8) dry-runs with only its paths changed: overlong buffer
+    under custom_reward_function, use_token_level_loss, reward_manager dapo, dropout overrides of 0."""
+    out = _dry_run("verl_dapo_qwen2_5_32b.args", verl_home, rows=2048)
+    for line in ("custom_reward_function.overlong_buffer.enable=True -> reward.overlong_buffer_enable=True",
+                 "actor_rollout_ref.actor.use_token_level_loss=True -> actor.loss_agg_mode='token-mean'",
+                 "reward_model.reward_manager='dapo' -> reward.reward_manager='dapo'",
+                 "planning for 128; run it with torchrun --nnodes=16 --nproc_per_node=8"):
+        assert line in out, line
+    assert "dry run OK" in out
+
+
+def test_verl_multiturn_example_dry_runs(verl_home):
+    """Issue 39: verl's multi-turn GSM8K example with --config-path/--config-name and its tool yaml (the tool
+    ported with per-sample kwargs) dry-runs unchanged."""
+    out = _dry_run("verl_gsm8k_multiturn.args", verl_home)
+    assert "[verl] actor_rollout_ref.rollout.multi_turn.enable=True -> rollout.multi_turn.enable=True" in out
+    assert "dry run OK" in out
+
+
+def _run_2_steps(fixture: str, home: Path, out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The fixture's command under ``torchrun --nproc_per_node=2`` for 2 steps (verl's scripts end in $@:
+    the extra arguments are what a user appends), small responses so that it runs on CPU."""
+    args = verl_args(fixture, home) + ["trainer.total_training_steps=2", "trainer.val_before_train=False",
+                                       "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[console]",
+                                       "data.max_response_length=24", f"trainer.default_local_dir={out_dir}", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(ROOT / "train_ppo.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(home), cwd=home)
+
+
+def test_verl_lora_example_runs_with_a_tp2_rollout(verl_home, tmp_path):
+    """Issue 39 item 3: LoRA with verl's rollout tensor_model_parallel_size=2 runs 2 steps on 2 CPU ranks."""
+    r = _run_2_steps("verl_grpo_lora_qwen2_5_3b.args", verl_home, tmp_path / "out")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    from rlhf.metrics import read_metrics
+
+    rows = [m for m in read_metrics(tmp_path / "out" / "metrics.jsonl") if "timing/step" in m]
+    assert len(rows) == 2  # metrics.jsonl although the command lists only its loggers
+
+
+STEP_REWARD_FN = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    import json, os
+    with open(os.environ["STEP_REWARDS_LOG"], "a") as f:
+        f.write(json.dumps(extra_info.get("tool_rewards")) + "\\n")
+    return 0.0
+"""
+
+
+def test_verl_multiturn_example_runs_with_per_sample_tool_kwargs(verl_home, tmp_path):
+    """Issue 39 items 5, 9: the multi-turn example runs 2 steps on 2 CPU ranks (trainer.n_gpus_per_node
+    appended: 2); the ported Gsm8kTool gets each prompt's ground truth and its step rewards reach the
+    reward function's extra_info."""
+    (tmp_path / "r.py").write_text(STEP_REWARD_FN)
+    os.environ["STEP_REWARDS_LOG"] = str(tmp_path / "seen.jsonl")
+    try:
+        r = _run_2_steps("verl_gsm8k_multiturn.args", verl_home, tmp_path / "out", "trainer.n_gpus_per_node=2",
+                         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                         "actor_rollout_ref.rollout.n=2", f"custom_reward_function.path={tmp_path / 'r.py'}")
+    finally:
+        del os.environ["STEP_REWARDS_LOG"]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import json
+
+    seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    # 2 steps x 8 prompts x 2 samples in training (step rewards attached), then the 16 validation prompts
+    assert len(seen) == 2 * 8 * 2 + 16 and all(isinstance(s, list) for s in seen[:32])

@@ -195,3 +195,20 @@ def test_packed_dynamic_batch_values_and_grads_equal_padded_fixed(mesh):
     for name, g in grads_ref[0].items():
         torch.testing.assert_close(grads_pk[0][name], g, rtol=1e-4, atol=1e-6, msg=name)
     assert max(float(g.abs().max()) for g in grads_ref[0].values()) > 1e-3
+
+
+def test_no_fsdp_view_warning_from_the_critic(mesh):
+    """Issue 39 item 13: the packed critic's head output is a view of a 2-D matmul; FSDP2 warned on every
+    rank. The output is copied (T scalars), so no warning, and values / the update are unchanged."""
+    import warnings
+
+    batch = _batch4()
+    cfg = CriticConfig(lr=1e-2, weight_decay=0.0, grad_clip=1e9, ppo_micro_batch_size_per_gpu=2)
+    packed = CriticWorker(cfg, ModelConfig(use_remove_padding=True), mesh, torch.device("cpu"), total_steps=10,
+                          max_response_length=R, build_model=lambda: _token_cls(7))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        batch.values = packed.compute_values(batch, micro_batch_size=2)
+        batch.returns = batch.values + 0.1
+        packed.update_critic(batch, mini_batch_rows=4)
+    assert not [w for w in seen if "view tensor" in str(w.message)]
