@@ -48,12 +48,13 @@ def verl_home(tmp_path_factory) -> Path:
     shutil.copy(FIXTURES / "verl_gsm8k_multiturn" / "gsm8k_multiturn_grpo.yaml", config)
     (config / "tool_config" / "gsm8k_tool_config.yaml").write_text(
         (FIXTURES / "verl_gsm8k_multiturn" / "gsm8k_tool_config.yaml").read_text().replace("$FIXTURES", str(FIXTURES)))
-    # Qwen2.5-32B has 8 KV heads (the DAPO recipe's rollout tp 4 and sp 8 divide them); the others 2
+    # Qwen2.5-32B has 8 KV heads (the DAPO recipe's rollout tp 4 and sp 8 divide them); the others 2.
+    # 32k positions, as the real models: verl's lengths (up to 20k in the DAPO recipe) must fit them.
     for name, heads in (("Qwen/Qwen2.5-0.5B-Instruct", 2), ("Qwen/Qwen2-7B-Instruct", 2),
                         ("Qwen/Qwen2.5-3B-Instruct", 2), ("Qwen/Qwen2.5-32B", 8)):
         repo = home / "hub" / ("models--" + name.replace("/", "--"))
         write_tiny_model(str(repo / "snapshots" / "c0ffee"), hidden_size=32, num_layers=2, num_heads=max(4, heads),
-                         num_kv_heads=heads, intermediate_size=64)
+                         num_kv_heads=heads, intermediate_size=64, max_positions=32768)
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text("c0ffee")
     return home
