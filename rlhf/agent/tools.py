@@ -1,4 +1,5 @@
-"""Tools the policy can call: the base class, the registry, the tool config file, argument checks.
+"""Tools the policy can call: the registry, the tool config file, argument checks (the base class:
+:mod:`rlhf.agent.base`, re-exported here).
 
 A tool is a class with an OpenAI function schema and a ``__call__(**arguments) -> str``::
 
@@ -33,26 +34,9 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-
-class ToolError(Exception):
-    """A tool call that failed in a way the model should read about (the message is the observation)."""
-
-
-class Tool:
-    """Base class of tools; ``config`` holds the keyword settings from the tool config file."""
-
-    schema: dict = {}
-
-    def __init__(self, **config: Any) -> None:
-        if config:
-            raise TypeError(f"{type(self).__name__} takes no config, got {sorted(config)}")
-
-    def __call__(self, **arguments: Any) -> str:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release what the tool holds (called when its worker ends)."""
-
+# Tool and ToolError are public here (custom tools subclass ``rlhf.agent.tools.Tool``); they are
+# defined in base.py so that the built-in tools, which this registry names, do not import the registry.
+from rlhf.agent.base import Tool, ToolError  # noqa: F401
 
 _REGISTRY: dict[str, Callable[[], type]] = {}
 

@@ -16,35 +16,17 @@ so the responses do not depend on which replica generated them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from rlhf.batch import RolloutBatch
+from rlhf.schema.batch import PromptBatch, RolloutBatch
 from rlhf.config import RolloutConfig
 from rlhf.models.lora import merged_weights_for_rollout
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 from rlhf.rollout.turns import TurnHandler
-
-
-@dataclass
-class PromptBatch:
-    """This rank's prompts for a step (global dataset indices keep sampling layout-invariant)."""
-
-    prompt_ids: list[list[int]]
-    keys: list[int]
-    ground_truths: list[str]
-    data_sources: list[str]
-    extra_infos: list[dict]
-
-    def subset(self, rows: list[int]) -> "PromptBatch":
-        return PromptBatch(prompt_ids=[self.prompt_ids[i] for i in rows], keys=[self.keys[i] for i in rows],
-                           ground_truths=[self.ground_truths[i] for i in rows],
-                           data_sources=[self.data_sources[i] for i in rows],
-                           extra_infos=[self.extra_infos[i] for i in rows])
 
 
 def rollout_dtype(name: str, device_type: str, model_dtype: str) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""The typed rollout batch that flows through the RL phases, and its splitting helpers."""
+"""The typed batches that flow through the RL phases (the prompts of a step, the rollout batch), and
+their splitting helpers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,23 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
+
+
+@dataclass
+class PromptBatch:
+    """This rank's prompts for a step (global dataset indices keep sampling layout-invariant)."""
+
+    prompt_ids: list[list[int]]
+    keys: list[int]
+    ground_truths: list[str]
+    data_sources: list[str]
+    extra_infos: list[dict]
+
+    def subset(self, rows: list[int]) -> "PromptBatch":
+        return PromptBatch(prompt_ids=[self.prompt_ids[i] for i in rows], keys=[self.keys[i] for i in rows],
+                           ground_truths=[self.ground_truths[i] for i in rows],
+                           data_sources=[self.data_sources[i] for i in rows],
+                           extra_infos=[self.extra_infos[i] for i in rows])
 
 
 @dataclass

@@ -46,19 +46,10 @@ from rlhf.models.loading import DTYPES, check_model_dir, training_attn_implement
 from rlhf.models.logprobs import position_ids_from_mask
 from rlhf.models.packed import packed_forward_values
 from rlhf.models.parallelize import ParallelModel, parallelize_model
+from rlhf.models.value_head import _HEAD_NAMES, value_head
 from rlhf.optim import NonFiniteGuard, build_optimizer, build_scheduler
 
-_HEAD_NAMES = ("score", "classifier")
 _RM_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
-
-
-def value_head(model: torch.nn.Module) -> torch.nn.Linear:
-    """The ``Linear(hidden, 1)`` head of a token/sequence-classification model."""
-    for name in _HEAD_NAMES:
-        head = getattr(model, name, None)
-        if isinstance(head, torch.nn.Linear):
-            return head
-    raise ConfigError(f"{type(model).__name__} has no linear value head (looked for {', '.join(_HEAD_NAMES)})")
 
 
 def load_value_model(path: str, *, dtype: str = "float32", attn_implementation: str = "sdpa",
