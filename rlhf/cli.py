@@ -11,9 +11,10 @@ import os
 import sys
 from typing import Callable
 
-from rlhf.config import ConfigError, describe, load_config
+from rlhf.config.load import load_config
+from rlhf.config.verl import check_launch_world
 from rlhf.data.dataset import DataError
-from rlhf.verl_compat import check_launch_world
+from rlhf.schema.config import ConfigError, describe
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
 
@@ -91,8 +92,8 @@ def print_memory_plan(cfg, args) -> bool:
 
 def check_tokenizer_and_data(cfg) -> None:
     """The dry-run checks that need no process group: tokenizer and prompt files."""
-    from rlhf.data.prompts import load_data
     from rlhf.models.loading import load_tokenizer
+    from rlhf.train.prompts import load_data
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
@@ -113,7 +114,7 @@ def train_main(doc: str, trainer_factory: Callable) -> None:
         if args.dry_run and not print_memory_plan(cfg, args):
             return
         if cfg.trainer.mode == "one_step_off":
-            from rlhf.async_rl import run_one_step_off
+            from rlhf.train.async_rl import run_one_step_off
 
             trainer = run_one_step_off(cfg, trainer_factory, dry_run=args.dry_run)
             if args.dry_run and trainer is not None and trainer.env.is_main:

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from rlhf.config import ConfigError
+from rlhf.schema.config import ConfigError
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -55,7 +55,7 @@ def read_model_state(ckpt: Path, role: str = "actor") -> dict[str, torch.Tensor]
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from rlhf.checkpoint import _clean_names
+    from rlhf.train.checkpoint import _clean_names
 
     reader = FileSystemReader(str(ckpt / "model_optim"))
     prefix = f"{role}.model."
@@ -75,9 +75,9 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
     """Write ``role`` (``actor`` or ``critic``) of checkpoint ``ckpt`` as an HF directory ``out``; returns ``out``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    from rlhf.checkpoint import hf_model_from_state_dict
-    from rlhf.models.hub import resolve_model_path
+    from rlhf.config.hub import resolve_model_path
     from rlhf.models.loading import check_model_dir, load_tokenizer
+    from rlhf.train.checkpoint import hf_model_from_state_dict
 
     ckpt, out = Path(ckpt), Path(out)
     if not is_checkpoint_dir(ckpt):
@@ -101,7 +101,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
     sd = read_model_state(ckpt, role)
     config.dtype = next(iter(sd.values())).dtype  # the master weights' dtype, as the run's hf_export
     out.mkdir(parents=True, exist_ok=True)
-    if role == "critic":  # as rlhf.critic.load_value_model builds it
+    if role == "critic":  # as rlhf.train.critic.load_value_model builds it
         config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=trust, num_labels=1,
                                             classifier_dropout=0.0, dtype=config.dtype)
         config.architectures = None  # from_config picks the token-classification class; saving names it
@@ -120,8 +120,8 @@ def _write_lora(sd: dict[str, torch.Tensor], config, model_cfg: dict, out: Path)
     with the run's settings, the trained adapters loaded."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.checkpoint import hf_model_from_state_dict
     from rlhf.models.lora import apply_lora, export_merged, hf_param_name, save_adapter
+    from rlhf.train.checkpoint import hf_model_from_state_dict
 
     if int(model_cfg.get("lora_rank", 0)) <= 0:
         raise ConfigError("the checkpoint holds LoRA adapters but the run's config.yaml has model.lora_rank 0")
@@ -143,7 +143,7 @@ def _write_lora(sd: dict[str, torch.Tensor], config, model_cfg: dict, out: Path)
 def hf_model_dir(path: str, key: str = "--model") -> Iterator[str]:
     """A directory transformers loads: an HF directory or cached hub name as it is, a checkpoint
     directory exported into a temporary directory (removed on exit); else one clear error."""
-    from rlhf.models.hub import resolve_model_path
+    from rlhf.config.hub import resolve_model_path
     from rlhf.models.loading import check_model_dir
 
     p = Path(resolve_model_path(path, key)).expanduser()

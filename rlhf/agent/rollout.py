@@ -26,8 +26,8 @@ from rlhf.agent.loop import AgentLoop
 from rlhf.agent.parser import ERROR_KINDS
 from rlhf.agent.runner import make_tool_runner
 from rlhf.agent.tools import load_tool_config
-from rlhf.config import ConfigError, MultiTurnConfig
-from rlhf.parallel import all_reduce_sum
+from rlhf.models.parallel import all_reduce_sum
+from rlhf.schema.config import ConfigError, MultiTurnConfig
 
 
 class ToolAgent:

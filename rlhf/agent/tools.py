@@ -129,7 +129,7 @@ def read_tool_config(path: str) -> list[ToolSpec]:
 
 def load_tool_config(path: str, key: str = "rollout.multi_turn.tool_config_path") -> list[ToolSpec]:
     """:func:`read_tool_config` whose every failure is one ConfigError line naming ``key``."""
-    from rlhf.config import ConfigError
+    from rlhf.schema.config import ConfigError
 
     try:
         return read_tool_config(path)

@@ -3,7 +3,7 @@ need only the config, not the world size or the data: those are in rlhf/parallel
 
 from __future__ import annotations
 
-from rlhf.config import Config, ConfigError
+from rlhf.schema.config import Config, ConfigError
 
 
 def validate(cfg: Config) -> None:
@@ -93,7 +93,7 @@ def validate(cfg: Config) -> None:
 
 def check_logger(backends: list, key: str = "trainer.logger") -> None:
     """Unknown backends and missing tracker packages fail at load time, not at the first logged step."""
-    from rlhf.metrics import check_backends
+    from rlhf.ops.metrics import check_backends
 
     try:
         check_backends(backends)

@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from rlhf.config import ConfigError
+from rlhf.schema.config import ConfigError
 
 # ``org/name`` as the hub spells repository ids (letters, digits, ``-_.``; one slash).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from rlhf.config import ConfigError
+from rlhf.schema.config import ConfigError
 
 # Sections that only the native spelling has; their presence turns verl's defaults off.
 NATIVE_ONLY_SECTIONS = ("model", "actor", "rollout", "parallel", "checkpoint")

@@ -3,7 +3,7 @@
 ``SUPPORTED_MODEL_TYPES`` is THE list of HF ``model_type`` values the sampler runs (the TP plan,
 ``rlhf.models.tensor_parallel``, reads it; the memory planner covers the same families).
 :class:`ArchSpec` holds, read once from an HF config, everything a family changes relative to
-the Llama block of ``rlhf.rollout.decoder``; the decoder calls the helpers below at a handful of
+the Llama block of ``rlhf.models.decoder``; the decoder calls the helpers below at a handful of
 dispatch points:
 
 =================  =====================================================================
@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.models.softcap_attention import attention as capped_attention
 from rlhf.models.moe import MoESpec
+from rlhf.models.softcap_attention import attention as capped_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen3_moe")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")

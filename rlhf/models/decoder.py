@@ -1,4 +1,4 @@
-"""Functional forward of HF decoder-only LMs over a weight dict (families: ``rlhf.rollout.arch``).
+"""Functional forward of HF decoder-only LMs over a weight dict (families: ``rlhf.models.arch``).
 
 The rollout gathers the trainer's parameters into ``dict[str, Tensor]`` keyed by HF
 state-dict names and runs this forward on them: no ``nn.Module``, no HF cache objects,
@@ -14,7 +14,7 @@ RMSNorm(x) = w * (x / sqrt(mean(x^2) + eps)) computed in fp32; rotary embedding
 knows, e.g. default / linear / llama3 / yarn). q/k/v and gate/up are fused into one matmul
 each at load time. Family variants (Gemma's scaled embeddings, ``1 + w`` norms and sandwich
 norms, GeGLU, soft-capping, sliding windows, per-layer rope tables, Phi-3's fused checkpoints
-and partial rotary, Qwen3-MoE's routed experts) come from ``rlhf.rollout.arch`` /
+and partial rotary, Qwen3-MoE's routed experts) come from ``rlhf.models.arch`` /
 ``rlhf.models.moe`` at a few dispatch points; attention is ``arch.attend``.
 
 Tensor parallel hook: every function takes ``tp_group``. A tensor-parallel rollout passes
@@ -36,9 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.models import moe
-from rlhf.rollout import arch
-from rlhf.rollout.arch import SUPPORTED_MODEL_TYPES, ArchSpec
+from rlhf.models import arch, moe
+from rlhf.models.arch import SUPPORTED_MODEL_TYPES, ArchSpec
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderSpec", "prefill", "prefill_chunk", "decode"]
 

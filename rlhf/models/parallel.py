@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rlhf.config import ConfigError
+from rlhf.schema.config import ConfigError
 
 
 @dataclass(frozen=True)

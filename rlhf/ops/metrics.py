@@ -4,7 +4,7 @@
   per step to ``<output_dir>/metrics.jsonl`` (``{"step": 3, "time": ..., "reward/mean": ...}``),
   prints a one-line progress bar with ETA and a few key metrics, and forwards to
   tensorboard / mlflow / wandb when asked (imported lazily; a clear error if missing), with
-  the run's config as their hyperparameters (:mod:`rlhf.trackers`: names, run identity).
+  the run's config as their hyperparameters (:mod:`rlhf.ops.trackers`: names, run identity).
 * :class:`PhaseTimer` — ``with timer("generate"):`` accumulates wall-clock seconds per
   phase; it synchronises the accelerator first so asynchronous kernels are counted in
   the phase that launched them.
@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 import torch
 
-from rlhf.trackers import flatten_config, mlflow_name, mlflow_start_run, tensorboard_config, wandb_run_id
+from rlhf.ops.trackers import flatten_config, mlflow_name, mlflow_start_run, tensorboard_config, wandb_run_id
 
 BACKENDS = ("console", "jsonl", "tensorboard", "mlflow", "wandb")
 # Backend -> (module that must be importable, pip package).

@@ -4,7 +4,7 @@ Produces the fixed-shape `RolloutBatch` the training phases consume: prompts lef
 to `max_prompt_length`, responses right-padded to `max_response_length`.
 
 Layouts. Given the *global* prompt batch and the rows this training rank owns
-(``local_rows``, mini-batch-major order, see ``rlhf.batch.minibatch_major_shard``), the
+(``local_rows``, mini-batch-major order, see ``rlhf.schema.batch.minibatch_major_shard``), the
 prompts are split into ``rollout.dp = world / rollout.tp`` contiguous chunks, one per
 rollout replica (a rollout TP group generates one chunk together). The generated rows
 are then all-gathered over the ranks that share a rollout-TP rank (token ids, lengths
@@ -21,12 +21,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf.schema.batch import PromptBatch, RolloutBatch
-from rlhf.config import RolloutConfig
 from rlhf.models.lora import merged_weights_for_rollout
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 from rlhf.rollout.turns import TurnHandler
+from rlhf.schema.batch import PromptBatch, RolloutBatch
+from rlhf.schema.config import RolloutConfig
 
 
 def rollout_dtype(name: str, device_type: str, model_dtype: str) -> torch.dtype:

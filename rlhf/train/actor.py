@@ -26,24 +26,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from rlhf.algos.aggregation import AggNorm, agg_loss
-from rlhf.algos.kl import kl_penalty
 from rlhf.algos.entropy_tools import covariance_from_sums, covariance_sums, entropy_coeff_at
+from rlhf.algos.kl import kl_penalty
 from rlhf.algos.optimal_token_baseline import sum_pi_squared_from_logits
 from rlhf.algos.policy_loss import PolicyLossParams, get_policy_loss
 from rlhf.algos.policy_loss_cov import COV_LOSSES, select_cov_tokens
-from rlhf.batch import RolloutBatch, split_rows
-from rlhf.config import ActorConfig, ConfigError, ModelConfig, ParallelConfig
 from rlhf.data.batching import micro_batches_for_rank
 from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
 from rlhf.models.lora import apply_lora
 from rlhf.models.packed import packed_forward_log_probs
+from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
-from rlhf.models.vocab_parallel import log_probs_from_logits
-from rlhf.optim import NonFiniteGuard, build_optimizer, build_scheduler
 from rlhf.models.ulysses import check_sp
-from rlhf.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
+from rlhf.models.vocab_parallel import log_probs_from_logits
+from rlhf.schema.batch import RolloutBatch, split_rows
+from rlhf.schema.config import ActorConfig, ConfigError, ModelConfig, ParallelConfig
+from rlhf.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
 
 
 @dataclass
@@ -159,7 +159,7 @@ class PolicyWorker:
     """An HF causal LM in the training layout of ``mesh`` (pp stages, TP, FSDP2); trainable or frozen.
 
     ``parallel_cfg`` supplies the pipeline schedule and micro-batch count (sizes come from
-    the mesh); ``None`` keeps the defaults of :class:`rlhf.config.ParallelConfig`.
+    the mesh); ``None`` keeps the defaults of :class:`rlhf.schema.config.ParallelConfig`.
     ``self.model`` is an ``nn.Module`` holding this rank's parameters under HF names (the
     FSDP root, or the pipeline stage(s)); ``self.pipeline`` is set when pp > 1.
     """

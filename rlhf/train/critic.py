@@ -36,18 +36,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
-from rlhf.actor import MetricSums, adopt_layout, check_features, run_ppo_epochs, set_grad_sync, sp_size
 from rlhf.algos.aggregation import AggNorm
 from rlhf.algos.value_loss import compute_value_loss
-from rlhf.batch import RolloutBatch, split_rows
-from rlhf.config import ConfigError, CriticConfig, ModelConfig, ParallelConfig
 from rlhf.data.batching import micro_batches_for_rank
 from rlhf.models.loading import DTYPES, check_model_dir, training_attn_implementation
 from rlhf.models.logprobs import position_ids_from_mask
 from rlhf.models.packed import packed_forward_values
 from rlhf.models.parallelize import ParallelModel, parallelize_model
 from rlhf.models.value_head import _HEAD_NAMES, value_head
-from rlhf.optim import NonFiniteGuard, build_optimizer, build_scheduler
+from rlhf.schema.batch import RolloutBatch, split_rows
+from rlhf.schema.config import ConfigError, CriticConfig, ModelConfig, ParallelConfig
+from rlhf.train.actor import MetricSums, adopt_layout, check_features, run_ppo_epochs, set_grad_sync, sp_size
+from rlhf.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
 
 _RM_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
 
@@ -90,7 +90,7 @@ class CriticWorker:
     """Value model in the training layout of ``mesh`` with its own optimizer and LR schedule.
 
     ``parallel_cfg`` supplies the pipeline schedule / micro-batch count (sizes come from the
-    mesh; ``None`` keeps :class:`rlhf.config.ParallelConfig` defaults). ``use_dynamic_bsz``
+    mesh; ``None`` keeps :class:`rlhf.schema.config.ParallelConfig` defaults). ``use_dynamic_bsz``
     (verl's ``actor.use_dynamic_bsz``) cuts micro-batches by token budget:
     ``critic.ppo_max_token_len_per_gpu`` in the update and ``forward_max_token_len`` in
     ``compute_values``. ``self.model`` holds this rank's parameters under HF names (the

@@ -152,7 +152,7 @@ def records_from_scores(keys: Sequence[int], data_sources: Sequence[str], scores
 
 
 def score_batch(scorer, batch) -> list[SampleRecord]:
-    """Score a :class:`rlhf.batch.RolloutBatch` with a scorer (:mod:`rlhf.rewards.pool`) and return its records.
+    """Score a :class:`rlhf.schema.batch.RolloutBatch` with a scorer (:mod:`rlhf.rewards.pool`) and return its records.
 
     ``acc`` is the reward's ``"acc"`` when it returns one, else ``score >= 1`` (as in training).
     """
@@ -169,7 +169,7 @@ def generation_rows(records: Sequence[SampleRecord], batch, prompt_text: dict[in
     """The first ``n`` samples over the ranks of ``group`` (first sample of each prompt in key order,
     then the second, ...), as ``{"key", "sample", "prompt", "response", "ground_truth", "score"}``
     rows; the same rows whatever the layout. Collective over ``group`` when ``n > 0``."""
-    from rlhf.parallel import all_gather_object
+    from rlhf.models.parallel import all_gather_object
 
     if n <= 0:
         return []
@@ -211,7 +211,7 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 
 
 def val_sampling(cfg) -> dict:
-    """Sampling arguments of validation for ``RolloutEngine.generate`` from a :class:`rlhf.config.Config`.
+    """Sampling arguments of validation for ``RolloutEngine.generate`` from a :class:`rlhf.schema.config.Config`.
 
     ``trainer.val_kwargs.do_sample``: its n / temperature / top_p / top_k. Otherwise greedy,
     except that a legacy ``rollout.val_temperature > 0`` samples at that temperature with

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from rlhf.algos.aggregation import LOSS_AGG_MODES
-from rlhf.batch import RolloutBatch
-from rlhf.checkpoint import ModelOptimState, export_hf
-from rlhf.config import Config, ConfigError
-from rlhf.critic import CriticWorker
-from rlhf.parallel import all_reduce_sum
-from rlhf.trainer import RLTrainer
+from rlhf.models.parallel import all_reduce_sum
+from rlhf.schema.batch import RolloutBatch
+from rlhf.schema.config import Config, ConfigError
+from rlhf.train.checkpoint import ModelOptimState, export_hf
+from rlhf.train.critic import CriticWorker
+from rlhf.train.trainer import RLTrainer
 
 
 def global_value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, group=None) -> dict[str, float]:
@@ -52,7 +52,7 @@ def global_value_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 def check_ppo_config(cfg: Config) -> None:
-    """PPO-specific settings that rlhf.config_checks.validate does not know about."""
+    """PPO-specific settings that rlhf.config.checks.validate does not know about."""
     c, tb = cfg.critic, cfg.data.train_batch_size
     if cfg.algorithm.adv_estimator != "gae":
         raise ConfigError(f"config key 'algorithm.adv_estimator': train_ppo.py trains a critic for GAE, got "

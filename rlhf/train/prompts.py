@@ -6,10 +6,10 @@ same batches in the same order.
 
 from __future__ import annotations
 
-from rlhf.config import Config, ConfigError
 from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
-from rlhf.rollout.engine import PromptBatch
+from rlhf.schema.batch import PromptBatch
+from rlhf.schema.config import Config, ConfigError
 
 
 def load_data(cfg: Config, files, tokenizer):

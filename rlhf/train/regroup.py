@@ -9,7 +9,7 @@ Only group ids and row counts cross as metadata (two small all-gathers); the row
 themselves move with one ``all_to_all_single`` per tensor field, each row straight from
 the rank that holds it to the rank that trains on it (before: every rank pickled its whole
 batch and received every other rank's). Per-row Python lists (texts, ground truths) do not
-travel; the caller rebuilds them (:meth:`rlhf.trainer.RLTrainer.rebalance_groups`).
+travel; the caller rebuilds them (:meth:`rlhf.train.trainer.RLTrainer.rebalance_groups`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlhf.batch import RolloutBatch, minibatch_major_shard
+from rlhf.schema.batch import RolloutBatch, minibatch_major_shard
 
 
 def _gather_groups(gids: list[int], counts: list[int], group, device: torch.device) -> list[list[tuple[int, int]]]:

@@ -25,20 +25,20 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from rlhf.config import ConfigError, ModelConfig, ParallelConfig, _f
-from rlhf.config_checks import check_logger
-from rlhf.checkpoint import export_hf
+from rlhf.config.checks import check_logger
 from rlhf.data.dataset import DataError
 from rlhf.data.loader import PromptLoader
-from rlhf.metrics import MetricsLogger
 from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import check_model_dir, load_causal_lm, load_tokenizer
 from rlhf.models.logprobs import forward_log_probs
 from rlhf.models.lora import apply_lora
 from rlhf.models.packed import packed_forward_log_probs
+from rlhf.models.parallel import ParallelDims, all_reduce_sum, init_distributed
 from rlhf.models.parallelize import parallelize_model
-from rlhf.optim import build_optimizer, build_scheduler, clip_grad_norm
-from rlhf.parallel import ParallelDims, all_reduce_sum, init_distributed
+from rlhf.ops.metrics import MetricsLogger
+from rlhf.schema.config import ConfigError, ModelConfig, ParallelConfig, _f
+from rlhf.train.checkpoint import export_hf
+from rlhf.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _setup(cfg: SFTConfig) -> tuple:
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
     data, stats = tokenize_sft(_read_rows(cfg.sft.train_files), tokenizer, cfg.sft)
     if env.is_main:
-        print(f"[rlhf.sft] data: {stats}; layout dp={dims.dp} world={env.world_size} device={env.device}", flush=True)
+        print(f"[rlhf.train.sft] data: {stats}; layout dp={dims.dp} world={env.world_size} device={env.device}", flush=True)
     return env, dims, mesh, tokenizer, data
 
 
@@ -261,7 +261,7 @@ def run_sft(cfg: SFTConfig, *, dry_run: bool = False) -> dict:
             logger.log(step, last)
     export_hf(model, tokenizer, str(out_dir / "hf_export"))
     if env.is_main:
-        print(f"[rlhf.sft] exported {out_dir / 'hf_export'} after {total} steps, final loss {last.get('sft/loss'):.4f}",
+        print(f"[rlhf.train.sft] exported {out_dir / 'hf_export'} after {total} steps, final loss {last.get('sft/loss'):.4f}",
               flush=True)
     logger.close()
     return last

@@ -17,43 +17,43 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from rlhf.actor import PolicyWorker
 from rlhf.agent.rollout import make_agent
 from rlhf.algos.advantages import get_adv_estimator
-from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
 from rlhf.algos.kl import apply_kl_penalty, get_kl_controller, kl_penalty
+from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
 from rlhf.algos.reward_shaping import overlong_reward_penalty, place_reward_on_last_token
-from rlhf.batch import RolloutBatch, minibatch_major_shard
-from rlhf.checkpoint import (ModelOptimState, export_hf, find_resume_path, load_checkpoint, load_rank_state,
+from rlhf.schema.batch import RolloutBatch, minibatch_major_shard
+from rlhf.train.actor import PolicyWorker
+from rlhf.train.checkpoint import (ModelOptimState, export_hf, find_resume_path, load_checkpoint, load_rank_state,
                              save_checkpoint)
 from rlhf.algos.aggregation import agg_loss
 from rlhf.algos.dynamic_sampling import select_informative_groups
 from rlhf.algos.policy_loss import get_policy_loss
 from rlhf.algos.rollout_correction import rollout_is_weights
-from rlhf.config import Config, ConfigError
-from rlhf.data.prompts import data_metrics, load_data, make_loader, prompt_batch
-from rlhf.evaluation import flat_metrics, generation_rows, score_batch, summarize, val_sampling
-from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.models.loading import check_rollout_support, load_tokenizer, model_config
 from rlhf.models.lora import reference_context
+from rlhf.models.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
 from rlhf.models.parallelize import validate_layout
-from rlhf.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
+from rlhf.ops.metrics import MetricsLogger, PhaseTimer
 from rlhf.ops.oom import apply_oom_records, record_oom
 from rlhf.ops.runtime import StepOps
-from rlhf.regroup import regroup_rows
 from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.registry import get_reward_fn
 from rlhf.rewards.scoring import mean_of_sums, reward_components
 from rlhf.rewards.streaming import StreamingScores
 from rlhf.rollout.engine import RolloutEngine, decode_responses, rollout_dtype
 from rlhf.rollout.reshard import RolloutLayout
+from rlhf.schema.config import Config, ConfigError
+from rlhf.train.evaluation import flat_metrics, generation_rows, score_batch, summarize, val_sampling
+from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch
+from rlhf.train.regroup import regroup_rows
 
 
 class RLTrainer:
     """GRPO / PPO-family trainer. Build once per process, then `fit()`."""
 
     def __init__(self, cfg: Config, *, dry_run: bool = False, roles=None):
-        """``roles``: this process's :class:`rlhf.async_rl.roles.Roles` under trainer.mode one_step_off
+        """``roles``: this process's :class:`rlhf.train.async_rl.roles.Roles` under trainer.mode one_step_off
         (the trainer then runs on the training role's ranks and takes its batches from the rollout role)."""
         self.cfg = cfg
         self.env = roles.env if roles is not None else \
@@ -125,7 +125,7 @@ class RLTrainer:
         self._streamed = None  # (StreamingScores, local rows) of the last generate, collected by score()
         self.offpolicy = None  # trainer.mode one_step_off: the training side of the pipeline
         if roles is not None:
-            from rlhf.async_rl.pipeline import OneStepOff
+            from rlhf.train.async_rl.pipeline import OneStepOff
 
             self.offpolicy = OneStepOff(roles, device=self.device, dtype=self.rollout.dtype, rollout_tp=cfg.rollout.tp,
                                         lora=cfg.model.lora_rank > 0, total_steps=self.total_steps,

@@ -7,7 +7,8 @@ import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
-from rlhf.rollout import Sampler, SamplingParams, decoder
+from rlhf.models import decoder
+from rlhf.rollout import Sampler, SamplingParams
 from rlhf.rollout import sampler as sampler_mod
 from rlhf.rollout.kv_cache import kv_bytes_per_token
 from tests.unit.test_sampler import PROMPTS, _model, _sampler

@@ -6,15 +6,15 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from rlhf.config import Config
+from rlhf.schema.config import Config
 
 
 def run_one_step_off(cfg: Config, trainer_factory: Callable, *, dry_run: bool = False):
     """Every rank: split the world; training ranks build the trainer from ``trainer_factory`` and
     fit, rollout ranks run the rollout loop. Returns the trainer on training ranks, else None."""
-    from rlhf.async_rl.roles import Roles
-    from rlhf.checkpoint import find_resume_path
-    from rlhf.parallel import init_distributed
+    from rlhf.models.parallel import init_distributed
+    from rlhf.train.async_rl.roles import Roles
+    from rlhf.train.checkpoint import find_resume_path
 
     env = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.collective_timeout_s)
     roles = Roles.build(cfg, env)
@@ -22,7 +22,7 @@ def run_one_step_off(cfg: Config, trainer_factory: Callable, *, dry_run: bool = 
     box = [str(p) if (p := find_resume_path(cfg.checkpoint.resume, cfg.trainer.output_dir)) else None]
     dist.broadcast_object_list(box, src=0, device=env.device if env.device.type == "cuda" else None)
     if roles.is_rollout:
-        from rlhf.async_rl.rollout_worker import RolloutWorker
+        from rlhf.train.async_rl.rollout_worker import RolloutWorker
 
         worker = RolloutWorker(cfg, roles, box[0])
         if not dry_run:

@@ -26,10 +26,10 @@ from typing import Optional
 
 import torch
 
-from rlhf.async_rl.roles import Roles
-from rlhf.async_rl.transfer import WeightSender, recv_object
-from rlhf.batch import RolloutBatch
-from rlhf.parallel import all_reduce_max, all_reduce_sum
+from rlhf.models.parallel import all_reduce_max, all_reduce_sum
+from rlhf.schema.batch import RolloutBatch
+from rlhf.train.async_rl.roles import Roles
+from rlhf.train.async_rl.transfer import WeightSender, recv_object
 
 
 @dataclass(frozen=True)

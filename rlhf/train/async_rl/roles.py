@@ -25,9 +25,9 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlhf.config import Config, ConfigError
-from rlhf.parallel import DistEnv, ParallelDims
+from rlhf.models.parallel import DistEnv, ParallelDims
 from rlhf.rollout.reshard import RolloutLayout
+from rlhf.schema.config import Config, ConfigError
 
 
 def check_one_step_off(cfg: Config, world_size: int) -> int:

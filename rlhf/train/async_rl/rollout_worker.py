@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 
 from rlhf.agent.rollout import make_agent
-from rlhf.async_rl.pipeline import Schedule
-from rlhf.async_rl.roles import Roles
-from rlhf.async_rl.transfer import WeightReceiver, send_object
-from rlhf.batch import minibatch_major_shard
-from rlhf.config import Config
 from rlhf.models.loading import load_tokenizer, model_config
 from rlhf.rollout.engine import RolloutEngine, rollout_dtype
-from rlhf.data.prompts import load_data, make_loader, prompt_batch
+from rlhf.schema.batch import minibatch_major_shard
+from rlhf.schema.config import Config
+from rlhf.train.async_rl.pipeline import Schedule
+from rlhf.train.async_rl.roles import Roles
+from rlhf.train.async_rl.transfer import WeightReceiver, send_object
+from rlhf.train.prompts import load_data, make_loader, prompt_batch
 
 
 class RolloutWorker:
