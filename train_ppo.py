@@ -27,13 +27,13 @@ from rlhf.cli import train_main
 
 def build_trainer(cfg, dry_run: bool = False, **kw):
     if cfg.algorithm.adv_estimator != "gae":
-        from rlhf.trainer import RLTrainer
+        from rlhf.train.trainer import RLTrainer
 
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[rlhf] algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs no critic: training "
                   "without one, as train_grpo.py (verl's main_ppo does the same)", flush=True)
         return RLTrainer(cfg, dry_run=dry_run, **kw)
-    from rlhf.ppo_trainer import PPOTrainer
+    from rlhf.train.ppo_trainer import PPOTrainer
 
     return PPOTrainer(cfg, dry_run=dry_run, **kw)
 

@@ -1,5 +1,5 @@
 """Value checks of a loaded RL config (``rlhf.config`` builds and type-checks it; these checks
-need only the config, not the world size or the data: those are in rlhf/parallel.py and the trainer)."""
+need only the config, not the world size or the data: those are in rlhf/models/parallel.py and the trainer)."""
 
 from __future__ import annotations
 

@@ -248,7 +248,7 @@ class RLTrainer:
 
     def rebalance_groups(self, batch: RolloutBatch) -> RolloutBatch:
         """Exactly train_batch_size kept groups, dealt to dp ranks mini-batch-major (like fresh prompts).
-        Rows move with tensor collectives (rlhf/regroup.py); the per-row lists are rebuilt here."""
+        Rows move with tensor collectives (rlhf/train/regroup.py); the per-row lists are rebuilt here."""
         out = regroup_rows(batch, keep_groups=self.cfg.data.train_batch_size, dp_rank=self.dp_rank, dp=self.dims.dp,
                            mini_batch_size=self.cfg.actor.ppo_mini_batch_size, group=self.dp_group)
         examples = [self.train_data.examples[k] for k in out.index.tolist()]  # the group id is the dataset index

@@ -36,7 +36,7 @@ def test_export_equals_the_runs_hf_export(grpo_run, tiny_assets, tmp_path):
     from transformers import AutoModelForCausalLM
 
     ckpt = grpo_run / "checkpoints" / "global_step_1"
-    r = _module("rlhf.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"))
+    r = _module("rlhf.train.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"exported the actor of {ckpt} to {tmp_path / 'hf'}" in r.stdout and "Warning" not in r.stderr
     got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(grpo_run / "hf_export" / "model.safetensors")
@@ -67,8 +67,8 @@ def test_eval_takes_the_checkpoint_dir(grpo_run, tiny_assets):
 def test_export_errors_are_one_line(grpo_run, tmp_path):
     import shutil
 
-    from rlhf.checkpoint_export import export_checkpoint, hf_model_dir
-    from rlhf.config import ConfigError
+    from rlhf.export import export_checkpoint, hf_model_dir
+    from rlhf.schema.config import ConfigError
 
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
         export_checkpoint(grpo_run, tmp_path / "x")
@@ -95,8 +95,8 @@ def test_critic_export_is_a_value_model_a_later_run_starts_from(grpo_run, tiny_a
     (values equal to the checkpoint's critic, not to a fresh head's zeros)."""
     from transformers import AutoModelForTokenClassification
 
-    from rlhf.checkpoint_export import read_model_state
-    from rlhf.critic import load_value_model
+    from rlhf.export import read_model_state
+    from rlhf.train.critic import load_value_model
 
     out = tmp_path / "ppo"
     args = grpo_args(tiny_assets, out, **{"algorithm.adv_estimator": "gae", "critic.lr": 1e-2, "critic.ppo_mini_batch_size": 4,
@@ -107,7 +107,7 @@ def test_critic_export_is_a_value_model_a_later_run_starts_from(grpo_run, tiny_a
     r = run_script("train_ppo.py", args)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = out / "checkpoints" / "global_step_1"
-    r = _module("rlhf.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "critic"), "--role", "critic")
+    r = _module("rlhf.train.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "critic"), "--role", "critic")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"exported the critic of {ckpt}" in r.stdout
     want = read_model_state(ckpt, "critic")
@@ -123,8 +123,8 @@ def test_critic_export_is_a_value_model_a_later_run_starts_from(grpo_run, tiny_a
         values = critic(input_ids=ids).logits
         assert torch.equal(values, exported(input_ids=ids).logits) and values.abs().sum() > 0
     # a GRPO checkpoint has no critic: one line
-    from rlhf.checkpoint_export import export_checkpoint
-    from rlhf.config import ConfigError
+    from rlhf.export import export_checkpoint
+    from rlhf.schema.config import ConfigError
 
     with pytest.raises(ConfigError, match="holds no 'critic' model"):
         export_checkpoint(grpo_run / "checkpoints" / "global_step_1", tmp_path / "x", role="critic")

@@ -145,9 +145,10 @@ def test_chunked_prefill_folds_query_groups_instead_of_enable_gqa(monkeypatch):
 
 
 def test_kept_sampler_reloads_weights_in_place_and_reuses_its_cache():
-    from rlhf.config import RolloutConfig
     from rlhf.data.char_tokenizer import build_char_tokenizer
-    from rlhf.rollout.engine import PromptBatch, RolloutEngine
+    from rlhf.rollout.engine import RolloutEngine
+    from rlhf.schema.batch import PromptBatch
+    from rlhf.schema.config import RolloutConfig
 
     m = _model()
     prompts = PromptBatch(prompt_ids=PROMPTS, keys=list(range(5)), ground_truths=[""] * 5, data_sources=["x"] * 5,
@@ -174,7 +175,7 @@ def test_kept_sampler_reloads_weights_in_place_and_reuses_its_cache():
 
 @pytest.mark.parametrize("free", [True])
 def test_fresh_sampler_per_step_by_default(free):
-    from rlhf.config import RolloutConfig
+    from rlhf.schema.config import RolloutConfig
 
     assert RolloutConfig().free_cache_engine is free
 
