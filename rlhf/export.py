@@ -34,7 +34,9 @@ from typing import Any, Optional
 import torch
 import yaml
 
+from rlhf.cli import run_main
 from rlhf.schema.config import ConfigError
+from rlhf.train.checkpoint import _clean_names, hf_model_from_state_dict
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -54,8 +56,6 @@ def read_model_state(ckpt: Path, role: str = "actor") -> dict[str, torch.Tensor]
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from rlhf.train.checkpoint import _clean_names
 
     reader = FileSystemReader(str(ckpt / "model_optim"))
     prefix = f"{role}.model."
@@ -77,7 +77,6 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
 
     from rlhf.config.hub import resolve_model_path
     from rlhf.models.loading import check_model_dir, load_tokenizer
-    from rlhf.train.checkpoint import hf_model_from_state_dict
 
     ckpt, out = Path(ckpt), Path(out)
     if not is_checkpoint_dir(ckpt):
@@ -121,7 +120,6 @@ def _write_lora(sd: dict[str, torch.Tensor], config, model_cfg: dict, out: Path)
     from transformers import AutoModelForCausalLM
 
     from rlhf.models.lora import apply_lora, export_merged, hf_param_name, save_adapter
-    from rlhf.train.checkpoint import hf_model_from_state_dict
 
     if int(model_cfg.get("lora_rank", 0)) <= 0:
         raise ConfigError("the checkpoint holds LoRA adapters but the run's config.yaml has model.lora_rank 0")
@@ -160,8 +158,6 @@ def hf_model_dir(path: str, key: str = "--model") -> Iterator[str]:
 
 
 def main(argv=None) -> None:
-    from rlhf.cli import run_main
-
     ap = argparse.ArgumentParser(prog="python -m rlhf.checkpoint", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)

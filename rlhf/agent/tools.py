@@ -37,6 +37,7 @@ import yaml
 # Tool and ToolError are public here (custom tools subclass ``rlhf.agent.tools.Tool``); they are
 # defined in base.py so that the built-in tools, which this registry names, do not import the registry.
 from rlhf.agent.base import Tool, ToolError  # noqa: F401
+from rlhf.schema.config import ConfigError
 
 _REGISTRY: dict[str, Callable[[], type]] = {}
 
@@ -129,8 +130,6 @@ def read_tool_config(path: str) -> list[ToolSpec]:
 
 def load_tool_config(path: str, key: str = "rollout.multi_turn.tool_config_path") -> list[ToolSpec]:
     """:func:`read_tool_config` whose every failure is one ConfigError line naming ``key``."""
-    from rlhf.schema.config import ConfigError
-
     try:
         return read_tool_config(path)
     except (OSError, ValueError, TypeError, AttributeError, ImportError, SyntaxError, yaml.YAMLError) as e:

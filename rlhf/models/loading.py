@@ -9,6 +9,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
+from rlhf.models.decoder import check_supported
 from rlhf.schema.config import ConfigError
 
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -75,8 +76,6 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
                           key: str = "model.path") -> None:
     """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
     traceback from the sampler after the model has loaded)."""
-    from rlhf.models.decoder import check_supported
-
     try:
         check_supported(model_config(path, trust_remote_code, key), max_seq_len)
     except NotImplementedError as e:

@@ -7,6 +7,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from rlhf.schema.config import Config
+from rlhf.train.checkpoint import find_resume_path
 
 
 def run_one_step_off(cfg: Config, trainer_factory: Callable, *, dry_run: bool = False):
@@ -14,7 +15,6 @@ def run_one_step_off(cfg: Config, trainer_factory: Callable, *, dry_run: bool = 
     fit, rollout ranks run the rollout loop. Returns the trainer on training ranks, else None."""
     from rlhf.models.parallel import init_distributed
     from rlhf.train.async_rl.roles import Roles
-    from rlhf.train.checkpoint import find_resume_path
 
     env = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.collective_timeout_s)
     roles = Roles.build(cfg, env)
