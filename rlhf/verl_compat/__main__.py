@@ -1,7 +1,7 @@
 """``python -m rlhf.verl_compat ARGS``: print the native overrides of a verl command line.
 
-An entry point: the translation itself is :mod:`rlhf.config.verl` (config loading runs it on every
-yaml file and override); this module only reads a command line and prints the result.
+The translation itself is :mod:`rlhf.config.verl` (config loading runs it on every yaml file and
+override); this entry only reads a command line and prints the result.
 """
 
 from __future__ import annotations
