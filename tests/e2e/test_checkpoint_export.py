@@ -36,7 +36,7 @@ def test_export_equals_the_runs_hf_export(grpo_run, tiny_assets, tmp_path):
     from transformers import AutoModelForCausalLM
 
     ckpt = grpo_run / "checkpoints" / "global_step_1"
-    r = _module("rlhf.train.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"))
+    r = _module("rlhf.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"exported the actor of {ckpt} to {tmp_path / 'hf'}" in r.stdout and "Warning" not in r.stderr
     got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(grpo_run / "hf_export" / "model.safetensors")
@@ -107,7 +107,7 @@ def test_critic_export_is_a_value_model_a_later_run_starts_from(grpo_run, tiny_a
     r = run_script("train_ppo.py", args)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = out / "checkpoints" / "global_step_1"
-    r = _module("rlhf.train.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "critic"), "--role", "critic")
+    r = _module("rlhf.checkpoint", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "critic"), "--role", "critic")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"exported the critic of {ckpt}" in r.stdout
     want = read_model_state(ckpt, "critic")
