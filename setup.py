@@ -22,8 +22,10 @@ setup(
         "pyarrow",
     ],
     extras_require={
-        # The logger tests write with tensorboard, mlflow (sqlite store) and wandb (offline) and read the values back.
-        "test": ["pytest", "matplotlib", "math-verify", "tensorboard", "mlflow-skinny", "sqlalchemy", "alembic", "wandb"],
+        # The logger tests write with tensorboard, mlflow (sqlite store) and wandb (offline) and read the values back;
+        # import-linter checks the package's layers (.importlinter; lint-imports, tests/unit/test_layers.py).
+        "test": ["pytest", "matplotlib", "math-verify", "tensorboard", "mlflow-skinny", "sqlalchemy", "alembic", "wandb",
+                 "import-linter"],
         "gpu": ["flash-attn"],
         "log": ["tensorboard", "mlflow"],
         "math": ["math-verify"],

@@ -16,8 +16,8 @@ from rlhf.cli import train_main
 
 
 def build_trainer(cfg, dry_run: bool = False, **kw):
-    from rlhf.config import ConfigError
-    from rlhf.trainer import RLTrainer
+    from rlhf.schema.config import ConfigError
+    from rlhf.train.trainer import RLTrainer
 
     if cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("algorithm.adv_estimator 'gae' trains a critic: run train_ppo.py")

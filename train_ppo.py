@@ -12,7 +12,7 @@ per-token KL penalty in the reward), then updates the critic and, after
     torchrun --nnodes=N --nproc_per_node=8 ... train_ppo.py --config configs/ppo_qwen2.5_0.5b_gsm8k.yaml
 
 This is also the place of verl's `python3 -m verl.trainer.main_ppo ARGS`: verl's key names
-are accepted (rlhf/verl_compat.py), and as in verl a critic is trained only for
+are accepted (rlhf/config/verl.py), and as in verl a critic is trained only for
 `algorithm.adv_estimator=gae`; a critic-free estimator (grpo, rloo, ...) runs as train_grpo.py.
 
 The critic starts from `critic.model_path` (empty = the actor's checkpoint, fresh value
@@ -27,13 +27,13 @@ from rlhf.cli import train_main
 
 def build_trainer(cfg, dry_run: bool = False, **kw):
     if cfg.algorithm.adv_estimator != "gae":
-        from rlhf.trainer import RLTrainer
+        from rlhf.train.trainer import RLTrainer
 
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[rlhf] algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs no critic: training "
                   "without one, as train_grpo.py (verl's main_ppo does the same)", flush=True)
         return RLTrainer(cfg, dry_run=dry_run, **kw)
-    from rlhf.ppo_trainer import PPOTrainer
+    from rlhf.train.ppo_trainer import PPOTrainer
 
     return PPOTrainer(cfg, dry_run=dry_run, **kw)
 

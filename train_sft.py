@@ -12,7 +12,7 @@ from rlhf.cli import load, parse_args, run_main
 
 def main() -> None:
     args = parse_args(__doc__)
-    from rlhf.sft import SFTConfig, run_sft, validate_sft
+    from rlhf.train.sft import SFTConfig, run_sft, validate_sft
 
     cfg = load(args, cls=SFTConfig, check=validate_sft)
     run_sft(cfg, dry_run=args.dry_run)

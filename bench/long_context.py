@@ -39,11 +39,11 @@ def _rss_bytes() -> float:
 
 
 def _worker(rank: int, world: int, store: str, model_dir: str, tokens: int, out: str) -> None:
-    from rlhf.actor import PolicyWorker
-    from rlhf.batch import RolloutBatch
-    from rlhf.config import ActorConfig, ModelConfig
+    from rlhf.models.parallel import ParallelDims
     from rlhf.ops.memory import _read_hwm_bytes, _reset_hwm
-    from rlhf.parallel import ParallelDims
+    from rlhf.schema.batch import RolloutBatch
+    from rlhf.schema.config import ActorConfig, ModelConfig
+    from rlhf.train.actor import PolicyWorker
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)

@@ -42,8 +42,8 @@ def child(workdir: Path, out: Path) -> None:
     import torch.distributed as dist
 
     from bench.train_step import PeakRSS
-    from rlhf.config import load_config
-    from rlhf.trainer import RLTrainer
+    from rlhf.config.load import load_config
+    from rlhf.train.trainer import RLTrainer
 
     cfg = load_config(None, overrides(workdir))
     with PeakRSS() as mem:
@@ -54,7 +54,7 @@ def child(workdir: Path, out: Path) -> None:
 
 
 def run_case(size: str, world: int, tmp: Path) -> dict:
-    from rlhf.config import load_config
+    from rlhf.config.load import load_config
     from rlhf.data.synthetic import make_addition_task
     from rlhf.models.tiny import write_tiny_model
     from rlhf.planner import plan_from_config

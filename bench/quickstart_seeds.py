@@ -78,7 +78,7 @@ def sft_loss_floor(sft_file: Path, carry_error: float = 0.6) -> float:
 
 
 def one_seed(k: int, args, out: Path) -> dict:
-    from rlhf.metrics import read_metrics
+    from rlhf.ops.metrics import read_metrics
 
     row: dict = {"seed": k}
     sft_model = args.sft_model

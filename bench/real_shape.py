@@ -102,8 +102,8 @@ def child(workdir: Path, out: Path, args) -> None:
     import torch.distributed as dist
 
     from bench.train_step import PeakRSS
-    from rlhf.config import load_config
-    from rlhf.trainer import RLTrainer
+    from rlhf.config.load import load_config
+    from rlhf.train.trainer import RLTrainer
 
     cfg = load_config(None, overrides(workdir, args))
     steps = []
@@ -134,7 +134,7 @@ def main() -> None:
         child(Path(args.child[0]), Path(args.child[1]), args)
         return
 
-    from rlhf.config import load_config
+    from rlhf.config.load import load_config
     from rlhf.planner import plan_from_config
 
     with tempfile.TemporaryDirectory() as d:

@@ -56,7 +56,7 @@ def popen(args: list[str]) -> subprocess.Popen:
 
 
 def hang_run(workdir: Path, hang: bool, steps: int, timeout_s: float) -> dict:
-    from rlhf.metrics import read_metrics
+    from rlhf.ops.metrics import read_metrics
 
     f = workdir / f"reward_{hang}.py"
     f.write_text(f"HANG = {hang}\n" + REWARD)

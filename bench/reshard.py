@@ -44,13 +44,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from rlhf.actor import PolicyWorker  # noqa: E402
-from rlhf.batch import RolloutBatch, minibatch_major_shard  # noqa: E402
-from rlhf.config import ActorConfig, ModelConfig, ParallelConfig, RolloutConfig  # noqa: E402
 from rlhf.models.loading import load_tokenizer  # noqa: E402
 from rlhf.models.tiny import write_tiny_model  # noqa: E402
-from rlhf.rollout.engine import PromptBatch, RolloutEngine  # noqa: E402
+from rlhf.rollout.engine import RolloutEngine  # noqa: E402
 from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights  # noqa: E402
+from rlhf.schema.batch import PromptBatch, RolloutBatch, minibatch_major_shard  # noqa: E402
+from rlhf.schema.config import ActorConfig, ModelConfig, ParallelConfig, RolloutConfig  # noqa: E402
+from rlhf.train.actor import PolicyWorker  # noqa: E402
 
 MODELS = {
     "quickstart": {},  # rlhf.models.tiny defaults

@@ -38,7 +38,7 @@ def _run(cmd: list[str]) -> float:
 def pad_share(data_dir: Path, model_dir: Path, rows: int, micro: int) -> float:
     """Share of pad positions in padded micro-batches of the rows in file order (generated in random order)."""
     from rlhf.models.loading import load_tokenizer
-    from rlhf.sft import SFTSettings, _read_rows, tokenize_sft
+    from rlhf.train.sft import SFTSettings, _read_rows, tokenize_sft
 
     tok = load_tokenizer(str(model_dir))
     examples, _ = tokenize_sft(_read_rows(str(data_dir / "sft.jsonl"))[:rows], tok,
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--micro", type=int, default=16, help="rows per rank per step")
     args = ap.parse_args()
-    from rlhf.metrics import read_metrics
+    from rlhf.ops.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="bench_sft_") as tmp:
         tmp = Path(tmp)

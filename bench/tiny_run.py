@@ -15,7 +15,7 @@ def tiny_grpo_rows(assets: Path, out: Path, *, batch: int, n: int, response: int
     """Run train_grpo.py on ``tests._assets`` (``nproc`` > 1: under torchrun) with one mini-batch of
     ``batch`` prompts x ``n`` samples per step and ``over`` overrides; the training steps' metric
     rows after the first ``warmup``."""
-    from rlhf.metrics import read_metrics
+    from rlhf.ops.metrics import read_metrics
 
     cfg = {"model.path": assets / "model", "data.train_files": assets / "data" / "train.parquet",
            "data.val_files": "", "data.max_prompt_length": 16, "data.max_response_length": response,

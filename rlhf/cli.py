@@ -11,12 +11,13 @@ import os
 import sys
 from typing import Callable
 
-from rlhf.checkpoint import CheckpointError
-from rlhf.config import ConfigError, describe, load_config
+from rlhf.config.load import load_config
+from rlhf.config.verl import check_launch_world
 from rlhf.data.dataset import DataError
-from rlhf.optim import NonFiniteError
 from rlhf.rewards.scoring import RewardFailureError
-from rlhf.verl_compat import check_launch_world
+from rlhf.schema.config import ConfigError, describe
+from rlhf.train.checkpoint import CheckpointError
+from rlhf.train.optim import NonFiniteError
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, CheckpointError, NonFiniteError, RewardFailureError)
 
@@ -68,7 +69,7 @@ def config_file(args: argparse.Namespace):
     """``--config FILE``, or Hydra's ``--config-path DIR --config-name NAME`` (verl's form) as a file."""
     from pathlib import Path
 
-    from rlhf.config import ConfigError
+    from rlhf.schema.config import ConfigError
 
     if not getattr(args, "config_name", None):
         if getattr(args, "config_path", None):
@@ -121,9 +122,9 @@ def print_memory_plan(cfg, args) -> bool:
 def check_tokenizer_and_data(cfg) -> None:
     """The dry-run checks that need no process group: the trainer's start-up checks (names, reward
     function, LoRA layout), tokenizer, prompt files and the batch size against them."""
-    from rlhf.config_checks import check_startup
-    from rlhf.data.prompts import load_data, make_loader
+    from rlhf.config.checks import check_startup
     from rlhf.models.loading import load_tokenizer
+    from rlhf.train.prompts import load_data, make_loader
 
     check_startup(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
@@ -149,7 +150,7 @@ def train_main(doc: str, trainer_factory: Callable) -> None:
         if args.dry_run and not print_memory_plan(cfg, args):
             return
         if cfg.trainer.mode == "one_step_off":
-            from rlhf.async_rl import run_one_step_off
+            from rlhf.train.async_rl import run_one_step_off
 
             trainer = run_one_step_off(cfg, trainer_factory, dry_run=args.dry_run)
             if args.dry_run and trainer is not None and trainer.env.is_main:

@@ -5,7 +5,7 @@
 
 Prompts are dealt to ranks round-robin; generation uses the training run's sampler, keyed by
 (seed, prompt index, sample), so the generations and the numbers do not depend on the number
-of ranks. Metrics (rlhf.evaluation): pass@1 (mean over samples), unbiased pass@k (Chen et al.
+of ranks. Metrics (rlhf.train.evaluation): pass@1 (mean over samples), unbiased pass@k (Chen et al.
 2021), maj@k (needs a reward that returns ``pred``, e.g. ``math``), mean response length and
 truncation rate, per data_source and over all. ``--out DIR`` writes ``summary.json`` and
 ``generations.jsonl`` (one row per sample).
@@ -23,7 +23,7 @@ import json
 import time
 from pathlib import Path
 
-from rlhf.config import ConfigError, MultiTurnConfig, RolloutConfig
+from rlhf.schema.config import ConfigError, MultiTurnConfig, RolloutConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,14 +72,15 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     from rlhf.agent.rollout import make_agent
     from rlhf.agent.tools import load_tool_config, tool_schemas
-    from rlhf.checkpoint_export import hf_model_dir
     from rlhf.data.dataset import load_prompt_dataset
-    from rlhf.evaluation import format_table, score_batch, summarize
+    from rlhf.export import hf_model_dir
     from rlhf.models.loading import load_causal_lm, load_tokenizer
-    from rlhf.parallel import all_gather_object, init_distributed
+    from rlhf.models.parallel import all_gather_object, init_distributed
     from rlhf.rewards.pool import make_scorer
-    from rlhf.rollout.engine import PromptBatch, RolloutEngine
+    from rlhf.rollout.engine import RolloutEngine
     from rlhf.rollout.reshard import RolloutLayout
+    from rlhf.schema.batch import PromptBatch
+    from rlhf.train.evaluation import format_table, score_batch, summarize
 
     env = init_distributed(args.device)
     # checked before any work: every failure is one line naming --tool-config

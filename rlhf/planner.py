@@ -58,7 +58,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rlhf.config import Config, ConfigError
+from rlhf.schema.config import Config, ConfigError
 
 RANKS_PER_NODE = 8  # GPUs of one node: the ranks that load on one host at once
 
@@ -297,16 +297,16 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     ``flash_attn``: whether flash-attn is installed (the CUDA decode kernel in fp16 / bf16; else the
     gather kernel and its buffers are counted). ``host_memory``: the machine's memory, to warn when
     the per-node host total at load exceeds it."""
-    from rlhf.async_rl.transfer import SEND_BUCKET_BYTES
+    from rlhf.models.parallel import ParallelDims
     from rlhf.models.parallelize import validate_layout
-    from rlhf.parallel import ParallelDims
     from rlhf.rollout.engine import rollout_dtype
+    from rlhf.train.async_rl.transfer import SEND_BUCKET_BYTES
 
     s, m, d, r, a = shape, cfg.model, cfg.data, cfg.rollout, cfg.actor
     # trainer.mode one_step_off: half the world trains, the other half generates.
     one_step_off = cfg.trainer.mode == "one_step_off"
     if one_step_off:
-        from rlhf.async_rl.roles import check_one_step_off
+        from rlhf.train.async_rl.roles import check_one_step_off
 
         check_one_step_off(cfg, world_size)  # the split's own one-line errors, before sizing half a world
     role_world = world_size // 2 if one_step_off else world_size
@@ -542,7 +542,7 @@ def plan_from_config(cfg: Config, *, world_size: int, device: str) -> MemoryPlan
 
 
 def main(argv=None) -> None:
-    from rlhf.config import load_config
+    from rlhf.config.load import load_config
 
     ap = argparse.ArgumentParser(description="Plan per-rank memory of a run from config.json (no weights).")
     ap.add_argument("--config", help="yaml config file")

@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rlhf.metrics import read_metrics  # noqa: E402
+from rlhf.ops.metrics import read_metrics  # noqa: E402
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

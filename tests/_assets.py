@@ -29,7 +29,7 @@ def write_tool_assets(d: Path, *, steps: int = 100, n_demos: int = 16, seed: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.data.arithmetic import tool_call
-    from rlhf.sft import SFTSettings, sft_loss, tokenize_sft
+    from rlhf.train.sft import SFTSettings, sft_loss, tokenize_sft
 
     write_tiny_assets(d, n_train=64, n_val=16)
     (d / "tools.yaml").write_text(TOOL_CONFIG)

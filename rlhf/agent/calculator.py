@@ -14,7 +14,7 @@ import math
 import operator
 from typing import Union
 
-from rlhf.agent.tools import Tool, ToolError
+from rlhf.agent.base import Tool, ToolError
 
 Number = Union[int, float]
 

@@ -26,8 +26,8 @@ from rlhf.agent.loop import AgentLoop
 from rlhf.agent.parser import ERROR_KINDS
 from rlhf.agent.runner import make_tool_runner
 from rlhf.agent.tools import load_tool_config
-from rlhf.config import ConfigError, MultiTurnConfig
-from rlhf.parallel import all_reduce_sum
+from rlhf.models.parallel import all_reduce_sum
+from rlhf.schema.config import ConfigError, MultiTurnConfig
 
 
 class ToolAgent:
@@ -89,7 +89,7 @@ class ToolAgent:
         ``rollout_reward_scores`` (``{tool name: [rewards]}``) and ``tool_rewards`` (all, in call order
         per tool). Collective over ``group`` (the ranks that generated: rows come from any replica);
         ``batch`` holds ``n`` samples per prompt in order."""
-        from rlhf.parallel import all_gather_object
+        from rlhf.models.parallel import all_gather_object
 
         merged: dict = {}
         for piece in all_gather_object(loop.step_rewards, group):

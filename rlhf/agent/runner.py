@@ -62,6 +62,7 @@ class ToolPool(RewardPool):
     """``num_workers`` tool processes (fresh interpreters loading the tools of ``specs``)."""
 
     role = "tool"
+    worker_module = "rlhf.agent.tool_worker"
     timeout_key = "rollout.multi_turn.tool_timeout_s"
 
     def __init__(self, specs: list[ToolSpec], *, num_workers: int, timeout_s: float, label: str = "tools") -> None:

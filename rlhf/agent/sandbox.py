@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rlhf.agent.tools import Tool, ToolError
+from rlhf.agent.base import Tool, ToolError
 
 BOOT = str(Path(__file__).with_name("sandbox_boot.py"))
 

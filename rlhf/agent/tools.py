@@ -1,4 +1,5 @@
-"""Tools the policy can call: the base class, the registry, the tool config file, argument checks.
+"""Tools the policy can call: the registry, the tool config file, argument checks (the base class:
+:mod:`rlhf.agent.base`, re-exported here).
 
 A tool is a class with an OpenAI function schema and a ``__call__(**arguments) -> str``::
 
@@ -33,35 +34,10 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-
-class ToolError(Exception):
-    """A tool call that failed in a way the model should read about (the message is the observation)."""
-
-
-class Tool:
-    """Base class of tools; ``config`` holds the keyword settings from the tool config file."""
-
-    schema: dict = {}
-
-    def __init__(self, **config: Any) -> None:
-        if config:
-            raise TypeError(f"{type(self).__name__} takes no config, got {sorted(config)}")
-
-    def __call__(self, **arguments: Any) -> str:
-        raise NotImplementedError
-
-    def execute(self, arguments: dict, create_kwargs: dict) -> "str | tuple[str, float]":
-        """One call with the trajectory's per-sample kwargs: verl's ``extra_info.tools_kwargs[<tool
-        name>].create_kwargs`` of the prompt (e.g. ``{"ground_truth": ...}``), ``{}`` when it has none.
-        Return the observation, or ``(observation, step reward)`` (verl's ``execute`` reward; the
-        trajectory's step rewards reach the reward function in ``extra_info``). Default: ``self(**arguments)``.
-        Calls are independent (tools run in worker processes): what verl keeps per instance between
-        ``create`` and ``release`` comes with each call here."""
-        return self(**arguments)
-
-    def close(self) -> None:
-        """Release what the tool holds (called when its worker ends)."""
-
+# Tool and ToolError are public here (custom tools subclass ``rlhf.agent.tools.Tool``); they are
+# defined in base.py so that the built-in tools, which this registry names, do not import the registry.
+from rlhf.agent.base import Tool, ToolError  # noqa: F401
+from rlhf.schema.config import ConfigError
 
 _REGISTRY: dict[str, Callable[[], type]] = {}
 
@@ -154,8 +130,6 @@ def read_tool_config(path: str) -> list[ToolSpec]:
 
 def load_tool_config(path: str, key: str = "rollout.multi_turn.tool_config_path") -> list[ToolSpec]:
     """:func:`read_tool_config` whose every failure is one ConfigError line naming ``key``."""
-    from rlhf.config import ConfigError
-
     try:
         return read_tool_config(path)
     except (OSError, ValueError, TypeError, AttributeError, ImportError, SyntaxError, yaml.YAMLError) as e:

@@ -41,9 +41,9 @@ from typing import Any, Callable, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf.data.answers import extract_solution
+from rlhf.data.answers import extract_boxed_answer
 from rlhf.data.dataset import DataError, read_rows
-from rlhf.rewards.gsm8k import extract_solution
-from rlhf.rewards.math_answer import extract_boxed_answer
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."

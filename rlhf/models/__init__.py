@@ -1,1 +1,2 @@
-"""Model loading, parallelisation (FSDP2, TP, PP, activation checkpointing), LoRA and forward passes."""
+"""Models and their layouts: loading, the process mesh (ParallelDims), parallelisation (FSDP2, TP, PP, SP,
+activation checkpointing), LoRA, forward passes, the sampler's functional decoder and model families."""

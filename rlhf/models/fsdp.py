@@ -69,7 +69,7 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
         kwargs["mp_policy"] = mp
     if param_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs a GPU
-        if device.type == "cuda":  # the optimizer step runs on the host (foreach AdamW: rlhf.optim)
+        if device.type == "cuda":  # the optimizer step runs on the host (foreach AdamW: rlhf.train.optim)
             set_offload_threads()
     for block in decoder_layers(model):
         fully_shard(block, **kwargs)

@@ -9,7 +9,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
-from rlhf.config import ConfigError
+from rlhf.models.decoder import check_supported
+from rlhf.schema.config import ConfigError
 
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
@@ -103,8 +104,6 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
                           key: str = "model.path") -> None:
     """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
     traceback from the sampler after the model has loaded)."""
-    from rlhf.rollout.decoder import check_supported
-
     config = model_config(path, trust_remote_code, key)
     try:
         check_supported(config, max_seq_len)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from rlhf.parallel import to_mesh_device
+from rlhf.models.parallel import to_mesh_device
 
 __all__ = [
     "apply_lora",

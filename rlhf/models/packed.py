@@ -25,8 +25,8 @@ from torch import nn
 
 from rlhf.data.packing import PackedBatch, unpad
 from rlhf.models.ulysses import SpShard, gather_token_values, shard_packed
-from rlhf.models.vocab_parallel import log_probs_from_logits
 from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention, varlen_kernel
+from rlhf.models.vocab_parallel import log_probs_from_logits
 
 __all__ = [
     "ResponsePositions",

@@ -32,15 +32,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from rlhf.config import ConfigError
 from rlhf.models.activation_checkpointing import apply_ac
 from rlhf.models.fsdp import apply_fsdp
 from rlhf.models.loading import decoder_layers
+from rlhf.models.parallel import ParallelDims, fsdp_mesh
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
 from rlhf.models.shard_init import params_to_meta
 from rlhf.models.tensor_parallel import apply_tp, moe_sizes
 from rlhf.models.ulysses import check_sp
-from rlhf.parallel import ParallelDims, fsdp_mesh
+from rlhf.schema.config import ConfigError
 
 
 @dataclass
@@ -123,8 +123,8 @@ def parallelize_model(
         model: an HF ``*ForCausalLM`` (or ``*ForTokenClassification`` critic with
             ``pp_output="values"``) on CPU in its master dtype; the caller should drop its
             reference afterwards (with pp, the other ranks' layers are then freed).
-        mesh: the ("pp", "dp", "tp") mesh of :class:`rlhf.parallel.ParallelDims`.
-        cfg: a :class:`rlhf.config.ParallelConfig` (reads ``pp_schedule`` and
+        mesh: the ("pp", "dp", "tp") mesh of :class:`rlhf.models.parallel.ParallelDims`.
+        cfg: a :class:`rlhf.schema.config.ParallelConfig` (reads ``pp_schedule`` and
             ``pp_microbatches``; sizes come from the mesh).
         device: this rank's device.
         activation_checkpointing: recompute each decoder block in the backward.

@@ -68,7 +68,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from rlhf.rollout.arch import SUPPORTED_MODEL_TYPES as _SUPPORTED_MODEL_TYPES  # the families, one list
+from rlhf.models.arch import SUPPORTED_MODEL_TYPES as _SUPPORTED_MODEL_TYPES  # the families, one list
 
 # The class names below are what users see in errors.
 _SEQUENCE_PARALLEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")

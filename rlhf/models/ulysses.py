@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf.config import ConfigError
 from rlhf.data.packing import PackedBatch
+from rlhf.schema.config import ConfigError
 
 __all__ = ["SpShard", "shard_packed", "gather_token_values", "ulysses_attention", "kv_repeat_factor", "check_sp"]
 

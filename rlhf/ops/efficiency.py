@@ -21,9 +21,9 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf.models.parallel import all_reduce_max, all_reduce_sum
 from rlhf.ops.flops import model_flops_per_token
 from rlhf.ops.hardware import peak_flops
-from rlhf.parallel import all_reduce_max, all_reduce_sum
 
 
 class EfficiencyMeter:

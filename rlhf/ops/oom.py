@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config import Config, ConfigError
+from rlhf.schema.config import Config, ConfigError
 
 # Phase -> the (section, key) budgets halved when it runs out of memory.
 _SAMPLER = (("rollout", "max_num_seqs"), ("rollout", "kv_cache_tokens"), ("rollout", "kv_cache_memory"),

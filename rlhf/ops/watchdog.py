@@ -7,7 +7,7 @@ on gloo's default of 30 minutes, look hung). Each rank here runs a daemon thread
 over a side channel that does not need the stuck rank: the job's TCPStore (torchrun's agent
 hosts it at ``MASTER_ADDR:MASTER_PORT``). Every ``interval_s`` a rank writes
 ``[beat, phase, step, seq, done]`` to its key, where ``seq`` counts the phase boundaries
-(:class:`rlhf.metrics.PhaseTimer` enter and exit) its main thread has crossed. Ranks 0 and 1
+(:class:`rlhf.ops.metrics.PhaseTimer` enter and exit) its main thread has crossed. Ranks 0 and 1
 watch every key and end the job when a rank
 
 * has not beaten for ``heartbeat_timeout_s`` (the whole process is stopped or gone), or
@@ -37,7 +37,7 @@ EXIT_CODE = 3  # distinct from 1 (a Python exception) and 2 (a user error)
 
 
 class Watchdog:
-    """Heartbeat thread of one rank; a :class:`rlhf.metrics.PhaseTimer` listener.
+    """Heartbeat thread of one rank; a :class:`rlhf.ops.metrics.PhaseTimer` listener.
 
     Args:
         rank, world_size: this process in the job.

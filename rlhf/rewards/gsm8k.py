@@ -13,32 +13,9 @@ The comparison is string equality after normalisation, as in verl (``"85.0" != "
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
-# verl clips to the tail: the answer is at the end and the regex is slow on long strings.
-_SOLUTION_CLIP_CHARS = 300
-_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
-_NUMBER_RE = re.compile(r"(\-?[0-9\.\,]+)")
-
-
-def _normalize(number: str) -> str:
-    return number.replace(",", "").replace("$", "")
-
-
-def extract_solution(solution_str: str, method: Literal["strict", "flexible"] = "strict") -> str | None:
-    """The final answer in ``solution_str``, or None when there is none."""
-    if method not in ("strict", "flexible"):
-        raise ValueError(f"method must be 'strict' or 'flexible', got '{method}'")
-    if len(solution_str) > _SOLUTION_CLIP_CHARS:
-        solution_str = solution_str[-_SOLUTION_CLIP_CHARS:]
-    if method == "strict":
-        found = _STRICT_RE.findall(solution_str)
-        return _normalize(found[-1]) if found else None
-    for candidate in reversed(_NUMBER_RE.findall(solution_str)):
-        if candidate not in ("", "."):
-            return _normalize(candidate)
-    return None
+from rlhf.data.answers import _normalize, extract_solution
 
 
 def compute_score(

@@ -19,48 +19,11 @@ import json
 import threading
 from typing import Any, Optional
 
+# Re-exported: the extraction is shared with dataset preparation (rlhf.data.prepare), one layer down.
+from rlhf.data.answers import extract_boxed_answer, last_boxed_only_string, remove_boxed  # noqa: F401
+
 MATH_VERIFY_HINT = 'math-verify is not installed; run: pip install -e ".[math]"  (or: pip install math-verify)'
 DEFAULT_TIMEOUT_S = 5
-
-
-def last_boxed_only_string(text: str) -> Optional[str]:
-    """The last ``\\boxed{...}`` (or ``\\fbox{...}``) of ``text`` with balanced braces, or None.
-
-    ``\\boxed 5`` (no braces) is accepted up to the next space or ``$``.
-    """
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    head = "\\boxed" if text.startswith("\\boxed", start) else "\\fbox"
-    rest = text[start + len(head):]
-    if rest.startswith(" "):
-        body = rest[1:].split("$")[0].split(" ")[0]
-        return f"{head}{{{body}}}" if body else None
-    if not rest.startswith("{"):
-        return None
-    depth = 0
-    for i, ch in enumerate(rest):
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return head + rest[: i + 1]
-    return None  # unbalanced: the response was cut inside the box
-
-
-def remove_boxed(boxed: str) -> str:
-    """``\\boxed{x}`` -> ``x`` (the inverse of the wrapping done by :func:`last_boxed_only_string`)."""
-    for head in ("\\boxed{", "\\fbox{"):
-        if boxed.startswith(head) and boxed.endswith("}"):
-            return boxed[len(head):-1]
-    raise ValueError(f"not a boxed expression: {boxed!r}")
-
-
-def extract_boxed_answer(text: str) -> Optional[str]:
-    """Content of the last box in ``text``, or None when there is no complete box."""
-    boxed = last_boxed_only_string(text)
-    return remove_boxed(boxed).strip() if boxed is not None else None
 
 
 def _math_verify():

@@ -103,10 +103,10 @@ class _Job:
 class _Worker:
     """One child process and the parent's end of its connection."""
 
-    def __init__(self, init: tuple) -> None:
+    def __init__(self, init: tuple, module: str) -> None:
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlhf.rewards.worker", str(child_sock.fileno())],
+        self.proc = subprocess.Popen([sys.executable, "-m", module, str(child_sock.fileno())],
                                      pass_fds=[child_sock.fileno()], stdin=subprocess.DEVNULL, env=env)
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
@@ -135,6 +135,9 @@ class RewardPool:
     """
 
     role = "reward"
+    # The module each worker process runs (`python -m`); the tool pool names its own, so that this
+    # layer never imports the tools.
+    worker_module = "rlhf.rewards.worker"
     timeout_key = "reward.timeout_s"
 
     def __init__(self, spec: str, reward_kwargs: Optional[dict] = None, *, num_workers: int, timeout_s: float) -> None:
@@ -160,7 +163,7 @@ class RewardPool:
         self._fatal: Optional[str] = None
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
-        self._workers = [_Worker(init) for _ in range(num_workers)]
+        self._workers = [_Worker(init, self.worker_module) for _ in range(num_workers)]
         self._thread = threading.Thread(target=self._loop, name="reward-pool", daemon=True)
         self._thread.start()
 
@@ -344,7 +347,7 @@ class RewardPool:
                 job.collector.fail(i, reason.format(code=code), timeout=timeout)
                 self._finish_one(job)
             self._queue.extendleft(reversed(w.inflight))
-            self._workers[self._workers.index(w)] = _Worker(self._init)
+            self._workers[self._workers.index(w)] = _Worker(self._init, self.worker_module)
             self._timeouts += timeout
             if self.fail_fast and not self._answers and self._timeouts >= len(self._workers):
                 self._tripped = True

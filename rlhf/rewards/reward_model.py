@@ -30,12 +30,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
-from rlhf.batch import RolloutBatch, split_rows
-from rlhf.config import ConfigError, RewardModelConfig
-from rlhf.critic import value_head
 from rlhf.models.fsdp import apply_fsdp
 from rlhf.models.loading import DTYPES, check_model_dir, load_tokenizer
 from rlhf.models.logprobs import position_ids_from_mask
+from rlhf.models.value_head import value_head
+from rlhf.schema.batch import RolloutBatch, split_rows
+from rlhf.schema.config import ConfigError, RewardModelConfig
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _SENTINEL = "\u2063RLHF_PROMPT\u2063"

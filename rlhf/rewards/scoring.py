@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from rlhf.config import ConfigError
+from rlhf.schema.config import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from rlhf.parallel import all_gather_object
+from rlhf.models.parallel import all_gather_object
 from rlhf.rewards.pool import RewardPool
 from rlhf.rewards.scoring import ScoreResult
 
@@ -28,7 +28,7 @@ class StreamingScores:
     """The ``on_finished`` hook of one generation call and the collection of its scores."""
 
     def __init__(self, pool: RewardPool, tokenizer, prompts):
-        """``prompts``: the global :class:`rlhf.rollout.engine.PromptBatch` being generated."""
+        """``prompts``: the global :class:`rlhf.schema.batch.PromptBatch` being generated."""
         self.pool, self.tokenizer, self.prompts = pool, tokenizer, prompts
         self.jobs: list[tuple[list[tuple[int, int]], int]] = []  # (rows, pool ticket)
 

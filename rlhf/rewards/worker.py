@@ -10,7 +10,8 @@ Protocol (pickled tuples):
 * worker -> parent: ``("ready",)`` or ``("init_error", message)``, then one
   ``("ok", job, i, score, metrics, pred)`` / ``("fail", job, i, message)`` per sample, in order.
 
-A tool worker (:class:`rlhf.agent.runner.ToolPool`) gets ``("init_tools", tool_specs)`` instead,
+A tool worker (:class:`rlhf.agent.runner.ToolPool`, running :mod:`rlhf.agent.tool_worker`, which
+calls :func:`main` with its own runner) gets ``("init_tools", tool_specs)`` instead,
 then ``("work", [(job, i, tool_name, arguments), ...])`` and answers ``("ok", job, i, text, error
 kind or None)`` (a tool that raises is an answer, not a failure of the worker).
 
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Callable, Optional
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -37,14 +39,16 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(1)
 
 
-def main(fd: int) -> None:
+def main(fd: int, make_runner: Optional[Callable] = None) -> None:
+    """Serve one pool's calls; ``make_runner(*init)`` returns the function each sample goes through
+    (default: the reward function named by the ``init`` message)."""
     # Ctrl-C reaches the whole process group; the parent decides when workers end.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     conn = Connection(fd)
     kind, *init = conn.recv()
     try:
-        run = _tool_runner(*init) if kind == "init_tools" else _reward_runner(*init)
+        run = (make_runner or _reward_runner)(*init)
     except Exception as e:  # reported to the parent, which fails the run with this message
         conn.send(("init_error", f"{type(e).__name__}: {e}"))
         return
@@ -69,12 +73,6 @@ def _reward_runner(spec: str, reward_kwargs):
 
     fn = get_reward_fn(spec, reward_kwargs)
     return lambda *sample: score_one(fn, *sample)
-
-
-def _tool_runner(tool_specs):
-    from rlhf.agent.tools import ToolSet
-
-    return ToolSet(tool_specs).run
 
 
 if __name__ == "__main__":

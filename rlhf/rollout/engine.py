@@ -4,7 +4,7 @@ Produces the fixed-shape `RolloutBatch` the training phases consume: prompts lef
 to `max_prompt_length`, responses right-padded to `max_response_length`.
 
 Layouts. Given the *global* prompt batch and the rows this training rank owns
-(``local_rows``, mini-batch-major order, see ``rlhf.batch.minibatch_major_shard``), the
+(``local_rows``, mini-batch-major order, see ``rlhf.schema.batch.minibatch_major_shard``), the
 prompts are split into ``rollout.dp = world / rollout.tp`` contiguous chunks, one per
 rollout replica (a rollout TP group generates one chunk together). The generated rows
 are then all-gathered over the ranks that share a rollout-TP rank (token ids, lengths
@@ -16,36 +16,18 @@ so the responses do not depend on which replica generated them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from rlhf.batch import RolloutBatch
-from rlhf.config import RolloutConfig
 from rlhf.models.lora import merged_weights_for_rollout
 from rlhf.rollout.exchange import exchange_rows
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 from rlhf.rollout.turns import TurnHandler
-
-
-@dataclass
-class PromptBatch:
-    """This rank's prompts for a step (global dataset indices keep sampling layout-invariant)."""
-
-    prompt_ids: list[list[int]]
-    keys: list[int]
-    ground_truths: list[str]
-    data_sources: list[str]
-    extra_infos: list[dict]
-
-    def subset(self, rows: list[int]) -> "PromptBatch":
-        return PromptBatch(prompt_ids=[self.prompt_ids[i] for i in rows], keys=[self.keys[i] for i in rows],
-                           ground_truths=[self.ground_truths[i] for i in rows],
-                           data_sources=[self.data_sources[i] for i in rows],
-                           extra_infos=[self.extra_infos[i] for i in rows])
+from rlhf.schema.batch import PromptBatch, RolloutBatch
+from rlhf.schema.config import RolloutConfig
 
 
 def rollout_dtype(name: str, device_type: str, model_dtype: str) -> torch.dtype:
@@ -332,7 +314,7 @@ class RolloutEngine:
         rollout_lp[:, :r] = out.log_probs[:, :r].cpu().float()
         nan = int(rollout_lp[resp_mask.bool()].isnan().sum())  # host tensors: no device sync
         if nan:
-            from rlhf.optim import NonFiniteError
+            from rlhf.schema.errors import NonFiniteError
 
             raise NonFiniteError(f"rollout: the policy's logits are not finite ({nan} of {int(resp_mask.sum())} "
                                  f"sampled tokens have a NaN log-prob): its weights hold NaN/inf (check model.path, "

@@ -306,5 +306,5 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: Tensor, plan: Any, p: Any) -> Tensor:
         """Decode attention of ``q`` ``[B, Hkv, G, D]`` over the slots' cached positions with the
-        layer's settings ``p`` (``rlhf.rollout.arch.LayerAttn``)."""
+        layer's settings ``p`` (``rlhf.models.arch.LayerAttn``)."""
         return self.attention.attend(self, layer, q, plan, p)

@@ -3,7 +3,7 @@
 A kernel reads the K/V of each live slot out of the cache's blocks. It has two parts:
 ``plan(cache, slots, pos, window, dtype)``, computed once per decode step and shared by
 every layer, and ``attend(cache, layer, q, plan, p)`` per layer (``p``: the layer's
-``rlhf.rollout.arch.LayerAttn``: softmax scale, sliding window, logit soft-cap), with ``q`` the step's
+``rlhf.models.arch.LayerAttn``: softmax scale, sliding window, logit soft-cap), with ``q`` the step's
 queries as ``[B, Hkv, G, D]`` (the ``G = H / Hkv`` query heads that share a kv head, in HF's
 head order) returning ``[B, Hkv, G, D]``. Slot ``b`` attends to its positions ``[0, pos[b]]``.
 

@@ -26,7 +26,7 @@ most one gathered full parameter exists at a time next to the rollout copy:
 
 1. cast the local shard to the rollout dtype (halves the bytes for bf16 rollouts), and
    move it to the mesh's device if it is not there (FSDP2 CPU offload keeps shards in
-   host memory, which NCCL cannot read; :func:`rlhf.parallel.collective_device`);
+   host memory, which NCCL cannot read; :func:`rlhf.models.parallel.collective_device`);
 2. DTensor ``redistribute``: dp (and tp) dims -> ``Replicate`` (an all-gather). When the
    training TP group *is* the rollout TP group and the parameter is already sharded on
    the rollout's dim, the tp dim is kept ``Shard`` and only dp is gathered;
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from rlhf.parallel import to_mesh_device
+from rlhf.models.parallel import to_mesh_device
 
 # Prefixes/infixes that wrappers add to parameter names; rollout wants plain HF names.
 _WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_orig_mod\.|_fsdp_wrapped_module\.)")

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.models import moe
-from rlhf.rollout import decoder, paged_attention
+from rlhf.models import decoder, moe
+from rlhf.rollout import paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
 from rlhf.rollout.scheduler import GenerateRun

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from rlhf.rollout import decoder
+from rlhf.models import decoder
 from rlhf.rollout.kv_cache import PagedKVCache
 from rlhf.rollout.sampling import SamplingParams, position_keys, sample_next, sequence_keys, uniforms
 from rlhf.rollout.turns import ParkingLot, TurnHandler

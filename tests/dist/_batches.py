@@ -13,7 +13,7 @@ def random_rollout_batch(n_prompts: int, n_samples: int, P: int, R: int, vocab: 
 
     Rows of one prompt are contiguous (row p*n+j), as the trainer lays them out.
     """
-    from rlhf.batch import RolloutBatch
+    from rlhf.schema.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     N = n_prompts * n_samples

@@ -24,8 +24,8 @@ def workdir(tool_assets):
 
 
 def _step(rank: int, world: int, workdir, layouts: list, out: str) -> None:
-    from rlhf.config import load_config
-    from rlhf.trainer import RLTrainer
+    from rlhf.config.load import load_config
+    from rlhf.train.trainer import RLTrainer
 
     results = {}
     for tp, rtp in layouts:

@@ -22,11 +22,11 @@ def _check_layout(rank: int, world: int, tmp: str, *, pp: int, lora_rank: int) -
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from rlhf.actor import PolicyWorker
-    from rlhf.checkpoint import ModelOptimState, export_hf, save_checkpoint
-    from rlhf.checkpoint_export import export_checkpoint
-    from rlhf.config import ActorConfig, Config, ModelConfig, ParallelConfig
+    from rlhf.export import export_checkpoint
     from rlhf.models.lora import load_adapter
+    from rlhf.schema.config import ActorConfig, Config, ModelConfig, ParallelConfig
+    from rlhf.train.actor import PolicyWorker
+    from rlhf.train.checkpoint import ModelOptimState, export_hf, save_checkpoint
 
     run = Path(tmp) / f"run_pp{pp}_lora{lora_rank}"
     model_cfg = ModelConfig(path=f"{tmp}/base", lora_rank=lora_rank, lora_alpha=8, enable_gradient_checkpointing=True,

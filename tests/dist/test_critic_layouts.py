@@ -37,7 +37,7 @@ def _tiny_critic() -> torch.nn.Module:
 
 
 def _global_batch():
-    from rlhf.batch import RolloutBatch
+    from rlhf.schema.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     prompt_len = torch.randint(1, P + 1, (N,), generator=g)
@@ -59,10 +59,10 @@ def _global_batch():
 def _run_layout(layout) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlhf.batch import minibatch_major_shard
-    from rlhf.config import CriticConfig, ModelConfig, ParallelConfig
-    from rlhf.critic import CriticWorker
     from rlhf.rollout.reshard import gather_rollout_weights
+    from rlhf.schema.batch import minibatch_major_shard
+    from rlhf.schema.config import CriticConfig, ModelConfig, ParallelConfig
+    from rlhf.train.critic import CriticWorker
 
     pp, dp, tp, packed = layout
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))

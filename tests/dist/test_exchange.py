@@ -25,8 +25,8 @@ def _check(rank: int, world: int) -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from rlhf.async_rl.transfer import message_groups, recv_tensors, send_tensors
     from rlhf.rollout.reshard import RolloutLayout
+    from rlhf.train.async_rl.transfer import message_groups, recv_tensors, send_tensors
 
     # As init_distributed does: every new group gets the collective timeout unless told otherwise.
     c10d.default_pg_timeout = datetime.timedelta(seconds=COLLECTIVE_S)

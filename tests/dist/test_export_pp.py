@@ -46,7 +46,7 @@ def _critic(seed: int = 0):
 
 
 def _batch():
-    from rlhf.batch import RolloutBatch
+    from rlhf.schema.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     n, p, r = 4, 4, 4
@@ -65,8 +65,8 @@ def _batch():
 
 
 def _critic_worker(mesh, seed: int, schedule: str = "1F1B"):
-    from rlhf.config import CriticConfig, ModelConfig, ParallelConfig
-    from rlhf.critic import CriticWorker
+    from rlhf.schema.config import CriticConfig, ModelConfig, ParallelConfig
+    from rlhf.train.critic import CriticWorker
 
     cfg = CriticConfig(lr=1e-2, weight_decay=0.0, cliprange_value=10.0, ppo_micro_batch_size_per_gpu=2)
     return CriticWorker(cfg, ModelConfig(), mesh, torch.device("cpu"), total_steps=4, max_response_length=4,
@@ -85,9 +85,9 @@ def _export_worker(rank: int, world: int, out: str) -> None:
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlhf.actor import PolicyWorker
-    from rlhf.checkpoint import export_hf
-    from rlhf.config import ModelConfig, ParallelConfig
+    from rlhf.schema.config import ModelConfig, ParallelConfig
+    from rlhf.train.actor import PolicyWorker
+    from rlhf.train.checkpoint import export_hf
 
     mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
     actor = PolicyWorker(ModelConfig(), mesh, torch.device("cpu"), trainable=False, build_model=_lm,
@@ -121,7 +121,7 @@ def _dcp_worker(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlhf.checkpoint import ModelOptimState, load_checkpoint, save_checkpoint
+    from rlhf.train.checkpoint import ModelOptimState, load_checkpoint, save_checkpoint
 
     mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
     batch = _batch()
@@ -146,8 +146,8 @@ def _dcp_worker(rank: int, world: int, out: str) -> None:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-7, msg=name)
 
     # The same checkpoint resumes in another layout (dp2, no pipeline): DCP reshards it.
-    from rlhf.config import CriticConfig, ModelConfig
-    from rlhf.critic import CriticWorker
+    from rlhf.schema.config import CriticConfig, ModelConfig
+    from rlhf.train.critic import CriticWorker
 
     dp_mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
     cfg = CriticConfig(lr=1e-2, weight_decay=0.0, cliprange_value=10.0, ppo_micro_batch_size_per_gpu=2)
@@ -175,10 +175,10 @@ def _lora_worker(rank: int, world: int, out: str) -> None:
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlhf.checkpoint import export_hf
-    from rlhf.config import ParallelConfig
     from rlhf.models.lora import apply_lora, load_adapter
     from rlhf.models.parallelize import parallelize_model
+    from rlhf.schema.config import ParallelConfig
+    from rlhf.train.checkpoint import export_hf
 
     model = apply_lora(_lm(), lora_rank=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
     with torch.no_grad():  # trained-looking adapters (peft starts B at 0, i.e. no change)

@@ -25,7 +25,7 @@ def _extras():
 
 
 def _worker(rank: int, world: int) -> None:
-    from rlhf.parallel import all_reduce_sum, make_global_whiten
+    from rlhf.models.parallel import all_reduce_sum, make_global_whiten
 
     rewards, mask, index = (t.to(dist_device()) for t in _data())
     extras = {k: v.to(dist_device()) if isinstance(v, torch.Tensor) else v for k, v in _extras().items()}

@@ -35,8 +35,8 @@ def held_unsharded_grad_bytes(model: torch.nn.Module) -> int:
 def _update(rank: int, world: int, model_dir: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlhf.actor import PolicyWorker
-    from rlhf.config import ActorConfig, ModelConfig
+    from rlhf.schema.config import ActorConfig, ModelConfig
+    from rlhf.train.actor import PolicyWorker
 
     result = {}
     for no_sync in (False, True):

@@ -28,11 +28,11 @@ def model_dirs(tmp_path_factory):
 
 
 def _worker(rank: int, world: int, dirs: dict, out: str) -> None:
-    from rlhf.actor import PolicyWorker
-    from rlhf.config import ActorConfig, ModelConfig, ParallelConfig
-    from rlhf.parallel import ParallelDims
+    from rlhf.models.parallel import ParallelDims
     from rlhf.rollout import Sampler, SamplingParams
     from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights
+    from rlhf.schema.config import ActorConfig, ModelConfig, ParallelConfig
+    from rlhf.train.actor import PolicyWorker
 
     mesh = ParallelDims.resolve(-1, world, 1, world).build_mesh(dist_device_type())  # tp = world, dp = 1
     layout = RolloutLayout.build(world, dist_device_type())

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from rlhf.config import ActorConfig, ModelConfig
+from rlhf.schema.config import ActorConfig, ModelConfig
 from tests.dist._batches import random_rollout_batch
 from tests.dist._dist_utils import dist_device, dist_device_type, run_distributed
 
@@ -45,9 +45,9 @@ def make_global_batch(vocab: int):
 
 
 def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:
-    from rlhf.actor import PolicyWorker
-    from rlhf.batch import minibatch_major_shard
-    from rlhf.parallel import ParallelDims
+    from rlhf.models.parallel import ParallelDims
+    from rlhf.schema.batch import minibatch_major_shard
+    from rlhf.train.actor import PolicyWorker
 
     dims = ParallelDims.resolve(-1, 1, 1, world)
     mesh = dims.build_mesh(dist_device_type())
@@ -73,9 +73,9 @@ def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:
 
 def _features_worker(rank: int, world: int, model_dir: str, out: str, packed: bool, dynamic: bool) -> None:
     """One update with padding-free passes and/or token-budget micro-batches."""
-    from rlhf.actor import PolicyWorker
-    from rlhf.batch import minibatch_major_shard
-    from rlhf.parallel import ParallelDims
+    from rlhf.models.parallel import ParallelDims
+    from rlhf.schema.batch import minibatch_major_shard
+    from rlhf.train.actor import PolicyWorker
 
     mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh(dist_device_type())
     torch.manual_seed(0)
@@ -102,9 +102,9 @@ def _features_worker(rank: int, world: int, model_dir: str, out: str, packed: bo
 def _reshard_worker(rank: int, world: int, model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from rlhf.actor import PolicyWorker
-    from rlhf.parallel import ParallelDims
+    from rlhf.models.parallel import ParallelDims
     from rlhf.rollout.reshard import gather_rollout_weights
+    from rlhf.train.actor import PolicyWorker
 
     mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh(dist_device_type())
     worker = PolicyWorker(ModelConfig(path=model_dir, mixed_precision=False), mesh, dist_device(), trainable=False)

@@ -50,7 +50,7 @@ def _global_batch(vocab: int):
 
 
 def _prompts(vocab: int):
-    from rlhf.rollout.engine import PromptBatch
+    from rlhf.schema.batch import PromptBatch
 
     g = torch.Generator().manual_seed(5)
     ids = [torch.randint(6, vocab, (int(torch.randint(2, P + 1, (1,), generator=g)),), generator=g).tolist()
@@ -64,12 +64,12 @@ def _update_and_rollout(layout, workdir, rank: int) -> dict:
     """Rollouts of the initial weights, then log-probs + one update; full params after."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlhf.actor import PolicyWorker
-    from rlhf.batch import minibatch_major_shard
-    from rlhf.config import ActorConfig, ModelConfig, ParallelConfig, RolloutConfig
     from rlhf.models.loading import load_tokenizer
     from rlhf.rollout.engine import RolloutEngine
     from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights
+    from rlhf.schema.batch import minibatch_major_shard
+    from rlhf.schema.config import ActorConfig, ModelConfig, ParallelConfig, RolloutConfig
+    from rlhf.train.actor import PolicyWorker
 
     pp, dp, tp, rtp = layout
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -107,8 +107,8 @@ def _update_and_rollout(layout, workdir, rank: int) -> dict:
 
 
 def _trainer_step(layout, workdir, rank: int) -> dict:
-    from rlhf.config import load_config
-    from rlhf.trainer import RLTrainer
+    from rlhf.config.load import load_config
+    from rlhf.train.trainer import RLTrainer
 
     pp, dp, tp, rtp = layout
     overrides = [
@@ -223,8 +223,8 @@ def test_first_trainer_step_metrics_agree(results, name):
 def test_validate_layout_names_the_product(sizes, kw, message):
     from transformers import Qwen2Config
 
-    from rlhf.config import ConfigError, ParallelConfig
     from rlhf.models.parallelize import validate_layout
+    from rlhf.schema.config import ConfigError, ParallelConfig
 
     hf = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2)

@@ -18,8 +18,8 @@ def _update(rank: int, world: int, model_dir: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import rlhf.models.fsdp as fsdp
-    from rlhf.actor import PolicyWorker
-    from rlhf.config import ActorConfig, ModelConfig
+    from rlhf.schema.config import ActorConfig, ModelConfig
+    from rlhf.train.actor import PolicyWorker
 
     fsdp.MIXED_PRECISION_DEVICES.add("cpu")
     res = {}

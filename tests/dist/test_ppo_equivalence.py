@@ -28,7 +28,7 @@ def root(tmp_path_factory):
 
 
 def _config(root, world: int):
-    from rlhf.config import load_config
+    from rlhf.config.load import load_config
 
     return load_config(None, [
         f"model.path={root / 'model'}", f"data.train_files={root / 'data' / 'train.parquet'}",
@@ -52,8 +52,8 @@ def _global_batch(vocab: int):
 
 
 def _ppo_worker(rank: int, world: int, root, out: str) -> None:
-    from rlhf.batch import minibatch_major_shard
-    from rlhf.ppo_trainer import PPOTrainer
+    from rlhf.schema.batch import minibatch_major_shard
+    from rlhf.train.ppo_trainer import PPOTrainer
 
     trainer = PPOTrainer(_config(root, world))
     batch = _global_batch(trainer.actor.hf_config.vocab_size)

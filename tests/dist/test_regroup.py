@@ -1,4 +1,4 @@
-"""Dynamic sampling's regrouping on 2 gloo ranks (rlhf/regroup.py).
+"""Dynamic sampling's regrouping on 2 gloo ranks (rlhf/train/regroup.py).
 
 Each rank holds the kept groups of its generation batches (different counts per rank, one
 group id kept on both ranks, one kept twice on one rank). The tensor-collective regrouping
@@ -31,7 +31,7 @@ def _rank_batch(rank: int):
 
 def _reference(pieces, dp_rank: int, dp: int):
     """The pre-fix trainer code: every rank's whole batch pickled to every rank."""
-    from rlhf.batch import RolloutBatch, minibatch_major_shard
+    from rlhf.schema.batch import RolloutBatch, minibatch_major_shard
 
     merged = RolloutBatch.concat(pieces)
     groups = list(dict.fromkeys(merged.index.tolist()))[:KEEP]
@@ -55,8 +55,8 @@ def _same(a, b) -> None:
 def _check(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
-    from rlhf.batch import RolloutBatch
-    from rlhf.regroup import regroup_rows
+    from rlhf.schema.batch import RolloutBatch
+    from rlhf.train.regroup import regroup_rows
 
     pieces = [_rank_batch(r) for r in range(world)]
     got = regroup_rows(pieces[rank].to(dist_device()), keep_groups=KEEP, dp_rank=rank, dp=world, mini_batch_size=MINI,
@@ -71,7 +71,7 @@ def _check(rank: int, world: int, out: str) -> None:
 
 
 def test_tensor_regrouping_equals_the_pickled_gather_and_one_rank(tmp_path):
-    from rlhf.batch import minibatch_major_shard
+    from rlhf.schema.batch import minibatch_major_shard
 
     run_distributed(_check, 2, str(tmp_path / "r"))
     res = [torch.load(f"{tmp_path / 'r'}.rank{r}", weights_only=False) for r in range(2)]

@@ -45,9 +45,9 @@ def _worker(rank: int, world: int, model_dir: str, out: str, layouts: list) -> N
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from rlhf.actor import PolicyWorker
-    from rlhf.config import ModelConfig, ParallelConfig
     from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights, rollout_shard_dim, rollout_slice
+    from rlhf.schema.config import ModelConfig, ParallelConfig
+    from rlhf.train.actor import PolicyWorker
 
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir)
     full = {n: t.detach() for n, t in ref_model.state_dict().items()}

@@ -32,10 +32,10 @@ def _check(rank: int, world: int) -> None:
     from torch.distributed.tensor import DTensor
 
     import rlhf.models.shard_init as shard_init
-    from rlhf.config import ParallelConfig
+    from rlhf.models.parallel import to_mesh_device
     from rlhf.models.parallelize import parallelize_model
-    from rlhf.parallel import to_mesh_device
     from rlhf.rollout.reshard import gather_rollout_weights
+    from rlhf.schema.config import ParallelConfig
 
     calls: list[int] = []
     real_place = shard_init.place

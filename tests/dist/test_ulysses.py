@@ -46,7 +46,7 @@ def workdir(tmp_path_factory):
 
 
 def _critic_model(path: str) -> torch.nn.Module:
-    from rlhf.critic import load_value_model
+    from rlhf.train.critic import load_value_model
 
     model = load_value_model(path, dtype="float32", attn_implementation="sdpa", trust_remote_code=False, key="x")
     torch.manual_seed(0)
@@ -55,12 +55,12 @@ def _critic_model(path: str) -> torch.nn.Module:
 
 
 def _run_layout(layout, workdir) -> dict:
-    from rlhf.batch import minibatch_major_shard
-    from rlhf.config import ActorConfig, CriticConfig, ModelConfig
-    from rlhf.critic import CriticWorker
-    from rlhf.actor import PolicyWorker
-    from rlhf.parallel import ParallelDims
+    from rlhf.models.parallel import ParallelDims
     from rlhf.rollout.reshard import gather_rollout_weights
+    from rlhf.schema.batch import minibatch_major_shard
+    from rlhf.schema.config import ActorConfig, CriticConfig, ModelConfig
+    from rlhf.train.actor import PolicyWorker
+    from rlhf.train.critic import CriticWorker
 
     dp, sp, tp, ac = layout
     mesh = ParallelDims(dp=dp, tp=tp, pp=1, world_size=dp * sp * tp, sp=sp).build_mesh("cpu")
@@ -99,8 +99,8 @@ def _run_layout(layout, workdir) -> dict:
 
 
 def _trainer_step(layout, workdir, lora: bool = False) -> dict:
-    from rlhf.config import load_config
-    from rlhf.trainer import RLTrainer
+    from rlhf.config.load import load_config
+    from rlhf.train.trainer import RLTrainer
 
     dp, sp, tp, ac = layout
     overrides = [

@@ -38,7 +38,7 @@ def parity_reward(tmp_path) -> str:
 
 def train_steps(path: Path) -> dict[int, dict]:
     """``{step: metrics row}`` of the training steps logged in a metrics.jsonl."""
-    from rlhf.metrics import read_metrics
+    from rlhf.ops.metrics import read_metrics
 
     return {row["step"]: row for row in read_metrics(path) if "actor/loss" in row}
 

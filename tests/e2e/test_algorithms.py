@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rlhf.metrics import read_metrics
+from rlhf.ops.metrics import read_metrics
 from tests.e2e.conftest import grpo_args, run_script
 
 

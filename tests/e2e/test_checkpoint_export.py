@@ -67,8 +67,8 @@ def test_eval_takes_the_checkpoint_dir(grpo_run, tiny_assets):
 def test_export_errors_are_one_line(grpo_run, tmp_path):
     import shutil
 
-    from rlhf.checkpoint_export import export_checkpoint, hf_model_dir
-    from rlhf.config import ConfigError
+    from rlhf.export import export_checkpoint, hf_model_dir
+    from rlhf.schema.config import ConfigError
 
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
         export_checkpoint(grpo_run, tmp_path / "x")
@@ -95,8 +95,8 @@ def test_critic_export_is_a_value_model_a_later_run_starts_from(grpo_run, tiny_a
     (values equal to the checkpoint's critic, not to a fresh head's zeros)."""
     from transformers import AutoModelForTokenClassification
 
-    from rlhf.checkpoint_export import read_model_state
-    from rlhf.critic import load_value_model
+    from rlhf.export import read_model_state
+    from rlhf.train.critic import load_value_model
 
     out = tmp_path / "ppo"
     args = grpo_args(tiny_assets, out, **{"algorithm.adv_estimator": "gae", "critic.lr": 1e-2, "critic.ppo_mini_batch_size": 4,
@@ -123,8 +123,8 @@ def test_critic_export_is_a_value_model_a_later_run_starts_from(grpo_run, tiny_a
         values = critic(input_ids=ids).logits
         assert torch.equal(values, exported(input_ids=ids).logits) and values.abs().sum() > 0
     # a GRPO checkpoint has no critic: one line
-    from rlhf.checkpoint_export import export_checkpoint
-    from rlhf.config import ConfigError
+    from rlhf.export import export_checkpoint
+    from rlhf.schema.config import ConfigError
 
     with pytest.raises(ConfigError, match="holds no 'critic' model"):
         export_checkpoint(grpo_run / "checkpoints" / "global_step_1", tmp_path / "x", role="critic")

@@ -69,7 +69,7 @@ def test_eval_cli_user_errors(tiny_assets, tmp_path):
 
 
 def test_validation_samples_with_val_kwargs(tiny_assets, tmp_path, parity_reward):
-    from rlhf.metrics import read_metrics
+    from rlhf.ops.metrics import read_metrics
     from tests.e2e.conftest import grpo_args, run_script
 
     over = {"reward.reward_fn": parity_reward, "trainer.total_training_steps": 1, "trainer.val_kwargs.do_sample": True,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transformers import AutoModelForCausalLM
 
-from rlhf.metrics import read_metrics
 from rlhf.models.lora import apply_lora
+from rlhf.ops.metrics import read_metrics
 from tests.e2e.conftest import grpo_args, run_script
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from rlhf.metrics import DEFAULT_CONSOLE_KEYS, read_metrics
+from rlhf.ops.metrics import DEFAULT_CONSOLE_KEYS, read_metrics
 from tests.e2e.conftest import grpo_args, run_script
 
 CRITIC_KEYS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/explained_variance",
@@ -67,7 +67,7 @@ def test_ppo_runs_logs_critic_metrics_and_resumes(tiny_assets, tmp_path):
     state = json.loads((out / "checkpoints" / "global_step_2" / "trainer_state.json").read_text())
     assert "critic_scheduler" in state
     # The exported critic reloads as a critic (value head kept, not re-initialised).
-    from rlhf.critic import load_value_model
+    from rlhf.train.critic import load_value_model
 
     critic = load_value_model(str(out / "critic_hf_export"))
     assert critic.config.num_labels == 1 and float(critic.score.weight.abs().sum()) > 0
@@ -93,7 +93,7 @@ def test_ppo_pipeline_and_padding_free_layouts_train_and_export(tiny_assets, tmp
     with padding-free passes and token-budget micro-batches."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.critic import load_value_model
+    from rlhf.train.critic import load_value_model
 
     layouts = {"pp2": {"parallel.pp": 2, "parallel.pp_microbatches": 2},
                "dp2_packed": {"model.use_remove_padding": True, "actor.use_dynamic_bsz": True,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.reliability import kill_rank_after_checkpoint, worker_pid
-from rlhf.metrics import read_metrics
+from rlhf.ops.metrics import read_metrics
 from tests.e2e.conftest import ROOT, grpo_args, run_script, train_steps
 
 # Hangs forever on every sample of prompts whose index is a multiple of 8; the reference

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlhf.metrics import read_metrics
+from rlhf.ops.metrics import read_metrics
 from tests.e2e.conftest import grpo_args, run_script, train_steps
 
 KEYS = ["data/batch_fingerprint", "data/epoch", "actor/loss", "actor/entropy", "response_length/mean", "reward/mean"]

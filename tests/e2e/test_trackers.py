@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from rlhf.metrics import read_metrics
-from rlhf.trackers import mlflow_name
+from rlhf.ops.metrics import read_metrics
+from rlhf.ops.trackers import mlflow_name
 from tests.e2e.conftest import grpo_args, run_script
 from tests.unit.test_loggers import _wandb_run
 

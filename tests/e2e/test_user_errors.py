@@ -102,7 +102,7 @@ def test_a_reward_function_that_always_fails_stops_the_run_with_a_reason(tiny_as
         "trainer.total_training_steps": 5, "data.val_files": ""}))
     line = _error_line(r)
     assert "reward.reward_fn: no sample got a reward in 2 steps in a row" in line and "16 raised" in line, line
-    from rlhf.metrics import read_metrics
+    from rlhf.ops.metrics import read_metrics
 
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [1]
 

@@ -152,7 +152,7 @@ def test_verl_lora_example_runs_with_a_tp2_rollout(verl_home, tmp_path):
     """Issue 39 item 3: LoRA with verl's rollout tensor_model_parallel_size=2 runs 2 steps on 2 CPU ranks."""
     r = _run_2_steps("verl_grpo_lora_qwen2_5_3b.args", verl_home, tmp_path / "out")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    from rlhf.metrics import read_metrics
+    from rlhf.ops.metrics import read_metrics
 
     rows = [m for m in read_metrics(tmp_path / "out" / "metrics.jsonl") if "timing/step" in m]
     assert len(rows) == 2  # metrics.jsonl although the command lists only its loggers

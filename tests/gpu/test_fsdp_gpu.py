@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.config import ActorConfig, ModelConfig
+from rlhf.schema.config import ActorConfig, ModelConfig
 from tests.dist._batches import random_rollout_batch
 from tests.dist._dist_utils import DEVICE_ENV, run_distributed
 from tests.gpu._gpu import GPU
@@ -21,8 +21,8 @@ def model_dir(tmp_path_factory):
 
 
 def _update(rank: int, world: int, model_dir: str, out: str, mixed: bool, offload: bool) -> None:
-    from rlhf.actor import PolicyWorker
-    from rlhf.parallel import ParallelDims, to_mesh_device
+    from rlhf.models.parallel import ParallelDims, to_mesh_device
+    from rlhf.train.actor import PolicyWorker
 
     torch.backends.cuda.matmul.allow_tf32 = False
     mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh("cuda")
@@ -67,8 +67,8 @@ def test_cpu_offload_update_equals_on_device(model_dir, tmp_path, monkeypatch):
 
 
 def _load_peak(rank: int, world: int, model_dir: str, out: str) -> None:
-    from rlhf.actor import PolicyWorker
-    from rlhf.parallel import ParallelDims
+    from rlhf.models.parallel import ParallelDims
+    from rlhf.train.actor import PolicyWorker
 
     mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh("cuda")
     torch.cuda.reset_peak_memory_stats()
@@ -91,7 +91,7 @@ def test_load_places_only_the_shards(model_dir, tmp_path, monkeypatch):
 
 
 def _sft(rank: int, world: int, model_dir: str, data: str, out: str, offload: bool) -> None:
-    from rlhf.sft import SFTConfig, SFTRunConfig, SFTSettings, run_sft
+    from rlhf.train.sft import SFTConfig, SFTRunConfig, SFTSettings, run_sft
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = SFTConfig(model=ModelConfig(path=model_dir, mixed_precision=False, param_offload=offload),
@@ -125,8 +125,8 @@ def test_offloaded_sft_clips_like_on_device(model_dir, tmp_path, monkeypatch):
 def _offload_threads(rank: int, world: int, model_dir: str, out: str) -> None:
     import os
 
-    from rlhf.actor import PolicyWorker
-    from rlhf.parallel import ParallelDims
+    from rlhf.train.actor import PolicyWorker
+    from rlhf.models.parallel import ParallelDims
 
     mesh = ParallelDims.resolve(-1, 1, 1, world).build_mesh("cuda")
     before = torch.get_num_threads()  # 1: run_distributed's workers start as torchrun's do

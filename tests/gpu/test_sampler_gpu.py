@@ -101,7 +101,7 @@ def test_cuda_graph_decode_equals_eager(dtype):
 def test_flash_paged_decode_kernel_matches_the_gather_kernel():
     """flash-attn's block-table decode (the default on CUDA in bf16 when flash-attn imports) against
     the gather reference (batched-matmul attention) on the same cache: blocks in random order, uneven lengths, GQA."""
-    from rlhf.rollout.arch import LayerAttn
+    from rlhf.models.arch import LayerAttn
     from rlhf.rollout.kv_cache import PagedKVCache
     from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention, _flash_with_kvcache
 

@@ -140,7 +140,7 @@ def test_sft_demo_tokens_are_what_the_loop_builds(specs):
 
 
 def test_sft_rows_mask_tool_results_out_of_the_loss(tmp_path):
-    from rlhf.sft import SFTSettings, collate, tokenize_sft
+    from rlhf.train.sft import SFTSettings, collate, tokenize_sft
 
     demo = [{"role": "assistant", "content": tool_call("6*7")}, {"role": "tool", "content": "42"},
             {"role": "assistant", "content": "#### 42"}]
@@ -184,8 +184,8 @@ def tiny_model(tmp_path_factory):
 
 
 def _worker(model_dir, mesh, **actor):
-    from rlhf.actor import PolicyWorker
-    from rlhf.config import ActorConfig, ModelConfig
+    from rlhf.schema.config import ActorConfig, ModelConfig
+    from rlhf.train.actor import PolicyWorker
 
     torch.manual_seed(0)
     cfg = ActorConfig(lr=1e-2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, grad_clip=1e9,
@@ -197,8 +197,9 @@ def _worker(model_dir, mesh, **actor):
 @pytest.fixture(scope="module")
 def holed_batch(tiny_model, mesh, specs):
     """A multi-turn batch from the sampler with the agent loop (turns end on digits 3 and 7)."""
-    from rlhf.config import RolloutConfig
-    from rlhf.rollout.engine import PromptBatch, RolloutEngine
+    from rlhf.rollout.engine import RolloutEngine
+    from rlhf.schema.batch import PromptBatch
+    from rlhf.schema.config import RolloutConfig
 
     worker = _worker(tiny_model, mesh)
     engine = RolloutEngine(RolloutConfig(n=2, stop=["3", "7"], seed=1), TOK, max_prompt_length=8,
@@ -258,7 +259,7 @@ def test_metrics_are_hand_counted(tmp_path):
 
     from rlhf.agent.loop import AgentCounts
     from rlhf.agent.rollout import ToolAgent
-    from rlhf.config import MultiTurnConfig
+    from rlhf.schema.config import MultiTurnConfig
 
     (tmp_path / "t.yaml").write_text("tools:\n  - class_name: calculator\n")
     agent = ToolAgent(MultiTurnConfig(enable=True, tool_config_path=str(tmp_path / "t.yaml"), num_workers=0), TOK)
@@ -279,8 +280,8 @@ def test_metrics_are_hand_counted(tmp_path):
 
 def test_train_sft_on_multi_turn_demos(tiny_model, mesh, tmp_path):
     """run_sft (train_sft.py's body) trains on multi-turn rows and exports the model."""
-    from rlhf.sft import SFTConfig, SFTRunConfig, SFTSettings, run_sft
-    from rlhf.config import ModelConfig
+    from rlhf.schema.config import ModelConfig
+    from rlhf.train.sft import SFTConfig, SFTRunConfig, SFTSettings, run_sft
 
     demo = [{"role": "assistant", "content": tool_call("6*7")}, {"role": "tool", "content": "42"},
             {"role": "assistant", "content": "#### 42"}]

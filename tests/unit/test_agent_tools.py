@@ -7,7 +7,8 @@ import pytest
 from rlhf.agent.calculator import Calculator, evaluate
 from rlhf.agent.parser import CallError, ToolCall, check_call, parse_tool_calls
 from rlhf.agent.tools import ToolError, ToolSet, check_arguments, load_tool_config, read_tool_config
-from rlhf.config import ConfigError, load_config
+from rlhf.config.load import load_config
+from rlhf.schema.config import ConfigError
 
 USER_TOOLS = '''
 from rlhf.agent.tools import Tool, ToolError
@@ -148,7 +149,7 @@ def test_parser_reads_hermes_calls_and_names_each_failure():
 def test_shipped_tool_configs_and_quickstart_configs_load():
     from pathlib import Path
 
-    from rlhf.sft import SFTConfig, validate_sft
+    from rlhf.train.sft import SFTConfig, validate_sft
 
     root = Path(__file__).resolve().parents[2]
     for path in sorted((root / "configs" / "tools").glob("*.yaml")):

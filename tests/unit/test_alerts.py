@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf.config import ConfigError, load_config
+from rlhf.config.load import load_config
 from rlhf.ops.alerts import HealthMonitor
+from rlhf.schema.config import ConfigError
 
 
 def test_absolute_alerts_fire_on_their_side_of_the_threshold():

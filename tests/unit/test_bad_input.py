@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from rlhf.config import ConfigError
+from rlhf.schema.config import ConfigError
 from tests._assets import write_tiny_assets
 
 
@@ -83,9 +83,9 @@ def test_nan_logits_do_not_crash_the_sampler_and_the_rollout_names_them(top_k):
 
 
 def test_rollout_batch_with_nan_log_probs_is_a_nonfinite_error():
-    from rlhf.config import RolloutConfig
+    from rlhf.schema.config import RolloutConfig
     from rlhf.data.char_tokenizer import build_char_tokenizer
-    from rlhf.optim import NonFiniteError
+    from rlhf.train.optim import NonFiniteError
     from rlhf.rollout.engine import PromptBatch, RolloutEngine
     from tests.unit.test_sampler import _model
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf.async_rl.pipeline import OneStepOff
-from rlhf.batch import RolloutBatch
-from rlhf.checkpoint import (CheckpointError, ModelOptimState, UnsafeCheckpointError, find_resume_path,
+from rlhf.train.async_rl.pipeline import OneStepOff
+from rlhf.schema.batch import RolloutBatch
+from rlhf.train.checkpoint import (CheckpointError, ModelOptimState, UnsafeCheckpointError, find_resume_path,
                              load_checkpoint, load_rank_state, save_checkpoint, set_rng_state, verify_checkpoint)
 
 

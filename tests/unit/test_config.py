@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from rlhf.config import Config, ConfigError, describe, load_config
-from rlhf.optim import lr_lambda, warmup_steps_for
-from rlhf.parallel import ParallelDims
+from rlhf.config.load import load_config
+from rlhf.models.parallel import ParallelDims
+from rlhf.schema.config import Config, ConfigError, describe
+from rlhf.train.optim import lr_lambda, warmup_steps_for
 
 REQ = ["model.path=/m", "data.train_files=/d.parquet"]
 

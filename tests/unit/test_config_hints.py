@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rlhf.cli import parse_args
-from rlhf.config import ConfigError, load_config
+from rlhf.config.load import load_config
+from rlhf.schema.config import ConfigError
 
 REQ = ["model.path=/m", "data.train_files=/d.parquet"]
 

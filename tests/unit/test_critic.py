@@ -1,4 +1,4 @@
-"""The critic: value-model loading, value positions, and the clipped value update (rlhf.critic)."""
+"""The critic: value-model loading, value positions, and the clipped value update (rlhf.train.critic)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
-from rlhf.batch import RolloutBatch
-from rlhf.config import ConfigError, CriticConfig, ModelConfig
-from rlhf.critic import CriticWorker, load_value_model
+from rlhf.schema.batch import RolloutBatch
+from rlhf.schema.config import ConfigError, CriticConfig, ModelConfig
+from rlhf.train.critic import CriticWorker, load_value_model
 
 P, R = 5, 4
 

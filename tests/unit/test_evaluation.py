@@ -4,8 +4,9 @@ from math import comb
 
 import pytest
 
-from rlhf.config import ConfigError, load_config
-from rlhf.evaluation import (
+from rlhf.config.load import load_config
+from rlhf.schema.config import ConfigError
+from rlhf.train.evaluation import (
     SampleRecord,
     flat_metrics,
     format_table,
@@ -105,8 +106,8 @@ def test_reward_dict_extras_become_validation_metrics():
 
     import torch
 
-    from rlhf.evaluation import score_batch
     from rlhf.rewards.scoring import ScoreResult
+    from rlhf.train.evaluation import score_batch
 
     nan = float("nan")
 

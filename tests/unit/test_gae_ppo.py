@@ -14,8 +14,8 @@ import torch
 from rlhf.algos.advantages import get_adv_estimator
 from rlhf.algos.masked import masked_whiten
 from rlhf.algos.value_loss import compute_value_loss, explained_variance
-from rlhf.parallel import make_global_whiten
-from rlhf.ppo_trainer import global_value_stats
+from rlhf.models.parallel import make_global_whiten
+from rlhf.train.ppo_trainer import global_value_stats
 
 # Row 0: 3 response tokens; row 1: 2. Padding holds garbage that must not leak.
 REWARDS = torch.tensor([[0.0, 0.0, 1.0, 5.0], [0.0, -1.0, 7.0, 7.0]])

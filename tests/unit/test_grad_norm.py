@@ -1,5 +1,5 @@
 """One grad-norm helper for SFT and RL (rlhf.models.parallelize.clip_grad_norm_, wrapped by
-rlhf.optim.clip_grad_norm): the norm is reduced on the compute device, never on the host
+rlhf.train.optim.clip_grad_norm): the norm is reduced on the compute device, never on the host
 gradients of model.param_offload (NCCL cannot all-reduce CPU tensors)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhf.models import parallelize
-from rlhf.optim import clip_grad_norm
+from rlhf.train.optim import clip_grad_norm
 
 
 def _params(seed=0):
@@ -43,9 +43,9 @@ def test_host_gradients_are_reduced_on_the_compute_device(monkeypatch):
 
 
 def test_sft_clips_with_the_trainer_helper_on_the_compute_device(tmp_path, monkeypatch):
-    from rlhf.config import ModelConfig
+    from rlhf.schema.config import ModelConfig
     from rlhf.models.tiny import write_tiny_model
-    from rlhf.sft import SFTConfig, SFTRunConfig, SFTSettings, run_sft
+    from rlhf.train.sft import SFTConfig, SFTRunConfig, SFTSettings, run_sft
 
     def refuse(*a, **k):
         raise AssertionError("torch.nn.utils.clip_grad_norm_ all-reduces the grads' own (host) tensors")
@@ -81,7 +81,7 @@ def _mesh_params(mesh):
 
 
 def test_adamw_runs_one_foreach_group_per_mesh_and_equals_the_per_parameter_loop(mesh):
-    from rlhf.optim import build_optimizer, foreach_groups
+    from rlhf.train.optim import build_optimizer, foreach_groups
 
     ps = _mesh_params(mesh)
     groups = foreach_groups(ps)
@@ -126,8 +126,8 @@ def test_optimizer_state_with_one_group_per_mesh_round_trips_the_checkpoint(mesh
     groups save and load as one did (and a state saved from one group loads into several)."""
     import copy
 
-    from rlhf.checkpoint import ModelOptimState
-    from rlhf.optim import build_optimizer
+    from rlhf.train.checkpoint import ModelOptimState
+    from rlhf.train.optim import build_optimizer
 
     class M(torch.nn.Module):
         def __init__(self):

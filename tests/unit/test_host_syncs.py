@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.actor import MetricSums
+from rlhf.train.actor import MetricSums
 from tests.dist._batches import random_rollout_batch
 
 RLHF_DIR = str(Path(__file__).resolve().parents[2] / "rlhf")
@@ -54,9 +54,9 @@ def test_metric_sums_read_the_device_once(host_reads):
 
 @pytest.fixture(scope="module")
 def worker(mesh, tmp_path_factory):
-    from rlhf.actor import PolicyWorker
-    from rlhf.config import ActorConfig, ModelConfig
     from rlhf.models.tiny import write_tiny_model
+    from rlhf.schema.config import ActorConfig, ModelConfig
+    from rlhf.train.actor import PolicyWorker
 
     path = write_tiny_model(str(tmp_path_factory.mktemp("m") / "model"), hidden_size=32, num_layers=2,
                             intermediate_size=64)

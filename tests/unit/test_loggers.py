@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from rlhf.metrics import MetricsLogger
+from rlhf.ops.metrics import MetricsLogger
 
 CONFIG = {"actor": {"lr": 1e-6, "betas": [0.9, 0.99]}, "algorithm": {"gdpo_reward_weights": None},
           "trainer": {"logger": ["console", "mlflow"], "alerts": {"kl_to_ref": 1.0}, "experiment_name": "exp"}}

@@ -29,11 +29,11 @@ from rlhf.algos.policy_loss import POLICY_LOSS_REGISTRY, PolicyLossParams, get_p
 from rlhf.algos.reward_shaping import place_reward_on_last_token
 from rlhf.algos.rollout_correction import rollout_is_weights
 from rlhf.algos.value_loss import compute_value_loss, explained_variance
-from rlhf.batch import RolloutBatch
 from rlhf.data.batching import seq_lens_from_mask
 from rlhf.models.packed import packed_forward_log_probs
-from rlhf.parallel import make_global_whiten
-from rlhf.ppo_trainer import global_value_stats
+from rlhf.models.parallel import make_global_whiten
+from rlhf.schema.batch import RolloutBatch
+from rlhf.train.ppo_trainer import global_value_stats
 
 # Six responses, R = 8, two groups of three. 1 = generated, 0 = tool output or padding;
 # TRAJ = response-side tokens in context (generated + tool output), the rest is padding.
@@ -292,9 +292,9 @@ def test_trajectory_and_generated_lengths_and_token_budgets():
 
 
 def _trainer_stub(batch: RolloutBatch, **reward):
-    from rlhf.config import Config
     from rlhf.rewards.scoring import ScoreResult
-    from rlhf.trainer import RLTrainer
+    from rlhf.schema.config import Config
+    from rlhf.train.trainer import RLTrainer
 
     cfg = Config()
     cfg.data.max_response_length = R

@@ -1,4 +1,4 @@
-"""Where a tensor must be before a collective on a mesh (rlhf.parallel.collective_device).
+"""Where a tensor must be before a collective on a mesh (rlhf.models.parallel.collective_device).
 
 FSDP2 CPU offload (``model.param_offload``) keeps parameter shards in host memory; NCCL
 reads device memory only, so a rollout reshard / export of such shards must move each one
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, distribute_tensor
 
-from rlhf.parallel import collective_device, to_mesh_device
+from rlhf.models.parallel import collective_device, to_mesh_device
 
 
 def test_host_shards_move_to_the_device_of_a_cuda_mesh():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.metrics import MetricsLogger, PhaseTimer, progress_line, read_metrics, summarize_metrics
+from rlhf.ops.metrics import MetricsLogger, PhaseTimer, progress_line, read_metrics, summarize_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,7 +127,7 @@ def test_plot_series_last_value_per_step():
 
 
 def test_mark_start_drops_rows_after_the_resumed_step(tmp_path):
-    from rlhf.metrics import MetricsLogger, read_metrics
+    from rlhf.ops.metrics import MetricsLogger, read_metrics
 
     first = MetricsLogger(tmp_path, backends=("jsonl",), total_steps=5)
     for step in range(1, 5):

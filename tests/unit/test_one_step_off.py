@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from rlhf.async_rl.pipeline import Schedule, offpolicy_metrics
-from rlhf.async_rl.roles import check_one_step_off
-from rlhf.config import ConfigError, load_config
+from rlhf.config.load import load_config
+from rlhf.schema.config import ConfigError
+from rlhf.train.async_rl.pipeline import Schedule, offpolicy_metrics
+from rlhf.train.async_rl.roles import check_one_step_off
 
 
 def _cfg(**over):

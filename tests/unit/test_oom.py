@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.config import Config, ConfigError
-from rlhf.metrics import PhaseTimer
+from rlhf.ops.metrics import PhaseTimer
 from rlhf.ops.oom import InjectedOom, apply_oom_records, record_oom
+from rlhf.schema.config import Config, ConfigError
 
 
 def cfg_at(tmp_path) -> Config:

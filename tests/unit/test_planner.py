@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import Config, ConfigError, load_config
+from rlhf.config.load import load_config
 from rlhf.planner import GIB, ModelShape, main, parse_bytes, plan_memory
+from rlhf.schema.config import Config, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -155,7 +156,7 @@ def test_no_sync_accumulation_counts_unsharded_fp32_gradients():
 
 
 def test_rollout_copies_fusing_send_buffer_and_kept_sampler():
-    from rlhf.async_rl.transfer import SEND_BUCKET_BYTES
+    from rlhf.train.async_rl.transfer import SEND_BUCKET_BYTES
 
     s = ModelShape.from_model_dir(str(REPO / "configs" / "models" / "Qwen2.5-7B"))
     base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]

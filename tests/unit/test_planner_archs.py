@@ -11,9 +11,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.cli import parse_args, print_memory_plan
-from rlhf.config import ConfigError, load_config
+from rlhf.config.load import load_config
 from rlhf.ops.flops import matmul_params
 from rlhf.planner import ModelShape, plan_memory
+from rlhf.schema.config import ConfigError
 from tests._archs import ARCHS, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from rlhf.batch import RolloutBatch
-from rlhf.config import ConfigError, RewardModelConfig
 from rlhf.data.char_tokenizer import DEFAULT_CHARS, build_char_tokenizer
 from rlhf.rewards.reward_model import RewardModelScorer
+from rlhf.schema.batch import RolloutBatch
+from rlhf.schema.config import ConfigError, RewardModelConfig
 
 P, R = 16, 32
 RM_TEMPLATE = ("{%- for m in messages -%}{%- if m['role'] == 'user' -%}{{ 'Q: ' + m['content'] + '\n' }}"

@@ -110,7 +110,7 @@ KWARG_REWARD = textwrap.dedent("""
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_reward_kwargs_reach_the_function_serial_and_in_workers(tmp_path, workers):
-    from rlhf.config import load_config
+    from rlhf.config.load import load_config
 
     (tmp_path / "r.py").write_text(KWARG_REWARD)
     cfg = load_config(None, ["model.path=/m", "data.train_files=/d", f"reward.reward_fn={tmp_path}/r.py:scaled",

@@ -121,8 +121,8 @@ def test_score_responses_gsm8k_batch_and_length_check():
 
 
 def test_reward_components_for_gdpo_in_key_order_and_named_when_missing():
-    from rlhf.config import ConfigError
     from rlhf.rewards.scoring import reward_components, score_responses
+    from rlhf.schema.config import ConfigError
 
     def fn(ds, s, gt, extra):
         if s == "boom":

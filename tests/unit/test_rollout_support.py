@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from rlhf.config import ConfigError
+from rlhf.models.decoder import SUPPORTED_MODEL_TYPES
 from rlhf.models.loading import check_rollout_support
-from rlhf.rollout.decoder import SUPPORTED_MODEL_TYPES
+from rlhf.schema.config import ConfigError
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2)
@@ -33,5 +33,5 @@ def test_unsupported_model_is_one_config_error(tmp_path, config, max_len, msg):
 
 def test_supported_models_pass(tmp_path):
     check_rollout_support(_dir(tmp_path / "q", transformers.Qwen2Config(**SMALL)), max_seq_len=4096)
-    # sliding windows shorter than the sequence are supported (rlhf.rollout.arch)
+    # sliding windows shorter than the sequence are supported (rlhf.models.arch)
     check_rollout_support(_dir(tmp_path / "m", transformers.MistralConfig(**SMALL, sliding_window=16)), max_seq_len=64)

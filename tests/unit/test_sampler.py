@@ -359,7 +359,7 @@ def test_kv_cache_budget_from_free_memory():
 def test_load_weights_in_place_keeps_addresses():
     """reload_in_place (CUDA graphs, a kept sampler): new weights are copied into the old storage,
     which is the sampler's own (never the caller's tensors); otherwise the weights are swapped."""
-    from rlhf.rollout import decoder
+    from rlhf.models import decoder
 
     m = _model()
     sd = m.state_dict()

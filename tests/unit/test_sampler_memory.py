@@ -7,7 +7,8 @@ import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
-from rlhf.rollout import Sampler, SamplingParams, decoder
+from rlhf.models import decoder
+from rlhf.rollout import Sampler, SamplingParams
 from rlhf.rollout import sampler as sampler_mod
 from rlhf.rollout.kv_cache import kv_bytes_per_token
 from tests.unit.test_sampler import PROMPTS, _model, _sampler
@@ -144,9 +145,10 @@ def test_chunked_prefill_folds_query_groups_instead_of_enable_gqa(monkeypatch):
 
 
 def test_kept_sampler_reloads_weights_in_place_and_reuses_its_cache():
-    from rlhf.config import RolloutConfig
     from rlhf.data.char_tokenizer import build_char_tokenizer
-    from rlhf.rollout.engine import PromptBatch, RolloutEngine
+    from rlhf.rollout.engine import RolloutEngine
+    from rlhf.schema.batch import PromptBatch
+    from rlhf.schema.config import RolloutConfig
 
     m = _model()
     prompts = PromptBatch(prompt_ids=PROMPTS, keys=list(range(5)), ground_truths=[""] * 5, data_sources=["x"] * 5,
@@ -173,7 +175,7 @@ def test_kept_sampler_reloads_weights_in_place_and_reuses_its_cache():
 
 @pytest.mark.parametrize("free", [True])
 def test_fresh_sampler_per_step_by_default(free):
-    from rlhf.config import RolloutConfig
+    from rlhf.schema.config import RolloutConfig
 
     assert RolloutConfig().free_cache_engine is free
 

@@ -157,9 +157,10 @@ def test_bad_observations_are_named():
 
 
 def test_engine_keeps_the_holes_through_exchange_and_to_batch():
-    from rlhf.config import RolloutConfig
     from rlhf.data.char_tokenizer import build_char_tokenizer
-    from rlhf.rollout.engine import PromptBatch, RolloutEngine
+    from rlhf.rollout.engine import RolloutEngine
+    from rlhf.schema.batch import PromptBatch
+    from rlhf.schema.config import RolloutConfig
 
     tok = build_char_tokenizer()
     model = _model()

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf.config import ConfigError, load_config
-from rlhf.sft import SFTConfig, validate_sft
+from rlhf.config.load import load_config
+from rlhf.schema.config import ConfigError
+from rlhf.train.sft import SFTConfig, validate_sft
 
 REQ = ["model.path=/m", "sft.train_files=/d.jsonl"]
 

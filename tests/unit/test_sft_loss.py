@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from rlhf.sft import sft_loss
+from rlhf.train.sft import sft_loss
 
 
 def _model() -> torch.nn.Module:

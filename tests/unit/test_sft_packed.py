@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from rlhf.sft import collate, sft_loss
+from rlhf.train.sft import collate, sft_loss
 
 
 def _model() -> torch.nn.Module:

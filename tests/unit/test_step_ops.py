@@ -7,10 +7,10 @@ import json
 import torch
 from transformers import Qwen2Config
 
-from rlhf.metrics import PhaseTimer
 from rlhf.ops.efficiency import EfficiencyMeter
 from rlhf.ops.flops import model_flops_per_token
 from rlhf.ops.memory import PeakMemory
+from rlhf.ops.metrics import PhaseTimer
 from rlhf.ops.profiler import PhaseRanges, StepProfiler
 
 CFG = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -7,8 +7,9 @@ import torch
 
 from rlhf.rewards.pool import RewardPool
 from rlhf.rewards.streaming import StreamingScores
-from rlhf.rollout.engine import PromptBatch, _rows_to_samples
+from rlhf.rollout.engine import _rows_to_samples
 from rlhf.rollout.sampling import SamplingParams
+from rlhf.schema.batch import PromptBatch
 from tests.unit.test_sampler import _responses, _sampler
 
 REWARD = '''

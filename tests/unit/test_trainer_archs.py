@@ -75,7 +75,7 @@ def test_gemma2_trains_on_the_softcapping_varlen_kernel():
 
 
 def test_gemma2_critic_loads_on_the_softcapping_kernel(tmp_path):
-    from rlhf.critic import load_value_model
+    from rlhf.train.critic import load_value_model
     from tests._archs import write_tiny_model
 
     critic = load_value_model(write_tiny_model(tmp_path, "gemma2"))

@@ -7,9 +7,10 @@ import types
 import pytest
 import torch
 
-from rlhf.config import ConfigError, load_config
+from rlhf.config.load import load_config
+from rlhf.models.parallel import ParallelDims
 from rlhf.models.ulysses import check_sp, kv_repeat_factor
-from rlhf.parallel import ParallelDims
+from rlhf.schema.config import ConfigError
 
 
 def _hf(heads: int, kv: int):

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import ConfigError, load_config
-from rlhf.models.hub import resolve_model_path
-from rlhf.verl_compat import check_launch_world, translate
-from rlhf.verl_keys import RULES
+from rlhf.config.hub import resolve_model_path
+from rlhf.config.load import load_config
+from rlhf.config.verl import check_launch_world, translate
+from rlhf.config.verl_keys import RULES
+from rlhf.schema.config import ConfigError
 
 REQ = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +138,7 @@ def test_verl_yaml_file(tmp_path):
 def test_keys_a_script_lacks_are_refused():
     import dataclasses
 
-    from rlhf.config import Config
+    from rlhf.schema.config import Config
 
     bare = dataclasses.make_dataclass("Bare", [("data", dict, dataclasses.field(default_factory=dict))])
     with pytest.raises(ConfigError, match="maps to 'reward.reward_fn', which this script has no setting for"):

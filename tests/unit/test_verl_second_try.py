@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import ConfigError, load_config, parse_override
+from rlhf.config.load import load_config, parse_override
+from rlhf.schema.config import ConfigError
 from tests._assets import write_tiny_assets
 
 
@@ -34,7 +35,7 @@ def test_batch_larger_than_dataset_is_one_line_at_dry_run(assets):
     """Item 1: a batch larger than the data fails the dry run, naming the key (not drop_last)."""
     with pytest.raises(ConfigError, match=r"data.train_batch_size \(64\) is larger than the 32 training prompts"):
         _dry_checks(_cfg(assets, "data.train_batch_size=64", "actor.ppo_mini_batch_size=64"))
-    from rlhf.data.prompts import make_loader
+    from rlhf.train.prompts import make_loader
 
     with pytest.raises(ConfigError, match="lower data.train_batch_size to at most 32"):
         make_loader(_cfg(assets, "data.train_batch_size=64", "actor.ppo_mini_batch_size=64"), 32)
@@ -95,7 +96,7 @@ def test_dapo_recipe_spellings():
 def test_printed_native_command_pastes_into_a_shell(capsys, monkeypatch):
     """Item 11: `python -m rlhf.verl_compat` prints a command whose words, split as a shell splits them,
     load to the same config; a yaml error in an override is one line."""
-    from rlhf.verl_compat import main
+    from rlhf.verl_compat.__main__ import main
 
     monkeypatch.setenv("RANK", "0")
     verl = REQ + ["trainer.logger=['console','wandb']", "trainer.project_name=my proj", "data.truncation='error'",
@@ -172,7 +173,7 @@ def test_global_micro_batch_over_the_planned_world(monkeypatch, capsys):
     """Item 4: the deprecated global micro-batch sizes are divided by nnodes x n_gpus_per_node (what the
     run is checked against), over sp as verl does, the same in `python -m rlhf.verl_compat` and at load;
     rounding down is said; a size below the rank count is refused."""
-    from rlhf.verl_compat import main
+    from rlhf.verl_compat.__main__ import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("RANK", "0")
@@ -199,7 +200,7 @@ def test_smaller_verl_settings(assets, tmp_path, monkeypatch, capsys):
     import json
 
     from rlhf.data.dataset import load_prompt_dataset
-    from rlhf.metrics import MetricsLogger
+    from rlhf.ops.metrics import MetricsLogger
     from rlhf.models.loading import check_rollout_support, load_tokenizer
 
     tok = load_tokenizer(str(assets / "model"))
@@ -229,7 +230,7 @@ def test_smaller_verl_settings(assets, tmp_path, monkeypatch, capsys):
 def test_rollout_rows_like_verl_dump():
     import torch
 
-    from rlhf.evaluation import rollout_rows
+    from rlhf.train.evaluation import rollout_rows
 
     class B:
         index = torch.tensor([1, 0])

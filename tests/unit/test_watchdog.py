@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rlhf.metrics import PhaseTimer
+from rlhf.ops.metrics import PhaseTimer
 from rlhf.ops.watchdog import Watchdog
 
 

@@ -1,0 +1,511 @@
+"""Functional forward of HF decoder-only LMs over a weight dict (families: ``rlhf.models.arch``).
+
+The rollout gathers the trainer's parameters into ``dict[str, Tensor]`` keyed by HF
+state-dict names and runs this forward on them: no ``nn.Module``, no HF cache objects,
+two entry points (``prefill`` over right-padded prompts, ``decode`` of one token per slot).
+
+Per layer (pre-norm transformer, HF numerics):
+
+    h = x + o_proj(Attn(rope(q), rope(k), v))      q, k, v = qkv_proj(RMSNorm(x))
+    y = h + down_proj(silu(gate_proj(g)) * up_proj(g))   g = RMSNorm(h)
+
+RMSNorm(x) = w * (x / sqrt(mean(x^2) + eps)) computed in fp32; rotary embedding
+``x * cos + rotate_half(x) * sin`` with HF's inverse frequencies (any static rope type HF
+knows, e.g. default / linear / llama3 / yarn). q/k/v and gate/up are fused into one matmul
+each at load time. Family variants (Gemma's scaled embeddings, ``1 + w`` norms and sandwich
+norms, GeGLU, soft-capping, sliding windows, per-layer rope tables, Phi-3's fused checkpoints
+and partial rotary, Qwen3-MoE's routed experts) come from ``rlhf.models.arch`` /
+``rlhf.models.moe`` at a few dispatch points; attention is ``arch.attend``.
+
+Tensor parallel hook: every function takes ``tp_group``. A tensor-parallel rollout passes
+column-sharded q/k/v and gate/up weights, row-sharded o_proj / down_proj weights, a spec
+with the local head counts (``DecoderSpec.shard``) and the group; the partial outputs of
+o_proj and down_proj are all-reduced over it. MoE layers split their experts over the group
+instead (``rlhf.models.moe``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhf.models import arch, moe
+from rlhf.models.arch import SUPPORTED_MODEL_TYPES, ArchSpec
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderSpec", "prefill", "prefill_chunk", "decode"]
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Architecture numbers the functional forward needs (read from an HF config)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    qk_norm: bool
+    tie_word_embeddings: bool
+    arch: ArchSpec  # family variants, per-layer attention settings
+
+    @classmethod
+    def from_config(cls, config: Any) -> DecoderSpec:
+        model_type = arch.check_model_type(config)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            model_type=model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            arch=arch.from_config(config, head_dim),
+        )
+
+    def shard(self, tp_size: int) -> DecoderSpec:
+        """Spec with the per-rank head / MLP sizes of a ``tp_size``-way tensor-parallel rollout."""
+        sizes = {"num_heads": self.num_heads}
+        kv = self.num_kv_heads  # a rollout wider than the KV heads replicates them (one per rank, as vLLM)
+        if kv % tp_size and tp_size % kv:
+            sizes["num_kv_heads"] = kv
+        m = self.arch.moe
+        if m is None or m.has_dense_layers:
+            sizes["intermediate_size"] = self.intermediate_size
+        if m is not None:  # experts are split over tp, each one whole
+            sizes["num_experts"] = m.num_experts
+        if any(v % tp_size for v in sizes.values()):
+            raise ValueError(f"tp_size={tp_size} must divide " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
+        return dataclasses.replace(
+            self,
+            num_heads=self.num_heads // tp_size,
+            num_kv_heads=max(1, self.num_kv_heads // tp_size),
+            intermediate_size=self.intermediate_size // tp_size,
+        )
+
+    def check_seq_len(self, max_seq_len: int) -> None:
+        arch.check_seq_len(self.arch, self.model_type, max_seq_len)
+
+
+def check_supported(config: Any, max_seq_len: int | None = None) -> DecoderSpec:
+    """Everything about an HF config the sampler refuses, found before any weight is loaded (model type,
+    activation, rope type, a sliding window shorter than ``max_seq_len``); raises NotImplementedError.
+    The checks are the sampler's own, so an architecture added to it is accepted here too."""
+    spec = DecoderSpec.from_config(config)
+    rope_inv_freq(config, spec.head_dim)
+    if max_seq_len is not None:
+        spec.check_seq_len(max_seq_len)
+    return spec
+
+
+def rope_inv_freq(config: Any, head_dim: int) -> tuple[Tensor, Tensor]:
+    """HF's inverse frequencies ``[K, rotary_dim // 2]`` float32 and cos/sin scales ``[K]``, one row
+    per rope table (``arch.rope_inv_freq``; K = 1 except Gemma 3)."""
+    return arch.rope_inv_freq(config, arch.rotary_dim(config, head_dim))
+
+
+def rope_tables(inv_freq: Tensor, scale: Tensor, max_seq_len: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and signed sin tables ``[K, max_seq_len, R]`` (fp32 like HF, then cast; R = rotary dim).
+
+    HF's ``rotate_half(x) * sin`` equals ``roll(x, R/2) * sin_signed`` with
+    ``sin_signed = [-sin[:R/2], sin[R/2:]]`` (both halves of ``sin`` are equal), which
+    saves the negation of half of x at every layer.
+    """
+    pos = torch.arange(max_seq_len, dtype=torch.int64).float()
+    freqs = pos[None, :, None] * inv_freq[:, None, :]  # [K, S, R/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = torch.as_tensor(scale, dtype=torch.float32).reshape(-1, 1, 1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    half = inv_freq.shape[-1]
+    sin[..., :half].neg_()
+    return cos.to(device, dtype), sin.to(device, dtype)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, with fused projections (``[out, in]`` like ``nn.Linear``).
+
+    Norm weights are in the form ``rms_norm`` applies (``arch.norm_weight``: Gemma's ``1 + w`` in fp32).
+    """
+
+    input_norm: Tensor  # [hidden]
+    qkv_w: Tensor  # [(H + 2 Hkv) * D, hidden]
+    qkv_b: Tensor | None
+    qk_norm: Tensor | None  # [H + Hkv, D] (qwen3 / gemma3): q_norm weight on q heads, k_norm on k heads
+    o_w: Tensor  # [hidden, H * D]
+    o_b: Tensor | None
+    post_norm: Tensor  # [hidden] the norm before the MLP (Gemma: pre_feedforward_layernorm)
+    gate_up_w: Tensor | None  # [2 * I, hidden] (None in a MoE layer)
+    gate_up_b: Tensor | None
+    down_w: Tensor | None  # [hidden, I]
+    down_b: Tensor | None
+    attn_out_norm: Tensor | None = None  # Gemma: post_attention_layernorm on the attention output
+    mlp_out_norm: Tensor | None = None  # Gemma: post_feedforward_layernorm on the MLP output
+    router_w: Tensor | None = None  # MoE: [E, hidden]
+    experts_gate_up: Tensor | None = None  # MoE: [E_local, 2 * I_moe, hidden]
+    experts_down: Tensor | None = None  # MoE: [E_local, hidden, I_moe]
+
+
+@dataclass
+class DecoderWeights:
+    embed: Tensor  # [V, hidden]
+    layers: list[LayerWeights]
+    norm: Tensor  # [hidden]
+    lm_head: Tensor  # [V, hidden]
+
+
+def _copy_into(dst: Any, src: Any) -> Any:
+    """Copy the tensor fields of ``src`` into ``dst``'s (same dataclass), keeping ``dst``'s storage;
+    returns ``dst``."""
+    for f in fields(dst):
+        d, t = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(d, list):
+            continue
+        if (d is None) != (t is None):
+            raise ValueError(f"load_weights: the new weights have a different structure ({f.name})")
+        if d is not None and d is not t:
+            d.copy_(t)
+    return dst
+
+
+def _qk_norm_table(spec: DecoderSpec, q: Tensor | None, k: Tensor | None) -> Tensor | None:
+    if q is None or k is None:
+        return None
+    return torch.cat((q.expand(spec.num_heads, -1), k.expand(spec.num_kv_heads, -1))).contiguous()
+
+
+def prepare_weights(
+    spec: DecoderSpec, weights: Mapping[str, Tensor], *, device: torch.device, dtype: torch.dtype,
+    consume: bool = False, copy: bool = False, into: DecoderWeights | None = None,
+) -> DecoderWeights:
+    """Move / cast the HF-named weights and fuse q|k|v and gate|up; raise listing missing names.
+
+    Memory: tensors already on ``device`` in ``dtype`` are used as they are (no copy) unless
+    ``copy``; the fused ones are new. ``consume``: ``weights`` is a dict the caller hands over;
+    each tensor is popped from it as it is used, so the unfused tensors die while the fused
+    ones are built (peak ~1x + one layer instead of 1x + every fused copy). ``into``: copy the
+    result into these weights' tensors layer by layer (their storage kept: captured CUDA graphs
+    read it) instead of returning new ones; peak + one layer.
+    """
+    missing: list[str] = []
+    take = weights.pop if consume else weights.get  # type: ignore[attr-defined]
+
+    def get(name: str, required: bool = True) -> Tensor | None:
+        t = take(name, None)
+        if t is None:
+            if required:
+                missing.append(name)
+            return None
+        return t.detach().to(device=device, dtype=dtype, copy=copy)
+
+    def cat(*ts: Tensor | None) -> Tensor | None:
+        if any(t is None for t in ts):
+            return None
+        return torch.cat(ts, dim=0).contiguous()  # type: ignore[arg-type]
+
+    def norm_w(name: str) -> Tensor | None:
+        t = get(name)
+        return None if t is None else arch.norm_weight(spec.arch, t)
+
+    fused, moe_spec, gemma = spec.arch.fused_qkv, spec.arch.moe, spec.arch.sandwich_norms
+    layers: list[LayerWeights] = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        q_b = get(a + "q_proj.bias", required=False)
+        sparse = moe_spec is not None and moe_spec.sparse[i]
+        dense = not sparse and not fused
+        layers.append(
+            LayerWeights(
+                input_norm=norm_w(p + "input_layernorm.weight"),
+                qkv_w=get(a + "qkv_proj.weight") if fused
+                else cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+                qkv_b=None if q_b is None else cat(q_b, get(a + "k_proj.bias"), get(a + "v_proj.bias")),
+                qk_norm=_qk_norm_table(spec, norm_w(a + "q_norm.weight"), norm_w(a + "k_norm.weight"))
+                if spec.qk_norm
+                else None,
+                o_w=get(a + "o_proj.weight"),
+                o_b=get(a + "o_proj.bias", required=False),
+                post_norm=norm_w(p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"),
+                gate_up_w=get(m + "gate_up_proj.weight") if fused
+                else cat(get(m + "gate_proj.weight"), get(m + "up_proj.weight")) if dense else None,
+                gate_up_b=cat(get(m + "gate_proj.bias", False), get(m + "up_proj.bias", False)) if dense else None,
+                down_w=None if sparse else get(m + "down_proj.weight"),
+                down_b=get(m + "down_proj.bias", required=False) if dense else None,
+                attn_out_norm=norm_w(p + "post_attention_layernorm.weight") if gemma else None,
+                mlp_out_norm=norm_w(p + "post_feedforward_layernorm.weight") if gemma else None,
+                router_w=get(m + "gate.weight") if sparse else None,
+                experts_gate_up=get(m + "experts.gate_up_proj") if sparse else None,
+                experts_down=get(m + "experts.down_proj") if sparse else None,
+            )
+        )
+        if into is not None and not missing:  # this layer goes into the old buffers; the new copy dies
+            layers[-1] = _copy_into(into.layers[i], layers[-1])
+    embed = get("model.embed_tokens.weight")
+    norm = norm_w("model.norm.weight")
+    lm_head = get("lm_head.weight", required=not spec.tie_word_embeddings)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        given = ", ".join(list(weights)[:4])
+        raise KeyError(f"rollout sampler: weights for {spec.model_type} are missing {shown}; got keys like {given}")
+    out = DecoderWeights(embed=embed, layers=layers, norm=norm, lm_head=embed if lm_head is None else lm_head)
+    return out if into is None else _copy_into(into, out)
+
+
+# --------------------------------------------------------------------------- math
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """HF RMSNorm over the last dim: normalise in fp32, cast back, then scale by ``weight``.
+
+    A float32 ``weight`` on a lower-precision ``x`` is Gemma's ``1 + w``: applied before the
+    cast back, as HF's Gemma norms do. ``weight`` may also be a per-head table ``[Hq + Hk, D]``.
+    """
+    if x.dtype == torch.float32 and (weight is None or weight.dim() == 1):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused op, same fp32 math
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return xf.to(x.dtype)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(x.dtype)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope_(qk: Tensor, cos: Tensor, sin_signed: Tensor) -> None:
+    """In place on the q and k heads ``qk`` ``[..., Hq + Hkv, D]`` (a view of the fused projection):
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin = roll(x, R/2) * sin_signed``, on
+    the leading ``R = cos.shape[-1]`` dims of each head (partial rotary: the rest pass through).
+    ``cos, sin_signed`` ``[..., 1, R]`` (rows of the tables) broadcast over the heads; v is never
+    touched, so no per-head factor tensors and no copy of the fused tensor are needed."""
+    r = cos.shape[-1]
+    x = qk[..., :r] if r < qk.shape[-1] else qk
+    rot = x.roll(r // 2, dims=-1)
+    x.mul_(cos).addcmul_(rot, sin_signed)
+
+
+def _residual_linear(x: Tensor, a: Tensor, w: Tensor, b: Tensor | None, tp_group: Any,
+                     out_norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
+    """``x + a @ w.T (+ b)`` for 2-D ``x`` ``[M, C]``; the partial product is all-reduced under TP.
+    With ``out_norm`` (Gemma's sandwich norms): ``x + RMSNorm(a @ w.T (+ b))``."""
+    if tp_group is None and b is None and out_norm is None:
+        return torch.addmm(x, a, w.t())  # residual fused into the matmul
+    return _residual_add(x, F.linear(a, w), b, tp_group, out_norm, eps)
+
+
+def _residual_add(x: Tensor, out: Tensor, b: Tensor | None, tp_group: Any, out_norm: Tensor | None,
+                  eps: float) -> Tensor:
+    if tp_group is not None:
+        dist.all_reduce(out, group=tp_group)
+    if b is not None:
+        out = out + b
+    return x + (out if out_norm is None else rms_norm(out, out_norm, eps))
+
+
+def _rank(group: Any) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], cos: Tensor, sin: Tensor) -> Tensor:
+    """Fused, normed (qwen3) and rotated q|k|v: ``x`` ``[M, hidden]`` -> ``[*lead, H + 2Hkv, D]``.
+
+    ``lead`` splits the M rows (``(B,)`` or ``(P, Tp)``); ``cos, sin`` ``[*lead, 1, R]``: the rope
+    table rows of each token's position.
+    """
+    qkv = F.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw.qkv_w, lw.qkv_b)
+    qkv = qkv.view(*lead, -1, spec.head_dim)
+    n_qk = spec.num_heads + spec.num_kv_heads
+    if lw.qk_norm is not None:  # per-head RMSNorm of q and k (not v) before rope
+        normed = rms_norm(qkv[..., :n_qk, :], lw.qk_norm, spec.rms_norm_eps)
+        qkv = torch.cat((normed, qkv[..., n_qk:, :]), dim=-2)
+    apply_rope_(qkv[..., :n_qk, :], cos, sin)
+    return qkv
+
+
+# A prefill's MLP runs over row chunks of this many tokens (without TP: each chunk is complete, so
+# no extra all-reduce). The [M, 2I] intermediates of a long prefill otherwise take fresh pages from
+# the OS in every layer (glibc hands freed multi-MB blocks back): on CPU the page faults were 29%
+# of a 1075-token prefill (docs/benchmarks.md).
+_MLP_ROWS = 256
+
+
+def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any) -> Tensor:
+    """``x + down(act(gate(g)) * up(g))``, ``g = RMSNorm(x)``; ``x`` ``[M, hidden]``; routed
+    experts in a MoE layer (``rlhf.models.moe``)."""
+    if tp_group is None and x.shape[0] > _MLP_ROWS:
+        return torch.cat([_mlp(spec, lw, rows, None) for rows in x.split(_MLP_ROWS)])
+    g = rms_norm(x, lw.post_norm, spec.rms_norm_eps)
+    eps, a = spec.rms_norm_eps, spec.arch
+    if lw.router_w is not None:
+        top_w, top_i = moe.route(a.moe, g, lw.router_w)
+        out = moe.experts(g, top_i, top_w, lw.experts_gate_up, lw.experts_down, lambda u, v: arch.gated_act(a, u, v),
+                          expert_offset=_rank(tp_group) * lw.experts_gate_up.shape[0])
+        return _residual_add(x, out, None, tp_group, lw.mlp_out_norm, eps)
+    gu = F.linear(g, lw.gate_up_w, lw.gate_up_b)
+    i = spec.intermediate_size
+    return _residual_linear(x, arch.gated_act(a, gu[:, :i], gu[:, i:]), lw.down_w, lw.down_b, tp_group,
+                            lw.mlp_out_norm, eps)
+
+
+def _logits(spec: DecoderSpec, w: DecoderWeights, x: Tensor) -> Tensor:
+    logits = F.linear(rms_norm(x, w.norm, spec.rms_norm_eps), w.lm_head)
+    return arch.softcap_logits(spec.arch, logits).float()
+
+
+def prefill(
+    spec: DecoderSpec,
+    w: DecoderWeights,
+    cache: Any,
+    input_ids: Tensor,
+    positions: Tensor,
+    grid_index: Tensor | None,
+    width: int,
+    last_index: Tensor,
+    slots: Tensor,
+    rows: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    tp_group: Any = None,
+) -> Tensor:
+    """Forward of P packed prompts; stores their K/V in the cache; returns last-token logits.
+
+    Padding-free: projections and MLP run on the ``Ttot`` real tokens only. Attention
+    scatters q/k/v into a right-padded ``[P, Hall, width, D]`` grid (pads are zeros that
+    causal masking keeps real tokens from reading) and gathers its output back.
+
+    Args:
+        input_ids, positions: ``[Ttot]`` the prompts concatenated, and each token's position.
+        grid_index: ``[Ttot]`` row of each token in the ``[P * width]`` grid
+            (``prompt * width + position``); None when all prompts have length ``width``.
+        last_index: ``[P]`` index of each prompt's last token in the packed sequence.
+        slots: ``[M]`` cache slots to fill; ``rows`` ``[M]`` the prompt each slot receives,
+            so one prefill serves the ``n`` samples of a prompt.
+        cos, sin: rope tables from ``rope_tables``.
+    Returns:
+        ``[P, V]`` float32 logits of the token after each prompt.
+    """
+    p, total = last_index.shape[0], input_ids.shape[0]
+    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    c, s = cos[:, positions, None], sin[:, positions, None]  # [K, Ttot, 1, R] per rope table
+    index = cache.prefill_index(slots, 0, width)  # [M * 2Hkv * width] cache rows, shared by the layers
+    masks = arch.Masks(None, width, input_ids.device)
+    x = arch.embed(spec.arch, w.embed, input_ids)  # [Ttot, hidden]
+    for layer, lw in enumerate(w.layers):
+        la = spec.arch.layers[layer]
+        qkv = _qkv(spec, lw, x, (total,), c[la.rope], s[la.rope])  # [Ttot, Hall, D]
+        if grid_index is not None:
+            qkv = qkv.new_zeros((p * width, h + 2 * hkv, d)).index_copy_(0, grid_index, qkv)
+        grid = qkv.view(p, width, -1, d).transpose(1, 2)  # [P, Hall, width, D]
+        cache.write(layer, index, grid[:, h:].index_select(0, rows))
+        a = arch.attend(grid[:, :h], grid[:, h : h + hkv], grid[:, h + hkv :], masks, la)  # [P, H, width, D]
+        a = a.transpose(1, 2).reshape(p * width, h * d)
+        if grid_index is not None:
+            a = a.index_select(0, grid_index)  # [Ttot, H*D]
+        x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
+        x = _mlp(spec, lw, x, tp_group)
+    return _logits(spec, w, x.index_select(0, last_index))
+
+
+def prefill_chunk(
+    spec: DecoderSpec,
+    w: DecoderWeights,
+    cache: Any,
+    input_ids: Tensor,
+    start: int,
+    slots: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    tp_group: Any = None,
+) -> Tensor:
+    """Chunked prefill: forward of tokens ``[start, start + c)`` of ONE prompt whose earlier
+    positions are already in the cache of ``slots[0]``.
+
+    The chunk's K/V go to every slot in ``slots`` ``[M]`` (the prompt's samples); its queries
+    attend to cache positions ``[0, start + c)`` with the causal offset, so the attention
+    matrix is ``c x (start + c)`` instead of ``T x T`` for a long prompt. Grouped-query
+    attention folds the ``G = H / Hkv`` query heads of a kv head into its query rows
+    (``[Hkv, G * c, D]``, the mask repeated per group), as decode does: SDPA with a mask and
+    ``enable_gqa`` falls back to the math kernel (fp32 ``[H, c, W]`` scores).
+
+    Args:
+        input_ids: ``[c]`` the chunk's tokens.
+    Returns:
+        ``[1, V]`` float32 logits of the token after the chunk.
+    """
+    n = input_ids.shape[0]
+    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    positions = torch.arange(start, start + n, device=input_ids.device)
+    c, s = cos[:, positions, None], sin[:, positions, None]  # [K, c, 1, R]
+    index = cache.prefill_index(slots, start, n)
+    window = start + n
+    g = h // hkv
+    masks = arch.Masks(positions.repeat(g), window, input_ids.device)  # [G * c, W]: row (j, i) = query i of member j
+    x = arch.embed(spec.arch, w.embed, input_ids)  # [c, hidden]
+    for layer, lw in enumerate(w.layers):
+        la = spec.arch.layers[layer]
+        qkv = _qkv(spec, lw, x, (n,), c[la.rope], s[la.rope]).transpose(0, 1)  # [Hall, c, D]
+        cache.write(layer, index, qkv[h:].unsqueeze(0).expand(slots.shape[0], -1, -1, -1))
+        k, v = cache.view(layer, slots[:1], window)  # [1, Hkv, W, D]
+        q = qkv[:h].reshape(1, hkv, g * n, d)  # head kv * G + j -> kv head kv, rows j * c + i
+        a = arch.attend(q, k, v, masks, la)  # [1, Hkv, G * c, D]
+        x = _residual_linear(x, a.reshape(h, n, d).transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group,
+                             lw.attn_out_norm, spec.rms_norm_eps)
+        x = _mlp(spec, lw, x, tp_group)
+    return _logits(spec, w, x[-1:])
+
+
+def decode(
+    spec: DecoderSpec,
+    w: DecoderWeights,
+    cache: Any,
+    tokens: Tensor,
+    pos: Tensor,
+    window: int,
+    cos: Tensor,
+    sin: Tensor,
+    tp_group: Any = None,
+) -> Tensor:
+    """One decode step for slots ``[0, B)``: token ``tokens[b]`` at position ``pos[b]``.
+
+    Writes the new K/V into the cache and attends over cache positions ``[0, window)``
+    masked to ``<= pos[b]``. Grouped-query attention without repeating K/V: the ``G = H /
+    Hkv`` query heads that share a kv head are laid out as G query rows of that head
+    (``[B, Hkv, G, D]``), which is exact for a single-token step.
+
+    Args:
+        tokens, pos: ``[B]`` int64; ``window`` > max(pos).
+    Returns:
+        ``[B, V]`` float32 logits.
+    """
+    b = tokens.shape[0]
+    h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    c, s = cos[:, pos, None], sin[:, pos, None]  # [K, B, 1, R]
+    index = cache.decode_index(pos)  # [B * 2Hkv]
+    x = arch.embed(spec.arch, w.embed, tokens)  # [B, hidden]
+    plan = cache.decode_plan(b, pos, window, x.dtype)  # the attention kernel's per-step data
+    for layer, lw in enumerate(w.layers):
+        la = spec.arch.layers[layer]
+        qkv = _qkv(spec, lw, x, (b,), c[la.rope], s[la.rope])  # [B, Hall, D]
+        cache.write(layer, index, qkv[:, h:])
+        a = cache.attend(layer, qkv[:, :h].view(b, hkv, h // hkv, d), plan, la)  # [B, Hkv, G, D]
+        x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
+        x = _mlp(spec, lw, x, tp_group)
+    return _logits(spec, w, x)

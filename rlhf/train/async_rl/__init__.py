@@ -1,0 +1,34 @@
+"""Asynchronous RL: trainer.mode one_step_off (roles.py, pipeline.py, rollout_worker.py, transfer.py)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.distributed as dist
+
+from rlhf.schema.config import Config
+from rlhf.train.checkpoint import find_resume_path
+
+
+def run_one_step_off(cfg: Config, trainer_factory: Callable, *, dry_run: bool = False):
+    """Every rank: split the world; training ranks build the trainer from ``trainer_factory`` and
+    fit, rollout ranks run the rollout loop. Returns the trainer on training ranks, else None."""
+    from rlhf.models.parallel import init_distributed
+    from rlhf.train.async_rl.roles import Roles
+
+    env = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.collective_timeout_s)
+    roles = Roles.build(cfg, env)
+    # Decided once, before any rank can write a checkpoint, so both roles start from the same step.
+    box = [str(p) if (p := find_resume_path(cfg.checkpoint.resume, cfg.trainer.output_dir)) else None]
+    dist.broadcast_object_list(box, src=0, device=env.device if env.device.type == "cuda" else None)
+    if roles.is_rollout:
+        from rlhf.train.async_rl.rollout_worker import RolloutWorker
+
+        worker = RolloutWorker(cfg, roles, box[0])
+        if not dry_run:
+            worker.run()
+        return None
+    trainer = trainer_factory(cfg, dry_run=dry_run, roles=roles)
+    if not dry_run:
+        trainer.fit()
+    return trainer
