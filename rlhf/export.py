@@ -88,7 +88,8 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
         raise ConfigError(f"--role {role}: expected actor or critic")
     from rlhf.train.checkpoint import verify_checkpoint
 
-    problem = verify_checkpoint(ckpt)  # also reads .metadata safely before DCP unpickles it
+    # also reads .metadata safely before DCP unpickles it; not a collective: one rank may export alone
+    problem = verify_checkpoint(ckpt, collective=False)
     if problem is not None:
         raise ConfigError(f"--ckpt {ckpt}: a damaged checkpoint: {problem}")
     run = _run_config(ckpt, run_config)

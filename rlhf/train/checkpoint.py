@@ -189,9 +189,9 @@ def _checkpoint_files(path: Path) -> list[str]:
                   if f.is_file() and f.name not in ("COMPLETE", CHECKSUMS))
 
 
-def _my_share(names: list, group: Optional[dist.ProcessGroup]) -> list:
+def _my_share(names: list, group: Optional[dist.ProcessGroup], collective: bool = True) -> list:
     """This rank's part of ``names``: checksums are computed and verified by all ranks in parallel."""
-    if not dist.is_initialized():
+    if not collective or not dist.is_initialized():
         return names
     return names[dist.get_rank(group):: dist.get_world_size(group)]
 
@@ -229,7 +229,8 @@ def read_dcp_metadata(path: Path) -> Any:
     return meta
 
 
-def _structure_problem(path: Path, group: Optional[dist.ProcessGroup] = None) -> Optional[str]:
+def _structure_problem(path: Path, group: Optional[dist.ProcessGroup] = None,
+                       collective: bool = True) -> Optional[str]:
     """Why the checkpoint at ``path`` cannot be loaded, judged from its files' presence and sizes."""
     try:
         st = json.loads((path / "trainer_state.json").read_text())
@@ -255,7 +256,7 @@ def _structure_problem(path: Path, group: Optional[dist.ProcessGroup] = None) ->
             return f"model_optim/{name} is missing"
         if f.stat().st_size < size:
             return f"model_optim/{name} is truncated ({f.stat().st_size} of {size} bytes)"
-    for f in _my_share(sorted(path.glob("rng_rank*.pt")) + sorted(path.glob("rank_state*.pt")), group):
+    for f in _my_share(sorted(path.glob("rng_rank*.pt")) + sorted(path.glob("rank_state*.pt")), group, collective):
         try:
             load_plain(f)
         except CheckpointError as e:
@@ -263,17 +264,19 @@ def _structure_problem(path: Path, group: Optional[dist.ProcessGroup] = None) ->
     return None
 
 
-def verify_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None) -> Optional[str]:
+def verify_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None, *,
+                      collective: bool = True) -> Optional[str]:
     """None if the checkpoint at ``path`` looks loadable, else why not (files missing or truncated, a
     checksum that differs from the one written at save time). A collective of ``group`` when the
-    process group is up: each rank checks its share of the files."""
-    problem = _structure_problem(path, group)
+    process group is up: each rank checks its share of the files. ``collective=False``: this process
+    checks every file alone (the offline export, which one rank may run inside a job)."""
+    problem = _structure_problem(path, group, collective)
     if problem is None and (path / CHECKSUMS).is_file():
         try:
             sums = json.loads((path / CHECKSUMS).read_text())
         except (OSError, ValueError):
             sums, problem = {}, f"{CHECKSUMS} unreadable"
-        for name in _my_share(sorted(sums), group):
+        for name in _my_share(sorted(sums), group, collective):
             f = path / name
             if not f.is_file():
                 problem = f"{name} is missing"
@@ -281,7 +284,7 @@ def verify_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None) -> 
                 problem = f"{name} differs from its checksum"
             if problem:
                 break
-    if dist.is_initialized():  # every rank takes the same decision
+    if collective and dist.is_initialized():  # every rank takes the same decision
         problems = [p for p in all_gather_object(problem, group) if p]
         problem = problems[0] if problems else None
     return problem
