@@ -46,6 +46,13 @@ def main(fd: int, make_runner: Optional[Callable] = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     conn = Connection(fd)
+    try:
+        _serve(conn, make_runner)
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        return  # the parent closed the pool (a replaced worker, a run that ended): nothing to report to
+
+
+def _serve(conn: Connection, make_runner: Optional[Callable]) -> None:
     kind, *init = conn.recv()
     try:
         run = (make_runner or _reward_runner)(*init)

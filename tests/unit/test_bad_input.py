@@ -102,7 +102,7 @@ def test_rollout_batch_with_nan_log_probs_is_a_nonfinite_error():
 
 @pytest.mark.parametrize("exc", ["NonFiniteError", "CheckpointError"])
 def test_run_main_ends_these_errors_with_one_line(exc, capsys):
-    from rlhf import checkpoint, optim
+    from rlhf.train import checkpoint, optim
     from rlhf.cli import run_main
 
     cls = getattr(optim, exc, None) or getattr(checkpoint, exc)

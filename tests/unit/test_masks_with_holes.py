@@ -293,6 +293,7 @@ def test_trajectory_and_generated_lengths_and_token_budgets():
 
 def _trainer_stub(batch: RolloutBatch, **reward):
     from rlhf.rewards.scoring import ScoreResult
+    from rlhf.rewards.scoring import FailedStepGuard
     from rlhf.schema.config import Config
     from rlhf.train.trainer import RLTrainer
 
@@ -302,7 +303,8 @@ def _trainer_stub(batch: RolloutBatch, **reward):
         setattr(cfg.reward, k, v)
     stub = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dp_group=None, _streamed=None, reward_model=None,
                            env=SimpleNamespace(is_main=False), timer=lambda name: contextlib.nullcontext(),
-                           scorer=SimpleNamespace(score=lambda *a: ScoreResult(scores=SCORES.clone())))
+                           scorer=SimpleNamespace(score=lambda *a: ScoreResult(scores=SCORES.clone())),
+                           reward_guard=FailedStepGuard(0, 1.0))
     stub._global_means = lambda *a, **k: RLTrainer._global_means(stub, *a, **k)
     return stub, RLTrainer
 

@@ -88,7 +88,7 @@ def test_experts_capturable_only_in_bf16_on_sm90_or_sm100():
 
 
 def test_sampler_decodes_a_moe_model_eagerly_where_grouped_mm_is_not_capturable():
-    from rlhf.rollout import decoder
+    from rlhf.models import decoder
     from rlhf.rollout.sampler import graph_blocker
     from tests._archs import tiny_model
 

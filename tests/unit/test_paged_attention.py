@@ -125,7 +125,7 @@ class _ReplayGraph:
     captured with (the window included), into the same logits buffer."""
 
     def __init__(self, s, window):
-        from rlhf.rollout import decoder
+        from rlhf.models import decoder
 
         self.args = (s.spec, s.weights, s.cache, s.token_buf, s.pos_buf, window, s.cos, s.sin, s.tp_group)
         self.decode = decoder.decode

@@ -137,7 +137,7 @@ def test_adaptive_kl_counts_sequences():
     update_kl_controller(ours, 9.0, prompts=64, n=8)
     verl.update(9.0, n_steps=64 * 8)  # verl: n_steps = batch.batch_size[0], the repeated batch
     assert ours.value == pytest.approx(verl.value) and ours.value == pytest.approx(0.1 * (1 + 0.2 * 512 / 10000))
-    src = (Path(__file__).resolve().parents[2] / "rlhf" / "trainer.py").read_text()
+    src = (Path(__file__).resolve().parents[2] / "rlhf" / "train" / "trainer.py").read_text()
     assert "update_kl_controller(self.kl_ctrl" in src and "n_steps=self.cfg.data.train_batch_size" not in src
 
 
