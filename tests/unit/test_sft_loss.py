@@ -1,5 +1,5 @@
 """The SFT loss is the textbook one: on a fixed batch it equals a plain per-token cross-entropy over
-the response tokens (HF's shift-by-one on right-padded rows, written here independently of the
+the response tokens (HF's shift-by-one, one unpadded row at a time, written independently of the
 project's log-prob passes), and splitting the batch into micro-batches changes neither the loss
 nor the gradients (each micro-batch is divided by the step's token count, not its own)."""
 
@@ -8,24 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 from rlhf.train.sft import sft_loss
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    return transformers.Qwen2ForCausalLM(cfg).double()
+from tests.unit.test_sft_packed import _model  # the same tiny double-precision Qwen2
 
 
 def _examples() -> list:
     g = torch.Generator().manual_seed(3)
     out = []
     for p_len, r_len in ((4, 7), (2, 3), (6, 9), (3, 5), (5, 2)):
-        p = torch.randint(1, 40, (p_len,), generator=g).tolist()
-        r = torch.randint(1, 40, (r_len,), generator=g).tolist()
+        p = torch.randint(1, 50, (p_len,), generator=g).tolist()
+        r = torch.randint(1, 50, (r_len,), generator=g).tolist()
         m = [1] * r_len
         if r_len > 6:  # a hole (a tool result): no loss on it
             m[1:3] = [0, 0]
