@@ -16,7 +16,9 @@ Two loss types (``actor.rollout_correction_loss_type``; verl
   (``actor.rollout_is: token``) or per sequence (``sequence``: ``exp(sum_t (l_t - l_roll))``
   truncated, broadcast over the row); ``rollout_is: ""`` gives plain REINFORCE.
 
-Not implemented from verl: rejection sampling (``rollout_rs*``) and batch-normalised weights.
+Rejection sampling, the token veto and batch-normalised weights are decoupled-mode corrections
+here (rlhf/algos/rollout_corr.py); bypass mode refuses them (verl tests them against the current
+policy inside the loss).  ``rollout_is_weights`` is ignored in bypass mode.
 ``old_log_prob`` (the training-layout recomputation) is unused here; ``tis_imp_ratio_cap``
 is ignored (bypass replaces TIS).
 """
@@ -63,6 +65,7 @@ def compute_policy_loss_bypass_mode(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
