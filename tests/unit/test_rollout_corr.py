@@ -49,6 +49,11 @@ def test_sequence_is_weights_and_batch_norm_over_sequences():
     wn, f = is_weights(LR, MASK, "sequence", 2.5, batch_normalize=True)
     _close(f, (0.375 + 2.5) / 2)  # mean over the 2 sequences with tokens, not over tokens
     _close(wn, w / f)
+    # rows of unequal length: the sequence mean (1.5 + 2.5) / 2, not the token mean 6.5 / 3
+    short = MASK.clone()
+    short[0, 2] = 0
+    _, f = is_weights(LR, short, "sequence", 2.5, batch_normalize=True)
+    _close(f, 2.0)
 
 
 def test_batch_norm_is_global_over_ranks():
