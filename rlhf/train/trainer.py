@@ -351,6 +351,8 @@ class RLTrainer:
             metrics["kl_penalty/coef"] = self.kl_ctrl.value
         else:
             batch.token_level_rewards = batch.token_level_scores
+        # after the in-reward KL and before the estimator, as verl's ray_trainer
+        metrics.update(apply_rollout_correction(batch, self.cfg.actor, self.dp_group))
         fn = get_adv_estimator(alg.adv_estimator)
         batch.advantages, batch.returns = fn(
             token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask, index=batch.index,
@@ -401,7 +403,6 @@ class RLTrainer:
         with self.timer("logprobs"):
             metrics.update(self.compute_log_probs(batch))
             metrics.update(self.compute_values(batch))
-            metrics.update(apply_rollout_correction(batch, self.cfg.actor, self.dp_group))
         with self.timer("advantage"):
             metrics.update(self.compute_advantages(batch))
         with self.timer("update"):
