@@ -6,7 +6,7 @@ Uniform signature (``PolicyLossFn``)::
                        clip_ratio_low, clip_ratio_high, clip_ratio_c=3.0,
                        loss_agg_mode="token-mean", norm=None,
                        rollout_log_probs=None, tis_imp_ratio_cap=-1,
-                       params=None, cov_select=None)
+                       rollout_is_weights=None, params=None, cov_select=None)
 
 ``params`` (``PolicyLossParams``) carries the loss-specific settings (verl's
 ``actor.policy_loss.*`` keys: ``clip_cov_ratio``, ``kl_cov_ratio``, ``dro_beta`` ...);
@@ -21,6 +21,8 @@ Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framewor
 brings you off-policy RL training"): the sampler's log-probs differ from the trainer's, so
 with ``tis_imp_ratio_cap > 0`` every per-token loss is multiplied by the constant weight
 ``min(exp(old_log_prob - rollout_log_probs), cap)`` before aggregation, as verl.
+``rollout_is_weights`` (``[B, T]``, detached) are the rollout-correction / decoupled-PPO weights
+of rlhf/algos/rollout_corr.py, multiplied into every per-token loss the same way.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class PolicyLossFn(Protocol):
         norm: AggNorm | None = None,
         rollout_log_probs: torch.Tensor | None = None,
         tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
         params: PolicyLossParams | None = None,
         cov_select: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
@@ -153,13 +156,17 @@ def finish_pg_loss(
     tis_imp_ratio_cap: float,
     loss_agg_mode: str,
     norm: AggNorm | None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The common tail of token-level losses: the TIS weight (adds ``tis_imp_ratio_mean``),
-    ``agg_loss`` with the mini-batch ``norm``, and detached scalar metrics."""
+    """The common tail of token-level losses: the TIS weight (adds ``tis_imp_ratio_mean``), the
+    rollout-correction weights ``[B, T]`` (rlhf/algos/rollout_corr.py; detached, as verl's
+    ``rollout_is_weights``), ``agg_loss`` with the mini-batch ``norm``, and detached scalar metrics."""
     tis = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
     if tis is not None:
         pg_losses = pg_losses * tis
         metrics["tis_imp_ratio_mean"] = masked_mean(tis, response_mask)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
     loss = agg_loss(pg_losses, response_mask, loss_agg_mode, norm)
     return loss, {k: torch.as_tensor(v, device=loss.device).detach() for k, v in metrics.items()}
 
@@ -178,6 +185,7 @@ def compute_policy_loss_vanilla(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -219,7 +227,7 @@ def compute_policy_loss_vanilla(
         }
     return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
                           rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
-                          loss_agg_mode=loss_agg_mode, norm=norm)
+                          loss_agg_mode=loss_agg_mode, norm=norm, rollout_is_weights=rollout_is_weights)
 
 
 @register_policy_loss("gspo")
@@ -236,6 +244,7 @@ def compute_policy_loss_gspo(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -279,4 +288,4 @@ def compute_policy_loss_gspo(
         }
     return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
                           rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
-                          loss_agg_mode=loss_agg_mode, norm=norm)
+                          loss_agg_mode=loss_agg_mode, norm=norm, rollout_is_weights=rollout_is_weights)

@@ -157,6 +157,7 @@ def compute_policy_loss_clip_cov(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -188,7 +189,7 @@ def compute_policy_loss_clip_cov(
                    "cov_selected_frac": masked_mean(drop.float(), response_mask)}
     return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
                           rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
-                          loss_agg_mode=loss_agg_mode, norm=norm)
+                          loss_agg_mode=loss_agg_mode, norm=norm, rollout_is_weights=rollout_is_weights)
 
 
 @register_policy_loss("kl_cov")
@@ -205,6 +206,7 @@ def compute_policy_loss_kl_cov(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -230,4 +232,4 @@ def compute_policy_loss_kl_cov(
                    "cov_selected_frac": masked_mean(sel, response_mask)}
     return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
                           rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
-                          loss_agg_mode=loss_agg_mode, norm=norm)
+                          loss_agg_mode=loss_agg_mode, norm=norm, rollout_is_weights=rollout_is_weights)

@@ -51,6 +51,7 @@ def compute_policy_loss_gpg(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -65,7 +66,7 @@ def compute_policy_loss_gpg(
                    "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask)}
     return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
                           rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
-                          loss_agg_mode=loss_agg_mode, norm=norm)
+                          loss_agg_mode=loss_agg_mode, norm=norm, rollout_is_weights=rollout_is_weights)
 
 
 @register_policy_loss("cispo")
@@ -82,6 +83,7 @@ def compute_policy_loss_cispo(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -101,7 +103,7 @@ def compute_policy_loss_cispo(
                    "ppo_kl": masked_mean(-neg_kl, response_mask)}
     return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
                           rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
-                          loss_agg_mode=loss_agg_mode, norm=norm)
+                          loss_agg_mode=loss_agg_mode, norm=norm, rollout_is_weights=rollout_is_weights)
 
 
 @register_policy_loss("dro")
@@ -118,6 +120,7 @@ def compute_policy_loss_dro(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -137,11 +140,11 @@ def compute_policy_loss_dro(
         metrics = {"pg_clipfrac": torch.zeros(()), "ppo_kl": masked_mean(-log_ratio, response_mask)}
     return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
                           rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
-                          loss_agg_mode=loss_agg_mode, norm=norm)
+                          loss_agg_mode=loss_agg_mode, norm=norm, rollout_is_weights=rollout_is_weights)
 
 
 def _dppo(valid: torch.Tensor, ratio, neg_kl, log_prob, old_log_prob, advantages, response_mask, clip_ratio_c,
-          loss_agg_mode, norm, rollout_log_probs, tis_imp_ratio_cap):
+          loss_agg_mode, norm, rollout_log_probs, tis_imp_ratio_cap, rollout_is_weights):
     valid = valid.detach().float()
     truncated = torch.clamp(ratio, max=clip_ratio_c).detach()
     pg_losses = -advantages * truncated * log_prob * valid
@@ -151,7 +154,7 @@ def _dppo(valid: torch.Tensor, ratio, neg_kl, log_prob, old_log_prob, advantages
                    "ppo_kl": masked_mean(-neg_kl, response_mask)}
     return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
                           rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
-                          loss_agg_mode=loss_agg_mode, norm=norm)
+                          loss_agg_mode=loss_agg_mode, norm=norm, rollout_is_weights=rollout_is_weights)
 
 
 _DPPO_DOC = """
@@ -179,6 +182,7 @@ def compute_policy_loss_dppo_tv(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -188,7 +192,7 @@ def compute_policy_loss_dppo_tv(
     delta = torch.exp(log_prob) - torch.exp(old_log_prob)
     valid = torch.where(advantages > 0, delta <= clip_ratio_high, delta >= -clip_ratio_low)
     return _dppo(valid, ratio, neg_kl, log_prob, old_log_prob, advantages, response_mask, clip_ratio_c,
-                 loss_agg_mode, norm, rollout_log_probs, tis_imp_ratio_cap)
+                 loss_agg_mode, norm, rollout_log_probs, tis_imp_ratio_cap, rollout_is_weights)
 
 
 @register_policy_loss("dppo_kl")
@@ -205,6 +209,7 @@ def compute_policy_loss_dppo_kl(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -218,7 +223,7 @@ def compute_policy_loss_dppo_kl(
     valid = torch.where(advantages > 0, (binary_kl <= clip_ratio_high) | (p <= p_old),
                         (binary_kl <= clip_ratio_low) | (p >= p_old))
     return _dppo(valid, ratio, neg_kl, log_prob, old_log_prob, advantages, response_mask, clip_ratio_c,
-                 loss_agg_mode, norm, rollout_log_probs, tis_imp_ratio_cap)
+                 loss_agg_mode, norm, rollout_log_probs, tis_imp_ratio_cap, rollout_is_weights)
 
 
 compute_policy_loss_dppo_tv.__doc__ += _DPPO_DOC
@@ -239,6 +244,7 @@ def compute_policy_loss_sapo(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -263,7 +269,7 @@ def compute_policy_loss_sapo(
         metrics = {"pg_clipfrac": torch.zeros(()), "ppo_kl": masked_mean(-neg_kl, response_mask)}
     return finish_pg_loss(pg_losses, response_mask, metrics, old_log_prob=old_log_prob,
                           rollout_log_probs=rollout_log_probs, tis_imp_ratio_cap=tis_imp_ratio_cap,
-                          loss_agg_mode=loss_agg_mode, norm=norm)
+                          loss_agg_mode=loss_agg_mode, norm=norm, rollout_is_weights=rollout_is_weights)
 
 
 @register_policy_loss("geo_mean")
@@ -280,6 +286,7 @@ def compute_policy_loss_geo_mean(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -308,6 +315,9 @@ def compute_policy_loss_geo_mean(
         seq_w = torch.exp(masked_sum(torch.log(tis + 1e-10), response_mask, dim=-1) / (length + 1e-8))
         seq_loss = seq_loss * seq_w
         metrics["tis_imp_ratio_mean"] = masked_mean(tis, response_mask)
+    if rollout_is_weights is not None:  # likewise for the rollout-correction weights
+        seq_loss = seq_loss * torch.exp(
+            masked_sum(torch.log(rollout_is_weights + 1e-10), response_mask, dim=-1) / (length + 1e-8))
     pg_losses = seq_loss.unsqueeze(-1).expand_as(advantages)
     loss = agg_loss(pg_losses, response_mask, loss_agg_mode, norm)
     with torch.no_grad():

@@ -16,7 +16,9 @@ Two loss types (``actor.rollout_correction_loss_type``; verl
   (``actor.rollout_is: token``) or per sequence (``sequence``: ``exp(sum_t (l_t - l_roll))``
   truncated, broadcast over the row); ``rollout_is: ""`` gives plain REINFORCE.
 
-Not implemented from verl: rejection sampling (``rollout_rs*``) and batch-normalised weights.
+Rejection sampling, the token veto and batch-normalised weights are decoupled-mode corrections
+here (rlhf/algos/rollout_corr.py); bypass mode refuses them (verl tests them against the current
+policy inside the loss).  ``rollout_is_weights`` is ignored in bypass mode.
 ``old_log_prob`` (the training-layout recomputation) is unused here; ``tis_imp_ratio_cap``
 is ignored (bypass replaces TIS).
 """
@@ -29,14 +31,14 @@ from rlhf.algos.aggregation import AggNorm, agg_loss
 from rlhf.algos.masked import masked_mean, masked_sum
 from rlhf.algos.policy_loss import DEFAULT_PARAMS, PolicyLossParams, compute_policy_loss_vanilla, register_policy_loss
 
-__all__ = ["ROLLOUT_IS_LEVELS", "BYPASS_LOSS_TYPES", "rollout_is_weights", "compute_policy_loss_bypass_mode"]
+__all__ = ["ROLLOUT_IS_LEVELS", "BYPASS_LOSS_TYPES", "bypass_is_weights", "rollout_is_weights", "compute_policy_loss_bypass_mode"]
 
 ROLLOUT_IS_LEVELS = ("token", "sequence", "")
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 
 
 @torch.no_grad()
-def rollout_is_weights(log_prob: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+def bypass_is_weights(log_prob: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
                        level: str, threshold: float) -> torch.Tensor | None:
     """Truncated IS weights ``[B, T]`` (``None`` for ``level == ""``); see module docstring."""
     if level not in ROLLOUT_IS_LEVELS:
@@ -47,6 +49,9 @@ def rollout_is_weights(log_prob: torch.Tensor, rollout_log_probs: torch.Tensor, 
     if level == "sequence":
         log_w = torch.clamp(masked_sum(log_w, mask, dim=-1), min=-20.0, max=20.0).unsqueeze(-1).expand_as(log_prob)
     return torch.exp(log_w).clamp(max=threshold)
+
+
+rollout_is_weights = bypass_is_weights  # the earlier name (the loss's keyword of that name shadows it there)
 
 
 @register_policy_loss("bypass_mode")
@@ -63,6 +68,7 @@ def compute_policy_loss_bypass_mode(
     norm: AggNorm | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     tis_imp_ratio_cap: float = -1,
+    rollout_is_weights: torch.Tensor | None = None,
     params: PolicyLossParams | None = None,
     cov_select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -73,7 +79,7 @@ def compute_policy_loss_bypass_mode(
         raise ValueError("policy loss 'bypass_mode' needs the sampler's rollout_log_probs")
     if p.loss_type not in BYPASS_LOSS_TYPES:
         raise ValueError(f"actor.rollout_correction_loss_type must be one of {BYPASS_LOSS_TYPES}, got {p.loss_type!r}")
-    weights = rollout_is_weights(log_prob, rollout_log_probs, response_mask, p.rollout_is, p.rollout_is_threshold)
+    weights = bypass_is_weights(log_prob, rollout_log_probs, response_mask, p.rollout_is, p.rollout_is_threshold)
     if p.loss_type == "ppo_clip":
         loss, metrics = compute_policy_loss_vanilla(
             rollout_log_probs, log_prob, advantages, response_mask, clip_ratio_low=clip_ratio_low,

@@ -3,7 +3,8 @@ need only the config, not the world size or the data: those are in rlhf/models/p
 
 from __future__ import annotations
 
-from rlhf.schema.config import Config, ConfigError
+from rlhf.algos.rollout_corr import LEGACY_RS_OPTIONS, parse_rollout_rs, parse_rs_thresholds
+from rlhf.schema.config import ActorConfig, Config, ConfigError
 
 
 def validate(cfg: Config) -> None:
@@ -60,6 +61,7 @@ def validate(cfg: Config) -> None:
     need(a.policy_loss != "sapo" or (a.tau_pos > 0 and a.tau_neg > 0), "actor.tau_pos",
          "sapo needs actor.tau_pos > 0 and actor.tau_neg > 0")
     need(a.rollout_is_threshold > 0, "actor.rollout_is_threshold", "must be > 0")
+    _check_rollout_correction(a, need)
     need(cfg.actor.lr >= 0, "actor.lr", "must be >= 0")
     need(cfg.actor.clip_ratio > 0, "actor.clip_ratio", "must be > 0")
     need(cfg.actor.grad_clip > 0, "actor.grad_clip", "must be > 0")
@@ -163,3 +165,36 @@ def check_startup(cfg: Config) -> None:
                           f"{len(alg.gdpo_reward_keys)} algorithm.gdpo_reward_keys")
     key = "reward.reward_fn" + (" (verl: custom_reward_function.path / name)" if ".py" in c.reward.reward_fn else "")
     named(key, lambda fn: get_reward_fn(fn, c.reward.reward_kwargs), c.reward.reward_fn)
+
+
+def _check_rollout_correction(a: ActorConfig, need) -> None:
+    """Decoupled rollout correction (rlhf/algos/rollout_corr.py): options parse, combinations are meaningful."""
+    bypass = a.policy_loss == "bypass_mode"
+    need(not a.rollout_is_decoupled or a.rollout_is in ("token", "sequence"), "actor.rollout_is",
+         f"actor.rollout_is_decoupled needs actor.rollout_is token or sequence, got {a.rollout_is!r}")
+    need(not a.rollout_is_batch_normalize or a.rollout_is_decoupled, "actor.rollout_is_batch_normalize",
+         "normalises the decoupled IS weights: set actor.rollout_is_decoupled=true")
+    try:
+        opts = parse_rollout_rs(a.rollout_rs)
+        if opts and not (opts[0] in LEGACY_RS_OPTIONS):
+            parse_rs_thresholds(opts, a.rollout_rs_threshold)
+        elif opts:
+            need(float(a.rollout_rs_threshold) > 0, "actor.rollout_rs_threshold",
+                 f"rollout_rs={opts[0]} takes one upper ratio bound > 0, got {a.rollout_rs_threshold!r}")
+    except ValueError as exc:
+        key, _, msg = str(exc).partition(": ")  # the pure parsers say "actor.key: message"
+        raise ConfigError(f"config key '{key}': {msg}") from None
+    for key, on in (("actor.rollout_is_decoupled", a.rollout_is_decoupled), ("actor.rollout_rs", bool(opts)),
+                    ("actor.rollout_token_veto_threshold", a.rollout_token_veto_threshold > 0),
+                    ("actor.use_decoupled_loss", a.use_decoupled_loss)):
+        need(not (on and bypass), key, "is not supported with actor.policy_loss=bypass_mode (there the old "
+             "policy is the rollout policy); use another policy_loss")
+    need(a.rollout_token_veto_threshold == -1 or a.rollout_token_veto_threshold > 0,
+         "actor.rollout_token_veto_threshold", f"must be > 0 or -1 (off), got {a.rollout_token_veto_threshold}")
+    need(a.behav_imp_weight_cap == -1 or (a.behav_imp_weight_cap > 1 and a.use_decoupled_loss),
+         "actor.behav_imp_weight_cap", f"must be > 1 with actor.use_decoupled_loss=true, or -1, got "
+         f"{a.behav_imp_weight_cap}")
+    need(not (a.use_decoupled_loss and (a.rollout_is_decoupled or a.tis_imp_ratio_cap > 0)), "actor.use_decoupled_loss",
+         "already weights by pi_old / pi_rollout: turn off actor.rollout_is_decoupled and actor.tis_imp_ratio_cap")
+    need(not (a.rollout_is_decoupled and a.tis_imp_ratio_cap > 0), "actor.rollout_is_decoupled",
+         "and actor.tis_imp_ratio_cap both weight by pi_old / pi_rollout: keep one")

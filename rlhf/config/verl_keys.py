@@ -99,14 +99,17 @@ _ROLLOUT_CORRECTION_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_ba
 
 
 def _rollout_correction(v: Any) -> dict:
-    """verl's ``algorithm.rollout_correction`` block as native keys.
+    """verl's ``algorithm.rollout_correction`` block as native keys (rlhf/algos/rollout_corr.py).
 
-    Decoupled mode (``bypass_mode: false``) with token-level weights is truncated importance
-    sampling against the recomputed old policy: ``actor.tis_imp_ratio_cap``. Bypass mode is
-    ``actor.policy_loss: bypass_mode``, with the PPO loss (the ratio against the rollout policy is
-    the weight) or, ``use_policy_gradient`` / ``loss_type: reinforce``, REINFORCE with truncated
-    token- or sequence-level weights. Rejection sampling, the veto, batch-normalised weights and
-    sequence-level weights in decoupled mode are refused: the results would differ.
+    Decoupled mode (``bypass_mode: false``): ``rollout_is`` token / sequence weights the loss by
+    the truncated IS weights of the recomputed old policy against the sampler
+    (``actor.rollout_is_decoupled``), optionally batch-normalised; rejection sampling
+    (``rollout_rs`` with its thresholds, verl's current k1/k2/k3 options and its earlier
+    token / sequence / geometric modes) and the token veto drop tokens or sequences. Bypass mode
+    is ``actor.policy_loss: bypass_mode``, with the PPO loss (the ratio against the rollout policy
+    is the weight) or, ``use_policy_gradient`` / ``loss_type: reinforce``, REINFORCE with
+    truncated token- or sequence-level weights; there rejection, the veto and batch-normalised
+    weights are refused (verl tests them against the current policy inside the loss).
     """
     if v is None:
         return {}
@@ -116,13 +119,6 @@ def _rollout_correction(v: Any) -> dict:
     unknown = sorted(set(v) - set(_ROLLOUT_CORRECTION_KEYS))
     if unknown:
         raise ConfigError(f"{key}{unknown[0]}' has no equivalent here (README: 'Coming from verl')")
-    for name in ("rollout_rs", "rollout_token_veto_threshold"):
-        if v.get(name) is not None:
-            raise ConfigError(f"{key}{name}={v[name]}' is not supported here: rejection sampling is not "
-                              "implemented (importance weights only)")
-    if v.get("rollout_is_batch_normalize"):
-        raise ConfigError(f"{key}rollout_is_batch_normalize=True' is not supported here: weights are not "
-                          "batch-normalised")
     level = v.get("rollout_is")
     if level not in (None, "token", "sequence"):
         raise ConfigError(f"{key}rollout_is={level}': expected token, sequence or null")
@@ -131,13 +127,31 @@ def _rollout_correction(v: Any) -> dict:
         raise ConfigError(f"{key}loss_type={loss_type}': expected ppo_clip or reinforce")
     threshold = 2.0 if v.get("rollout_is_threshold") is None else float(v["rollout_is_threshold"])
     reinforce = bool(v.get("use_policy_gradient")) or loss_type == "reinforce"
+    rejection: dict = {}
+    if v.get("rollout_rs") is not None:
+        if v.get("rollout_rs_threshold") is None:
+            raise ConfigError(f"{key}rollout_rs={v['rollout_rs']}' needs rollout_rs_threshold")
+        rejection = {"actor.rollout_rs": str(v["rollout_rs"]), "actor.rollout_rs_threshold": str(v["rollout_rs_threshold"])}
+        if v.get("rollout_rs_threshold_lower") is not None:
+            rejection["actor.rollout_rs_threshold_lower"] = float(v["rollout_rs_threshold_lower"])
+    if v.get("rollout_token_veto_threshold") is not None:
+        rejection["actor.rollout_token_veto_threshold"] = float(v["rollout_token_veto_threshold"])
     if not v.get("bypass_mode"):
         if reinforce:
             raise ConfigError(f"{key}use_policy_gradient=True' is supported with bypass_mode=True only")
-        if level == "sequence":
-            raise ConfigError(f"{key}rollout_is=sequence' with bypass_mode=False is not supported here: "
-                              "decoupled mode weights tokens (rollout_is=token, actor.tis_imp_ratio_cap)")
-        return {"actor.tis_imp_ratio_cap": threshold} if level == "token" else {}
+        out = dict(rejection)
+        if level is not None:
+            out.update({"actor.rollout_is_decoupled": True, "actor.rollout_is": level,
+                        "actor.rollout_is_threshold": threshold,
+                        "actor.rollout_is_batch_normalize": bool(v.get("rollout_is_batch_normalize"))})
+        return out
+    for name in ("rollout_rs", "rollout_token_veto_threshold"):
+        if v.get(name) is not None:
+            raise ConfigError(f"{key}{name}={v[name]}' with bypass_mode=True is not supported here: rejection "
+                              "runs in decoupled mode (bypass_mode=False) only")
+    if v.get("rollout_is_batch_normalize"):
+        raise ConfigError(f"{key}rollout_is_batch_normalize=True' with bypass_mode=True is not supported here: "
+                          "batch-normalised weights run in decoupled mode (bypass_mode=False) only")
     if not reinforce:
         if level is not None:
             raise ConfigError(f"{key}rollout_is={level}' with bypass_mode and the PPO loss is not supported "
@@ -336,7 +350,7 @@ RULES: dict[str, Rule] = {
     "custom_reward_function.name": to("reward.reward_fn", "path:name"),
     "custom_reward_function.reward_kwargs": to("reward.reward_kwargs"),
     # ---------------------------------------------------------------- algorithm, data
-    "algorithm.rollout_correction": to("actor.tis_imp_ratio_cap", "importance weights against the rollout policy",
+    "algorithm.rollout_correction": to("actor.rollout_is_decoupled", "IS weights / rejection against the rollout policy",
                                        convert=_rollout_correction),
     "algorithm.use_pf_ppo": only((False,), "no preference-feedback PPO", "PF-PPO reweighting is not supported"),
     "algorithm.pf_ppo": ignored("PF-PPO is off"),

@@ -162,6 +162,22 @@ class ActorConfig:
         "token", "bypass_mode + reinforce: importance weights per token, sequence or '' (off).")
     rollout_is_threshold: float = _f(2.0, "bypass_mode: truncation of the importance weights.")
     rollout_correction_loss_type: Literal["ppo_clip", "reinforce"] = _f("ppo_clip", "bypass_mode: ppo_clip or reinforce.")
+    # decoupled-mode rollout correction (verl algorithm.rollout_correction with bypass_mode: false)
+    # and AReaL's decoupled PPO; the math is rlhf/algos/rollout_corr.py.
+    rollout_is_decoupled: bool = _f(False, "Weight the policy loss by the actor.rollout_is IS weights of the "
+                                           "recomputed old policy vs the sampler (verl's decoupled mode).")
+    rollout_is_batch_normalize: bool = _f(False, "Normalise the decoupled IS weights to mean 1 over the global batch.")
+    rollout_rs: str = _f("", "Rejection sampling, comma-separated verl options (token_k1..3, seq_sum_k1..3, "
+                             "seq_mean_k1..3, seq_max_k2/k3) or token | sequence | geometric; '' off.")
+    rollout_rs_threshold: str | float = _f("", "Rejection thresholds, verl's format: one or one per option; k1 options "
+                                       "'lower_upper' ratio bounds, others an upper bound.")
+    rollout_rs_threshold_lower: float = _f(-1.0, "token/sequence/geometric rejection: lower ratio bound; -1 = 1/upper.")
+    rollout_token_veto_threshold: float = _f(-1.0, "Reject a whole sequence holding a token with pi_old/pi_rollout "
+                                                   "below this; -1 off.")
+    use_decoupled_loss: bool = _f(False, "AReaL decoupled PPO: clip around the recomputed (proximal) policy and "
+                                         "weight each token by pi_prox / pi_rollout.")
+    behav_imp_weight_cap: float = _f(-1.0, "use_decoupled_loss: tokens whose pi_prox / pi_rollout exceeds this "
+                                           "(> 1) get weight 0; -1 no cap.")
     entropy_coeff_schedule: Literal["constant", "linear", "cosine"] = _f(
         "constant", "Entropy coefficient over training: from entropy_coeff to entropy_coeff_final.")
     entropy_coeff_final: float = _f(0.0, "Entropy coefficient at the last step (linear / cosine schedules).")

@@ -372,7 +372,8 @@ class PolicyWorker:
                                                         response_length=mb.response_length, temperature=temperature,
                                                         compute_entropy=_needs_entropy(cfg))
             loss, parts = self._loss(log_probs, entropy, mb.response_mask, mb.old_log_probs, mb.advantages,
-                                     mb.rollout_log_probs, mb.ref_log_probs, cov_select=mb.cov_select, **terms)
+                                     mb.rollout_log_probs, mb.ref_log_probs, cov_select=mb.cov_select,
+                                     is_weights=mb.rollout_is_weights, **terms)
             (loss * self.grad_scale).backward()
             step_loss += loss.detach().double()
             w = mb.response_mask.sum()
@@ -393,15 +394,17 @@ class PolicyWorker:
             inputs["ref_log_probs"] = mini.ref_log_probs
         if mini.cov_select is not None:
             inputs["cov_select"] = mini.cov_select
+        if mini.rollout_is_weights is not None:
+            inputs["is_weights"] = mini.rollout_is_weights
 
         calls: list[tuple[dict, float]] = []
 
         def stage_loss(log_probs, entropy=None, *, response_mask, old_log_probs, advantages, rollout_log_probs,
-                       ref_log_probs=None, cov_select=None):
+                       ref_log_probs=None, cov_select=None, is_weights=None):
             # log_probs [b, L] aligned with input_ids: the response is the last R columns.
             loss, parts = self._loss(log_probs[:, -R:], None if entropy is None else entropy[:, -R:], response_mask,
                                      old_log_probs, advantages, rollout_log_probs, ref_log_probs,
-                                     cov_select=cov_select, **terms)
+                                     cov_select=cov_select, is_weights=is_weights, **terms)
             calls.append(({k: v.detach() for k, v in parts.items()}, response_mask.sum()))  # no host sync
             return loss * self.grad_scale
 
@@ -416,8 +419,8 @@ class PolicyWorker:
     def _loss(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor,
               old_log_probs: torch.Tensor, advantages: torch.Tensor, rollout_log_probs: Optional[torch.Tensor],
               ref_log_probs: Optional[torch.Tensor], *, pg_fn, low: float, high: float, mode: str, norm: AggNorm,
-              params: PolicyLossParams, cov_select: Optional[torch.Tensor] = None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              params: PolicyLossParams, cov_select: Optional[torch.Tensor] = None,
+              is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """PPO-style loss of one micro-batch ([b, R] tensors), normalised by the global `norm`:
 
         L = L_pg - entropy_coeff * agg(H) + kl_loss_coef * agg(KL(pi || pi_ref)).
@@ -426,7 +429,8 @@ class PolicyWorker:
         pg_loss, pg_metrics = pg_fn(old_log_probs, log_probs, advantages, mask,
                                     clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c,
                                     loss_agg_mode=mode, norm=norm, rollout_log_probs=rollout_log_probs,
-                                    tis_imp_ratio_cap=cfg.tis_imp_ratio_cap, params=params, cov_select=cov_select)
+                                    tis_imp_ratio_cap=cfg.tis_imp_ratio_cap, rollout_is_weights=is_weights,
+                                    params=params, cov_select=cov_select)
         loss = pg_loss
         parts = {f"actor/{k}": v for k, v in pg_metrics.items()}
         if entropy is not None and self.entropy_coeff != 0:

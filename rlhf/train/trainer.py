@@ -46,6 +46,7 @@ from rlhf.schema.config import Config, ConfigError
 from rlhf.train.evaluation import flat_metrics, generation_rows, rollout_rows, score_batch, summarize, val_sampling
 from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch
 from rlhf.train.regroup import regroup_rows
+from rlhf.train.rollout_corr import apply_rollout_correction
 
 
 class RLTrainer:
@@ -350,6 +351,8 @@ class RLTrainer:
             metrics["kl_penalty/coef"] = self.kl_ctrl.value
         else:
             batch.token_level_rewards = batch.token_level_scores
+        # after the in-reward KL and before the estimator, as verl's ray_trainer
+        metrics.update(apply_rollout_correction(batch, self.cfg.actor, self.dp_group))
         fn = get_adv_estimator(alg.adv_estimator)
         batch.advantages, batch.returns = fn(
             token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask, index=batch.index,
@@ -369,6 +372,8 @@ class RLTrainer:
         """Truncated rollout IS weights [N, R] under rollout correction (bypass_mode with actor.rollout_is),
         for the estimators that use them (the optimal token baselines)."""
         a = self.cfg.actor
+        if batch.rollout_is_weights is not None:  # decoupled mode (rlhf/train/rollout_corr.py)
+            return batch.rollout_is_weights
         if a.policy_loss != "bypass_mode" or not a.rollout_is or batch.old_log_probs is None:
             return None
         return rollout_is_weights(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask, a.rollout_is,

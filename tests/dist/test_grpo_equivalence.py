@@ -26,7 +26,16 @@ LOSSES = {
     "geo_mean": {"loss_agg_mode": "seq-mean-token-mean"}, "bypass_mode": {}, "clip_cov": {"clip_cov_ratio": 0.05},
     "kl_cov": {"kl_cov_ratio": 0.05},
 }
-CASES = {**{m: {"loss_agg_mode": m} for m in MODES}, **{f"loss:{k}": {"policy_loss": k, **v} for k, v in LOSSES.items()}}
+# off-policy corrections (rlhf/train/rollout_corr.py) applied before the update: the batch-normalised
+# IS weights and the mismatch metrics are global over ranks, rejection shrinks the masks
+CORRECTIONS = {
+    "corr:verl": {"rollout_is_decoupled": True, "rollout_is": "token", "rollout_is_batch_normalize": True,
+                  "rollout_rs": "token_k1,seq_mean_k1", "rollout_rs_threshold": "0.1_10.0,0.25_4.0",
+                  "rollout_token_veto_threshold": 0.06},
+    "corr:areal": {"use_decoupled_loss": True, "behav_imp_weight_cap": 5.0},
+}
+CASES = {**{m: {"loss_agg_mode": m} for m in MODES}, **{f"loss:{k}": {"policy_loss": k, **v} for k, v in LOSSES.items()},
+         **CORRECTIONS}
 N_PROMPTS, N_SAMPLES, P, R = 8, 4, 6, 10
 
 
@@ -48,6 +57,7 @@ def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:
     from rlhf.models.parallel import ParallelDims
     from rlhf.schema.batch import minibatch_major_shard
     from rlhf.train.actor import PolicyWorker
+    from rlhf.train.rollout_corr import apply_rollout_correction
 
     dims = ParallelDims.resolve(-1, 1, 1, world)
     mesh = dims.build_mesh(dist_device_type())
@@ -64,9 +74,10 @@ def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:
         # Prompts (and their samples) are dealt to ranks mini-batch-major, as the trainer does.
         prompts = minibatch_major_shard(list(range(N_PROMPTS)), rank, world, cfg.ppo_mini_batch_size)
         local = batch.select([p * N_SAMPLES + j for p in prompts for j in range(N_SAMPLES)]).to(dist_device())
+        corr = apply_rollout_correction(local, cfg, None) if mode in CORRECTIONS else {}
         metrics = worker.update_policy(local, mini_batch_rows=mini_rows, temperature=1.0, max_response_length=R)
         params = {n: p.full_tensor().cpu().clone() for n, p in worker.model.named_parameters()}
-        results[mode] = (metrics, params)
+        results[mode] = ({**metrics, **corr}, params)
     if rank == 0:
         torch.save(results, out)
 
@@ -141,6 +152,14 @@ def test_update_same_on_1_and_2_ranks(model_dir, tmp_path):
             assert diff < 1e-5, f"{mode} {name}: {diff}"
             moved = max(moved, float((p1[name] - init[name]).abs().max()))
         assert moved > 1e-4, f"{mode}: parameters did not move"
+    for mode in CORRECTIONS:  # global figures, and the corrections change the update
+        m1, m2 = r1[mode][0], r2[mode][0]
+        for key in [k for k in m1 if k.startswith("mismatch/")]:
+            assert m1[key] == pytest.approx(m2[key], rel=1e-6, abs=1e-9), (mode, key)  # fp32 sum order
+        assert m1["actor/loss"] != pytest.approx(r1["token-mean"][0]["actor/loss"], rel=1e-3), mode
+    assert 0.05 < r1["corr:verl"][0]["mismatch/rejected_frac"] < 0.9
+    assert r1["corr:verl"][0]["mismatch/is_weight_mean"] == pytest.approx(1.0)  # batch-normalised
+    assert r1["corr:areal"][0]["mismatch/is_weight_max"] <= 5.0
     # The modes are really different losses.
     assert r1["token-mean"][0]["actor/loss"] != pytest.approx(r1["seq-mean-token-sum"][0]["actor/loss"])
 

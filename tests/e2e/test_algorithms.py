@@ -13,9 +13,16 @@ from tests.e2e.conftest import grpo_args, run_script
 CASES = {
     "grpo": {},
     "dr_grpo": {"algorithm.norm_adv_by_std_in_grpo": False, "actor.loss_agg_mode": "seq-mean-token-sum-norm"},
-    "rloo": {"algorithm.adv_estimator": "rloo"},
+    # rloo also runs AReaL's decoupled PPO with rejection sampling and the veto (rlhf/algos/rollout_corr.py)
+    "rloo": {"algorithm.adv_estimator": "rloo", "actor.use_decoupled_loss": True, "actor.behav_imp_weight_cap": 5.0,
+             "actor.rollout_rs": "token_k1,seq_max_k2", "actor.rollout_rs_threshold": "0.2_5.0,2.0",
+             "actor.rollout_token_veto_threshold": 1e-4},
     "reinforce_plus_plus": {"algorithm.adv_estimator": "reinforce_plus_plus", "actor.use_kl_loss": True},
-    "reinforce_plus_plus_baseline": {"algorithm.adv_estimator": "reinforce_plus_plus_baseline"},
+    # ... and verl's decoupled sequence-level IS weights, batch-normalised
+    "reinforce_plus_plus_baseline": {"algorithm.adv_estimator": "reinforce_plus_plus_baseline",
+                                     "actor.rollout_is_decoupled": True, "actor.rollout_is": "sequence",
+                                     "actor.rollout_is_batch_normalize": True, "actor.rollout_rs": "geometric",
+                                     "actor.rollout_rs_threshold": 2.0},
     "remax": {"algorithm.adv_estimator": "remax"},
     "opo": {"algorithm.adv_estimator": "opo"},
     "gspo": {"actor.policy_loss": "gspo", "actor.loss_agg_mode": "seq-mean-token-mean"},
@@ -59,6 +66,11 @@ def test_algorithm_runs(name, tiny_assets, tmp_path, parity_reward):
         assert all(m["actor/cov_selected_frac"] > 0 for m in rows)
     if name == "token_sum_entropy_schedule":  # linear from 0.01 to 0 over the 2 steps
         assert [m["actor/entropy_coeff"] for m in rows] == pytest.approx([0.01, 0.0])
+    assert all(math.isfinite(m["mismatch/kl"]) and math.isfinite(m["mismatch/ppl_ratio"]) for m in rows)
+    if name in ("rloo", "reinforce_plus_plus_baseline"):  # the corrections ran (fp32 sampler ~ trainer)
+        assert all(m["mismatch/rejected_frac"] < 0.5 and m["mismatch/is_weight_mean"] > 0 for m in rows)
+    if name == "reinforce_plus_plus_baseline":
+        assert all(m["mismatch/is_batch_norm_factor"] == pytest.approx(1.0, abs=0.1) for m in rows)
     if name == "remax":
         assert "reward/remax_baseline_mean" in rows[0]
     if name == "kl_in_reward":

@@ -212,8 +212,20 @@ def test_readme_verl_table_matches_the_rules():
 
 
 @pytest.mark.parametrize("block, want", [
-    # decoupled token-level truncated IS is our TIS against the recomputed old policy
-    ({"rollout_is": "token", "rollout_is_threshold": 3.0}, {"tis_imp_ratio_cap": 3.0, "policy_loss": "vanilla"}),
+    # decoupled mode: IS weights of the recomputed old policy vs the sampler (rlhf/algos/rollout_corr.py)
+    ({"rollout_is": "token", "rollout_is_threshold": 3.0},
+     {"rollout_is_decoupled": True, "rollout_is": "token", "rollout_is_threshold": 3.0, "policy_loss": "vanilla",
+      "tis_imp_ratio_cap": -1.0}),
+    ({"rollout_is": "sequence", "rollout_is_batch_normalize": True},
+     {"rollout_is_decoupled": True, "rollout_is": "sequence", "rollout_is_threshold": 2.0,
+      "rollout_is_batch_normalize": True}),
+    # rejection sampling: verl's current options, its earlier modes, the token veto
+    ({"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.5_2.0,1.0"},
+     {"rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.5_2.0,1.0", "rollout_is_decoupled": False}),
+    ({"rollout_rs": "geometric", "rollout_rs_threshold": 1.001, "rollout_rs_threshold_lower": 0.999,
+      "rollout_token_veto_threshold": 1e-4},
+     {"rollout_rs": "geometric", "rollout_rs_threshold": "1.001", "rollout_rs_threshold_lower": 0.999,
+      "rollout_token_veto_threshold": 1e-4}),
     # verl's defaults (metrics only) change nothing
     ({"rollout_is": None, "rollout_rs": None, "bypass_mode": False, "rollout_is_batch_normalize": False},
      {"tis_imp_ratio_cap": -1.0, "policy_loss": "vanilla"}),
@@ -231,14 +243,19 @@ def test_rollout_correction_block_maps_to_ours(block, want):
 
 
 @pytest.mark.parametrize("override, msg", [
-    ("rollout_rs=token", "'algorithm.rollout_correction.rollout_rs=token' is not supported here: rejection sampling"),
-    ("rollout_token_veto_threshold=1e-4", "rollout_token_veto_threshold=0.0001' is not supported here"),
-    ("rollout_is_batch_normalize=true", "weights are not batch-normalised"),
-    ("rollout_is=sequence", "'algorithm.rollout_correction.rollout_is=sequence' with bypass_mode=False"),
+    ("rollout_rs=token", "'algorithm.rollout_correction.rollout_rs=token' needs rollout_rs_threshold"),
+    ("bypass_mode=true algorithm.rollout_correction.rollout_token_veto_threshold=1e-4",
+     "rollout_token_veto_threshold=0.0001' with bypass_mode=True is not supported here"),
+    ("bypass_mode=true algorithm.rollout_correction.rollout_is_batch_normalize=true",
+     "rollout_is_batch_normalize=True' with bypass_mode=True is not supported here"),
+    ("rollout_rs=token_k7 algorithm.rollout_correction.rollout_rs_threshold=2.0",
+     "config key 'actor.rollout_rs': unknown option 'token_k7'"),
+    ("rollout_rs=token_k2 algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'",
+     "config key 'actor.rollout_rs_threshold': '0.5_2.0' for token_k2: one upper bound, no '_'"),
     ("use_policy_gradient=true", "use_policy_gradient=True' is supported with bypass_mode=True only"),
     ("no_such=1", "verl key 'algorithm.rollout_correction.no_such' has no equivalent here"),
 ])
 def test_rollout_correction_refusals(override, msg):
     with pytest.raises(ConfigError, match=re.escape(msg)) as e:
-        load_config(None, REQ + ["algorithm.rollout_correction." + override])
+        load_config(None, REQ + ("algorithm.rollout_correction." + override).split(" "))
     assert "\n" not in str(e.value)
