@@ -1,0 +1,52 @@
+"""The inputs a Qwen-VL forward takes besides the tokens: images and multimodal positions.
+
+The trainer's forwards (padded :func:`rlhf.models.logprobs.forward_log_probs`, padding-free
+:func:`rlhf.models.packed.packed_forward_log_probs`) call transformers' ``*ForConditionalGeneration``
+with the batch's ``pixel_values`` / ``image_grid_thw`` (the vision tower runs once per image of the
+micro-batch and its features replace the image tokens' embeddings) and with position ids from the
+project's own M-RoPE (:mod:`rlhf.models.mrope`), never from the model's ``get_rope_index``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlhf.data.multimodal import MultiModalInputs
+from rlhf.models.mrope import MRopeSpec, mrope_position_ids, packed_mrope_position_ids
+
+
+def root_config(model: nn.Module) -> Any:
+    """The config of the outermost HF model inside ``model`` (through peft / FSDP wrappers)."""
+    from transformers import PreTrainedModel
+
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            return m.config
+    raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel")
+
+
+def padded_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  multi_modal: MultiModalInputs | None) -> dict:
+    """Keyword arguments of a padded forward: ``position_ids [3, B, L]`` (M-RoPE) and the images."""
+    spec = MRopeSpec.from_config(root_config(model))
+    grids = None if multi_modal is None else multi_modal["image_grid_thw"]
+    pos, _ = mrope_position_ids(input_ids, attention_mask, grids, spec)
+    kw: dict = {"position_ids": pos}
+    if multi_modal is not None:
+        kw["pixel_values"] = multi_modal["pixel_values"].to(input_ids.device)
+        kw["image_grid_thw"] = grids.to(input_ids.device)
+    return kw
+
+
+def packed_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  multi_modal: MultiModalInputs | None, indices: torch.Tensor,
+                  text_position_ids: torch.Tensor) -> dict:
+    """Keyword arguments of a packed forward over the real tokens at ``indices``: ``position_ids
+    [4, 1, total]`` (text positions, then M-RoPE) and the images (rows keep their order when
+    packed, so the images stay in the order of their tokens)."""
+    kw = padded_inputs(model, input_ids, attention_mask, multi_modal)
+    kw["position_ids"] = packed_mrope_position_ids(kw["position_ids"], attention_mask, indices, text_position_ids)
+    return kw
