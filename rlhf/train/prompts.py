@@ -46,7 +46,8 @@ def prompt_batch(indices: list[int], examples) -> PromptBatch:
     ex = [examples[i] for i in indices]
     return PromptBatch(prompt_ids=[e.prompt_ids for e in ex], keys=[e.index for e in ex],
                        ground_truths=[e.ground_truth for e in ex], data_sources=[e.data_source for e in ex],
-                       extra_infos=[e.extra_info for e in ex])
+                       extra_infos=[e.extra_info for e in ex],
+                       multi_modal=[e.multi_modal for e in ex] if any(e.multi_modal is not None for e in ex) else [])
 
 
 def data_metrics(loader: PromptLoader, global_idx: list[int]) -> dict[str, float]:
