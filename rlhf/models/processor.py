@@ -12,6 +12,7 @@ from pathlib import Path
 
 from transformers.processing_utils import ProcessorMixin
 
+from rlhf.models.loading import load_tokenizer
 from rlhf.schema.config import ConfigError
 
 
@@ -39,16 +40,19 @@ class QwenVLImageProcessor(ProcessorMixin):
 def load_processor(path: str, trust_remote_code: bool = False, key: str = "model.path"):
     """The processor saved with a VLM at ``path``: ``AutoProcessor``, or, where transformers cannot
     build its video processor (no torchvision), :class:`QwenVLImageProcessor` from the same files."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers import AutoImageProcessor, AutoProcessor
 
     p = Path(path).expanduser()
     if not (p / "preprocessor_config.json").is_file() and not (p / "processor_config.json").is_file():
         raise ConfigError(f"{key}: {path} has no image processor (preprocessor_config.json / processor_config.json): "
                           "save the model's processor with it (processor.save_pretrained)")
     try:
-        return AutoProcessor.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+        proc = AutoProcessor.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+        if hasattr(proc, "image_processor"):
+            return proc
     except (AttributeError, ImportError, ValueError, TypeError):
-        # transformers without torchvision cannot build a video processor: images only.
-        image_processor = AutoImageProcessor.from_pretrained(str(p), trust_remote_code=trust_remote_code)
-        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
-        return QwenVLImageProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)
+        pass  # transformers without torchvision cannot build a video processor: images only
+    # (AutoProcessor also falls back to the bare tokenizer for a processor class it does not know)
+    image_processor = AutoImageProcessor.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(str(p), trust_remote_code=trust_remote_code, key=key)
+    return QwenVLImageProcessor(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template)

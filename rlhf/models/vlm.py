@@ -50,3 +50,29 @@ def packed_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     kw = padded_inputs(model, input_ids, attention_mask, multi_modal)
     kw["position_ids"] = packed_mrope_position_ids(kw["position_ids"], attention_mask, indices, text_position_ids)
     return kw
+
+
+def dummy_vision_loss(model: nn.Module, device: torch.device) -> torch.Tensor | None:
+    """``0 * sum(vision_tower(one dummy image))`` for a micro-batch without images, None for a text LM.
+
+    Every rank must run the vision tower's FSDP2 unit in every micro-batch (its all-gather in forward,
+    its reduce-scatter in backward), or a rank holding only text would skip collectives the others
+    enter and the job would hang. Added to the loss (or log-probs) it changes no value and no gradient.
+    """
+    from rlhf.models.loading import vision_tower
+
+    visual = vision_tower(model)
+    if visual is None:
+        return None
+    cfg = root_config(model).vision_config
+    m = cfg.spatial_merge_size
+    grid = torch.tensor([[1, m, m]], device=device)  # the smallest image: one merged token
+    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    pixels = torch.zeros(m * m, width, device=device)
+    out = visual(pixels, grid_thw=grid)
+    # every output the tower's parameters feed (Qwen3-VL: the deepstack features too), so that every
+    # parameter gets a (zero) gradient on every rank
+    total = out.pooler_output.float().sum()
+    for f in getattr(out, "deepstack_features", None) or ():
+        total = total + f.float().sum()
+    return total * 0.0
