@@ -9,7 +9,8 @@ project's own M-RoPE (:mod:`rlhf.models.mrope`), never from the model's ``get_ro
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -52,12 +53,13 @@ def packed_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     return kw
 
 
-def dummy_vision_loss(model: nn.Module, device: torch.device) -> torch.Tensor | None:
-    """``0 * sum(vision_tower(one dummy image))`` for a micro-batch without images, None for a text LM.
 
-    Every rank must run the vision tower's FSDP2 unit in every micro-batch (its all-gather in forward,
-    its reduce-scatter in backward), or a rank holding only text would skip collectives the others
-    enter and the job would hang. Added to the loss (or log-probs) it changes no value and no gradient.
+def dummy_vision_loss(model: nn.Module, device: torch.device) -> torch.Tensor | None:
+    """``0 * sum(vision_tower(one dummy image))`` (a scalar), None for a text LM.
+
+    Run in place of the images of a micro-batch that has none (:func:`dummy_image_forward`): it
+    changes no value and no gradient, but the tower's FSDP2 unit all-gathers in forward and
+    reduce-scatters in backward like on a rank that holds images.
     """
     from rlhf.models.loading import vision_tower
 
@@ -68,11 +70,36 @@ def dummy_vision_loss(model: nn.Module, device: torch.device) -> torch.Tensor | 
     m = cfg.spatial_merge_size
     grid = torch.tensor([[1, m, m]], device=device)  # the smallest image: one merged token
     width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
-    pixels = torch.zeros(m * m, width, device=device)
-    out = visual(pixels, grid_thw=grid)
+    out = visual(torch.zeros(m * m, width, device=device), grid_thw=grid)
     # every output the tower's parameters feed (Qwen3-VL: the deepstack features too), so that every
     # parameter gets a (zero) gradient on every rank
     total = out.pooler_output.float().sum()
     for f in getattr(out, "deepstack_features", None) or ():
         total = total + f.float().sum()
     return total * 0.0
+
+
+@contextlib.contextmanager
+def dummy_image_forward(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Inside, a forward of ``model`` (a Qwen-VL) runs the vision tower on a dummy image where the
+    real images would run: just before the language model, whose input embeddings get ``+ 0 * features``.
+
+    Why there: FSDP2 collectives must come in the same order on every rank. A rank with images runs
+    the tower inside the model's forward, after the root unit's all-gather and before the decoder
+    blocks'; running the dummy after the forward (or before it) would put the tower's all-gather
+    elsewhere in the sequence and gloo / nccl would pair it with another unit's.
+    """
+    lm = next((m for n, m in model.named_modules() if n.endswith("language_model")), None)
+    if lm is None:
+        raise TypeError(f"{type(model).__name__}: no language_model module to run a dummy image before")
+
+    def hook(_module, args, kwargs):
+        extra = dummy_vision_loss(model, device)
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + extra.to(kwargs["inputs_embeds"].dtype)
+        return args, kwargs
+
+    handle = lm.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

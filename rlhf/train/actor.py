@@ -42,7 +42,7 @@ from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
 from rlhf.models.ulysses import check_sp
-from rlhf.models.vlm import dummy_vision_loss, padded_inputs
+from rlhf.models.vlm import dummy_image_forward, padded_inputs
 from rlhf.models.vocab_parallel import log_probs_from_logits
 from rlhf.schema.batch import RolloutBatch, split_rows
 from rlhf.schema.config import ActorConfig, ConfigError, ModelConfig, ParallelConfig
@@ -232,10 +232,10 @@ class PolicyWorker:
         """
         R = response_length
         mm = collate_multi_modal(multi_modal or [])
-        lp, ent = self._forward_log_probs(input_ids, attention_mask, R, temperature, compute_entropy, mm)
-        if mm is None and self.is_vlm:
-            lp = lp + dummy_vision_loss(self.model, self.device)  # keeps the tower's FSDP collectives in step
-        return lp, ent
+        if mm is None and self.is_vlm:  # keeps the tower's FSDP2 collectives in step with ranks that have images
+            with dummy_image_forward(self.model, self.device):
+                return self._forward_log_probs(input_ids, attention_mask, R, temperature, compute_entropy, mm)
+        return self._forward_log_probs(input_ids, attention_mask, R, temperature, compute_entropy, mm)
 
     def _forward_log_probs(self, input_ids, attention_mask, R, temperature, compute_entropy, mm):
         if self.cfg.use_remove_padding:
