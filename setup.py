@@ -25,8 +25,10 @@ setup(
         # The logger tests write with tensorboard, mlflow (sqlite store) and wandb (offline) and read the values back;
         # import-linter checks the package's layers (.importlinter; lint-imports, tests/unit/test_layers.py).
         "test": ["pytest", "matplotlib", "math-verify", "tensorboard", "mlflow-skinny", "sqlalchemy", "alembic", "wandb",
-                 "import-linter"],
+                 "import-linter", "pillow"],
         "gpu": ["flash-attn"],
+        # Vision-language models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL): images are decoded with Pillow.
+        "vlm": ["pillow"],
         "log": ["tensorboard", "mlflow"],
         "math": ["math-verify"],
     },
