@@ -1,6 +1,6 @@
-"""The project's own tiny vision-language models (no hub download): Qwen2.5-VL / Qwen3-VL shaped.
+"""The project's own tiny vision-language models (no hub download): Qwen2-VL / Qwen2.5-VL / Qwen3-VL shaped.
 
-A tiny random ``Qwen2_5_VLForConditionalGeneration`` (or ``Qwen3VLForConditionalGeneration``)
+A tiny random ``Qwen2_5_VLForConditionalGeneration`` (or the Qwen2-VL / Qwen3-VL class)
 with the character tokenizer of ``rlhf.data`` plus Qwen's vision tokens
 (``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>``) and a small image
 processor (patch 14 -> 4, merge 2), written as an HF directory (config, weights, tokenizer and
@@ -18,7 +18,7 @@ from rlhf.data.char_tokenizer import build_char_tokenizer
 
 VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD)
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl")
 
 # Small images: a 28x28 picture is 7x7 patches of 4 px -> not divisible by merge 2, so the image
 # processor resizes to multiples of patch * merge = 8 px within [min_pixels, max_pixels].
@@ -68,6 +68,13 @@ def tiny_vlm_config(tok, family: str = "qwen2_5_vl", *, hidden_size: int = 64, n
                       temporal_patch_size=TEMPORAL, window_size=PATCH * MERGE * 2,
                       fullatt_block_indexes=[vision_depth - 1])
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+        vision = dict(depth=vision_depth, embed_dim=vision_hidden, hidden_size=hidden_size, mlp_ratio=2, num_heads=2,
+                      patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL)
+        return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     if family == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
@@ -84,13 +91,15 @@ def tiny_vlm_config(tok, family: str = "qwen2_5_vl", *, hidden_size: int = 64, n
 
 def build_tiny_vlm(family: str = "qwen2_5_vl", *, seed: int = 0, **kw):
     """(model, processor) of a random tiny ``family`` VLM, fp32, eval mode, sdpa attention."""
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+    from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration,
+                              Qwen3VLForConditionalGeneration)
 
     tok = build_vlm_tokenizer()
     cfg = tiny_vlm_config(tok, family, **kw)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    cls = Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else Qwen3VLForConditionalGeneration
+    cls = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen3_vl": Qwen3VLForConditionalGeneration,
+           "qwen2_vl": Qwen2VLForConditionalGeneration}[family]
     model = cls(cfg).eval()
     with torch.no_grad():  # HF's init of the tiny towers leaves many exact zeros: make every weight matter
         for p in model.parameters():

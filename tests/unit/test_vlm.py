@@ -141,3 +141,13 @@ def test_images_in_verl_schema_are_processed_filtered_and_kept_per_row(tmp_path)
     assert torch.equal(col["image_grid_thw"], torch.cat([ds.examples[3].multi_modal["image_grid_thw"],
                                                          ds.examples[0].multi_modal["image_grid_thw"]]))
     assert collate_multi_modal([None, None]) is None
+
+
+def test_lora_on_a_vlm_adapts_the_language_model_only():
+    from rlhf.models.lora import apply_lora
+
+    model, _ = build_tiny_vlm("qwen2_5_vl")
+    peft_model = apply_lora(model, lora_rank=4, lora_alpha=8)
+    adapted = [n for n, _ in peft_model.named_parameters() if "lora_A" in n]
+    assert adapted and all(".visual." not in n for n in adapted)
+    assert any(".language_model." in n for n in adapted)
