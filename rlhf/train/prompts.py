@@ -22,7 +22,19 @@ def load_data(cfg: Config, files, tokenizer):
         tools = tool_schemas(load_tool_config(cfg.rollout.multi_turn.tool_config_path))
     return load_prompt_dataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                                truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                               apply_chat_template=d.apply_chat_template, tools=tools)
+                               apply_chat_template=d.apply_chat_template, tools=tools,
+                               processor=vlm_processor(cfg), image_key=d.image_key)
+
+
+def vlm_processor(cfg: Config):
+    """The processor of a vision-language ``model.path`` (its images column is then read), else None."""
+    from rlhf.models.loading import model_config
+    from rlhf.models.mrope import is_vlm_config
+    from rlhf.models.processor import load_processor
+
+    if not cfg.model.path or not is_vlm_config(model_config(cfg.model.path, cfg.model.trust_remote_code)):
+        return None
+    return load_processor(cfg.model.path, cfg.model.trust_remote_code)
 
 
 def make_loader(cfg: Config, dataset_len: int) -> tuple[PromptLoader, int]:

@@ -151,3 +151,26 @@ def test_lora_on_a_vlm_adapts_the_language_model_only():
     adapted = [n for n, _ in peft_model.named_parameters() if "lora_A" in n]
     assert adapted and all(".visual." not in n for n in adapted)
     assert any(".language_model." in n for n in adapted)
+
+
+def test_prepare_geo3k_keeps_images_and_loads_with_the_processor(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf.data.prepare import prepare
+    from rlhf.models.tiny_vlm import build_processor, build_vlm_tokenizer
+
+    buf = io.BytesIO()
+    _images(torch.Generator().manual_seed(2), ((16, 16),))[0].save(buf, format="PNG")
+    img = {"bytes": buf.getvalue(), "path": None}
+    raw = [{"problem": "<image>Find x.", "answer": "3", "images": [img]},
+           {"problem": "Find y.", "answer": "4", "images": [img]},  # placeholder missing: skipped, counted
+           {"problem": "<image>Find z.", "answer": "5", "images": [img]}]
+    pq.write_table(pa.Table.from_pylist(raw), tmp_path / "train.parquet")
+    report = prepare("geo3k", [str(tmp_path / "train.parquet")], str(tmp_path / "out"))
+    assert sum(report.written.values()) == 2 and sum(report.skipped.values()) == 1
+    proc = build_processor(build_vlm_tokenizer())
+    ds = load_prompt_dataset(tmp_path / "out" / "train.parquet", proc.tokenizer, processor=proc, max_prompt_length=400)
+    assert len(ds) == 2 and all(e.multi_modal is not None for e in ds.examples)
+    assert ds.examples[0].data_source == "hiyouga/geometry3k" and ds.examples[1].ground_truth == "5"
+    assert "\\boxed{}" in ds.examples[0].prompt_text and "<image>" not in ds.examples[0].prompt_text
