@@ -6,6 +6,8 @@ same batches in the same order.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
 from rlhf.schema.batch import PromptBatch
@@ -32,7 +34,9 @@ def vlm_processor(cfg: Config):
     from rlhf.models.mrope import is_vlm_config
     from rlhf.models.processor import load_processor
 
-    if not cfg.model.path or not is_vlm_config(model_config(cfg.model.path, cfg.model.trust_remote_code)):
+    # (a missing model directory is reported where the model is loaded, with its own message)
+    if not cfg.model.path or not (Path(cfg.model.path).expanduser() / "config.json").is_file() or \
+            not is_vlm_config(model_config(cfg.model.path, cfg.model.trust_remote_code)):
         return None
     return load_processor(cfg.model.path, cfg.model.trust_remote_code)
 
