@@ -109,8 +109,7 @@ def mrope_position_ids(input_ids: Tensor, attention_mask: Tensor | None, image_g
     return out.to(input_ids.device), deltas.to(input_ids.device)
 
 
-def packed_mrope_position_ids(position_ids: Tensor, attention_mask: Tensor, indices: Tensor,
-                              text_position_ids: Tensor) -> Tensor:
+def packed_mrope_position_ids(position_ids: Tensor, indices: Tensor, text_position_ids: Tensor) -> Tensor:
     """The ``[4, 1, total]`` position ids transformers' Qwen-VL text models take for a packed row:
     text positions first (what a varlen kernel reads sequence starts from), then the three M-RoPE
     streams of the real tokens, gathered from the padded ``position_ids [3, B, L]`` at the packed

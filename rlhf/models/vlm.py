@@ -49,7 +49,7 @@ def packed_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     [4, 1, total]`` (text positions, then M-RoPE) and the images (rows keep their order when
     packed, so the images stay in the order of their tokens)."""
     kw = padded_inputs(model, input_ids, attention_mask, multi_modal)
-    kw["position_ids"] = packed_mrope_position_ids(kw["position_ids"], attention_mask, indices, text_position_ids)
+    kw["position_ids"] = packed_mrope_position_ids(kw["position_ids"], indices, text_position_ids)
     return kw
 
 
