@@ -75,7 +75,6 @@ class DatasetStats:
         )
         if self.n_image_cut:
             s += f", {self.n_image_cut} filtered (truncation would cut image tokens)"
-
         if self.malformed_examples:
             s += "; e.g. " + " | ".join(self.malformed_examples)
         return s
