@@ -24,10 +24,13 @@ setup(
     extras_require={
         # The logger tests write with tensorboard, mlflow (sqlite store) and wandb (offline) and read the values back;
         # import-linter checks the package's layers (.importlinter; lint-imports, tests/unit/test_layers.py);
-        # pytest-xdist runs the suite on every core (most tests wait on subprocesses part of the time).
+        # pytest-xdist runs the suite on every core (most tests wait on subprocesses part of the time);
+        # Pillow decodes the images of the vision-language tests.
         "test": ["pytest", "pytest-xdist", "matplotlib", "math-verify", "tensorboard", "mlflow-skinny", "sqlalchemy", "alembic", "wandb",
-                 "import-linter"],
+                 "import-linter", "pillow"],
         "gpu": ["flash-attn"],
+        # Vision-language models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL): images are decoded with Pillow.
+        "vlm": ["pillow"],
         "log": ["tensorboard", "mlflow"],
         "math": ["math-verify"],
     },

@@ -234,7 +234,7 @@ RULES: dict[str, Rule] = {
     _A + "checkpoint": ignored("a checkpoint always holds model, optimizer and trainer state"),
     _A + "profiler": ignored("profile with trainer.profile_steps"),
     _A + "data_loader_seed": ignored("the data order is seeded by data.seed"),
-    _A + "freeze_vision_tower": only((False,), "text models only", "vision towers are not supported"),
+    _A + "freeze_vision_tower": to("model.freeze_vision_tower"),
     # ---------------------------------------------------------------- actor_rollout_ref.ref
     _AR + "ref.log_prob_micro_batch_size_per_gpu": follows("actor.log_prob_micro_batch_size_per_gpu", _ONE_SETTING),
     _AR + "ref.log_prob_micro_batch_size": ignored(_ONE_SETTING),
@@ -367,10 +367,11 @@ RULES: dict[str, Rule] = {
     "data.apply_chat_template_kwargs": only(({},), "default chat template arguments",
                                             "chat template arguments are not supported"),
     "data.trust_remote_code": ignored("see model.trust_remote_code"),
-    "data.return_multi_modal_inputs": ignored("text prompts only"),
+    "data.return_multi_modal_inputs": ignored("a vision-language model's rows always keep their processor outputs"),
+    "data.image_key": to("data.image_key"),
     **{"data." + k: ignored("not needed by this data path") for k in (
         "use_shm", "return_raw_input_ids", "return_raw_chat", "return_full_prompt", "dataloader_num_workers",
-        "filter_overlong_prompts_workers", "image_key", "video_key", "validation_shuffle")},
+        "filter_overlong_prompts_workers", "video_key", "validation_shuffle")},
     # ---------------------------------------------------------------- trainer
     "trainer.save_freq": to("checkpoint.save_freq"),
     "trainer.default_local_dir": to("trainer.output_dir", "checkpoints go to <dir>/checkpoints/global_step_N"),

@@ -27,6 +27,8 @@ from typing import Any, Literal, Sequence
 
 import pyarrow.parquet as pq
 
+from rlhf.data.multimodal import decode_image, expand_placeholders, image_tokens_kept, process_images
+
 Truncation = Literal["error", "left", "right", "middle"]
 _TRUNCATIONS = ("error", "left", "right", "middle")
 _MAX_REASONS = 5
@@ -51,6 +53,7 @@ class PromptExample:
     ground_truth: str
     data_source: str
     extra_info: dict[str, Any]
+    multi_modal: dict | None = None  # images of a VLM prompt (rlhf.data.multimodal.MultiModalInputs)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class DatasetStats:
     n_malformed: int = 0
     n_too_long: int = 0
     n_truncated: int = 0
+    n_image_cut: int = 0  # multimodal prompts over max_prompt_length whose truncation would cut image tokens
     malformed_examples: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -69,6 +73,8 @@ class DatasetStats:
             f"{self.n_loaded}/{self.n_rows} rows loaded; {self.n_malformed} malformed, "
             f"{self.n_too_long} too long (filtered), {self.n_truncated} truncated"
         )
+        if self.n_image_cut:
+            s += f", {self.n_image_cut} filtered (truncation would cut image tokens)"
         if self.malformed_examples:
             s += "; e.g. " + " | ".join(self.malformed_examples)
         return s
@@ -197,6 +203,45 @@ def _render(prompt: list[dict[str, str]] | str, tokenizer: Any, use_template: bo
     return "\n".join(m["content"] for m in prompt)
 
 
+def _truncate(ids: list[int], max_len: int, truncation: str) -> list[int]:
+    if truncation == "middle":  # verl: the first max//2 tokens and the last max - max//2
+        half = max_len // 2
+        return ids[:half] + ids[len(ids) - (max_len - half):]
+    return ids[-max_len:] if truncation == "left" else ids[:max_len]
+
+
+def _image_token_ids(processor: Any) -> set[int]:
+    """Ids of the tokens an image expands to (the pad and its start / end markers)."""
+    if processor is None:
+        return set()
+    tok = processor.tokenizer
+    names = ("<|vision_start|>", "<|vision_end|>", getattr(processor, "image_token", "<|image_pad|>"))
+    return {i for i in (tok.convert_tokens_to_ids(n) for n in names) if i is not None and i != tok.unk_token_id}
+
+
+def _process_multimodal(processor: Any, path: Path, rows: list, parsed: list, texts: list, all_ids: list,
+                        mm_rows: dict, image_key: str) -> tuple[list[int], list[str]]:
+    """Run the processor on the rows that hold images (their text and ids replaced in place, their
+    inputs put in ``mm_rows`` by row number); returns the positions in ``parsed`` that are usable,
+    and a problem for each row whose images are unreadable or do not match its placeholders."""
+    keep, problems = [], []
+    for j, (r, *_) in enumerate(parsed):
+        images = rows[r].get(image_key) if isinstance(rows[r], dict) else None
+        if not images:
+            keep.append(j)
+            continue
+        try:
+            pics = [decode_image(x, path.parent) for x in images]
+            text = expand_placeholders(texts[j], len(pics))
+        except ValueError as e:
+            problems.append(f"{path.name} row {r}: {image_key}: {e}")
+            continue
+        texts[j] = text
+        all_ids[j], mm_rows[r] = process_images(processor, text, pics)
+        keep.append(j)
+    return keep, problems
+
+
 def load_prompt_dataset(
     path_or_paths: str | Path | Sequence[str | Path],
     tokenizer: Any,
@@ -207,6 +252,8 @@ def load_prompt_dataset(
     filter_overlong_prompts: bool = True,
     apply_chat_template: bool = True,
     tools: list | None = None,
+    processor: Any = None,
+    image_key: str = "images",
 ) -> PromptDataset:
     """Load and tokenise prompt files (parquet / jsonl in verl's schema), concatenated.
 
@@ -224,6 +271,13 @@ def load_prompt_dataset(
         filter_overlong_prompts: drop and count over-long prompts (verl: ``data.filter_overlong_prompts``).
         apply_chat_template: set False to tokenise raw text even if a template exists.
         tools: OpenAI function schemas the chat template lists (multi-turn tool use).
+        processor: a vision-language model's processor (``AutoProcessor``). Rows with a non-empty
+            ``image_key`` column then have one ``<image>`` placeholder per image; the processor
+            expands them and the row keeps its ``pixel_values`` / ``image_grid_thw``
+            (``PromptExample.multi_modal``). Such a prompt over ``max_prompt_length`` is truncated
+            only where no image token is cut; otherwise it is filtered and counted
+            (``stats.n_image_cut``), never cut.
+        image_key: the images column (verl: ``data.image_key``).
 
     Returns:
         A :class:`PromptDataset`; ``stats`` counts rows, malformed, filtered, truncated.
@@ -270,11 +324,24 @@ def load_prompt_dataset(
         texts = [_render(p, tokenizer, use_template, tools) for _, p, *_ in parsed]
         # Batched call: fast tokenizers encode the whole file in parallel.
         all_ids = tokenizer(texts, add_special_tokens=not use_template)["input_ids"]
+        mm_rows: dict[int, dict] = {}
+        if processor is not None:
+            keep, bad = _process_multimodal(processor, path, rows, parsed, texts, all_ids, mm_rows, image_key)
+            stats.n_malformed += len(bad)
+            room = max(0, _MAX_REASONS - len(stats.malformed_examples))
+            stats.malformed_examples.extend(bad[:room])
+            parsed, texts, all_ids = ([x[i] for i in keep] for x in (parsed, texts, all_ids))
+        image_ids = _image_token_ids(processor)
         for (r, _, gt, source, extra), text, ids in zip(parsed, texts, all_ids):
             ids = list(ids)
+            mm = mm_rows.get(r)
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
                     stats.n_too_long += 1
+                    continue
+                if mm is not None and truncation != "error" and not image_tokens_kept(
+                        ids, _truncate(ids, max_prompt_length, truncation), image_ids):
+                    stats.n_image_cut += 1
                     continue
                 if truncation == "error":
                     raise DataError(
@@ -282,14 +349,10 @@ def load_prompt_dataset(
                         f"{max_prompt_length}; raise max_prompt_length, set filter_overlong_prompts=True, "
                         f"or truncation='left'/'right'"
                     )
-                if truncation == "middle":  # verl: the first max//2 tokens and the last max - max//2
-                    half = max_prompt_length // 2
-                    ids = ids[:half] + ids[len(ids) - (max_prompt_length - half):]
-                else:
-                    ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                ids = _truncate(ids, max_prompt_length, truncation)
                 text = tokenizer.decode(ids, skip_special_tokens=False)
                 stats.n_truncated += 1
-            examples.append(PromptExample(len(examples), ids, text, gt, source, extra))
+            examples.append(PromptExample(len(examples), ids, text, gt, source, extra, mm))
 
     stats.n_loaded = len(examples)
     if not examples:

@@ -4,6 +4,7 @@
     python -m rlhf.data.prepare gsm8k --in gsm8k/test.parquet --out data/gsm8k --split test
     python -m rlhf.data.prepare math --in MATH-lighteval/train.parquet --out data/math --test-size 500
     python -m rlhf.data.prepare dapo_math --in dapo-math-17k.parquet --out data/dapo
+    python -m rlhf.data.prepare geo3k --in geometry3k/train.parquet --out data/geo3k
 
 Input layouts (parquet or jsonl, as published):
 
@@ -17,6 +18,10 @@ Input layouts (parquet or jsonl, as published):
 * ``dapo_math`` (BytedTsinghua-SIA/DAPO-Math-17k): already in verl's schema, with the
   ``Answer:`` instructions inside the prompt; rows are checked, re-indexed, and exact
   duplicate prompts dropped (the published file repeats each problem many times).
+* ``geo3k`` (hiyouga/geometry3k, a vision-language set): ``problem`` (with one ``<image>``
+  placeholder per image), ``answer``, ``images`` (``{"bytes", "path"}`` structs, kept as they are).
+  Prompt = problem + verl's ``You FIRST think about the reasoning process ... \\boxed{}.``
+  instruction; write parquet (jsonl cannot hold the image bytes).
 
 Output rows (``DIR/<split>.parquet``, or ``.jsonl`` with ``--format jsonl``)::
 
@@ -47,6 +52,9 @@ from rlhf.data.dataset import DataError, read_rows
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+GEO3K_INSTRUCTION = ("You FIRST think about the reasoning process as an internal monologue and then provide the final "
+                     "answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer "
+                     "MUST BE put in \\boxed{}.")
 
 
 class _Skip(Exception):
@@ -61,6 +69,7 @@ class Layout:
     data_source: str
     convert: Callable[[dict[str, Any]], tuple[Any, str, dict[str, Any]]]  # row -> (prompt, ground_truth, extra)
     dedup: bool = False
+    images: bool = False  # the rows keep their ``images`` column (verl's multimodal schema)
 
 
 def _text(row: dict[str, Any], col: str) -> str:
@@ -106,10 +115,22 @@ def _dapo(row: dict[str, Any]) -> tuple[Any, str, dict[str, Any]]:
     return [{"role": m["role"], "content": m["content"]} for m in prompt], str(gt).strip(), extra
 
 
+def _geo3k(row: dict[str, Any]) -> tuple[Any, str, dict[str, Any]]:
+    problem, answer = _text(row, "problem"), _text(row, "answer")
+    images = row.get("images")
+    if not isinstance(images, list) or not images:
+        raise _Skip("no images")
+    if problem.count("<image>") != len(images):
+        raise _Skip("'<image>' placeholders do not match the images")
+    return [{"role": "user", "content": problem + " " + GEO3K_INSTRUCTION}], answer.strip(), \
+        {"answer": answer, "question": problem}
+
+
 LAYOUTS: dict[str, Layout] = {
     "gsm8k": Layout(("question", "answer"), "openai/gsm8k", _gsm8k),
     "math": Layout(("problem", "solution|answer"), "DigitalLearningGmbH/MATH-lighteval", _math),
     "dapo_math": Layout(("prompt", "reward_model"), "math_dapo", _dapo, dedup=True),
+    "geo3k": Layout(("problem", "answer", "images"), "hiyouga/geometry3k", _geo3k, images=True),
 }
 
 
@@ -166,7 +187,8 @@ def convert(name: str, rows: list[dict[str, Any]], *, split: str, data_source: O
         source = data_source or (row.get("data_source") if name == "dapo_math" else None) or layout.data_source
         out.append({"data_source": source, "prompt": prompt, "ability": "math",
                     "reward_model": {"style": "rule", "ground_truth": gt},
-                    "extra_info": {"split": split, "index": len(out), **extra}})
+                    "extra_info": {"split": split, "index": len(out), **extra},
+                    **({"images": row["images"]} if layout.images else {})})
     return out
 
 
@@ -183,6 +205,8 @@ def _resplit(rows: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
 def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".jsonl":
+        if any("images" in r for r in rows):
+            raise DataError(f"{path}: image rows cannot be written as jsonl (the image bytes); use --format parquet")
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     else:
         pq.write_table(pa.Table.from_pylist(rows), path)

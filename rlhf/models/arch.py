@@ -87,6 +87,9 @@ def check_model_type(config: Any) -> str:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         hint = " (Gemma 3 multimodal checkpoints: only the text model, gemma3_text)" if model_type == "gemma3" else ""
+        if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+            hint = (" (vision-language: the trainer's forwards run it, with images; the built-in sampler does not "
+                    "yet: issue 37)")
         raise NotImplementedError(
             f"rollout sampler: model_type {model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}{hint}"

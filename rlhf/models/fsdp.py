@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from rlhf.models.loading import decoder_layers
+from rlhf.models.loading import decoder_layers, vision_tower
 from rlhf.models.shard_init import materialize_shards, params_to_meta
 
 # Device types on which ``mixed_precision=True`` takes effect (bf16 compute, fp32 reduce).
@@ -73,6 +73,11 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
             set_offload_threads()
     for block in decoder_layers(model):
         fully_shard(block, **kwargs)
+    visual = vision_tower(model)
+    if visual is not None:
+        # One unit: its all-gather / reduce-scatter run on every rank every micro-batch (a text-only
+        # micro-batch feeds it a dummy image, rlhf.models.vlm.dummy_vision_loss), so ranks never diverge.
+        fully_shard(visual, **kwargs)
     fully_shard(model, **kwargs)
     materialize_shards(model, host, torch.device("cpu") if param_offload else device)
     return model

@@ -10,6 +10,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTr
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
 from rlhf.models.decoder import check_supported
+from rlhf.models.mrope import is_vlm_config
 from rlhf.schema.config import ConfigError
 
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -61,8 +62,11 @@ def load_causal_lm(path: str, *, dtype: str = "float32", attn_implementation: st
     p = check_model_dir(path, key)
     config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     attn_implementation = training_attn_implementation(config, attn_implementation)
+    auto = AutoModelForCausalLM
+    if is_vlm_config(config):  # Qwen-VL: the *ForConditionalGeneration class (vision tower + language model)
+        from transformers import AutoModelForImageTextToText as auto
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a damaged weight file: safetensors' own error names no file
@@ -119,14 +123,23 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder blocks of a HF causal LM (through PEFT / wrappers / pipeline stages)."""
     # CausalLM.model.layers, or PeftModel.base_model.model.model.layers
+    # (Qwen-VL: ForConditionalGeneration.model.language_model.layers)
     m, seen = model, 0
     while seen < 6:
         if hasattr(m, "layers") and isinstance(m.layers, torch.nn.ModuleList):
             return list(m.layers)
         if hasattr(m, "layers") and isinstance(m.layers, torch.nn.ModuleDict):  # pipeline stage
             return list(m.layers.values())
-        nxt = getattr(m, "model", None) or getattr(m, "base_model", None)
+        nxt = getattr(m, "model", None) or getattr(m, "language_model", None) or getattr(m, "base_model", None)
         if nxt is None or nxt is m:
             break
         m, seen = nxt, seen + 1
     raise ConfigError(f"cannot find decoder layers in {type(model).__name__} (expected .model.layers)")
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision encoder of a Qwen-VL model (``.model.visual``, through peft wrappers); None for a text LM."""
+    for name, m in model.named_modules():
+        if name.endswith("visual") and hasattr(m, "merger"):
+            return m
+    return None

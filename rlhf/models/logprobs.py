@@ -36,16 +36,22 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
 
 def forward_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                       response_length: int, temperature: float = 1.0,
-                      compute_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      compute_entropy: bool = False,
+                      multi_modal: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Teacher-forced log-probs of the last `response_length` tokens.
 
     input_ids, attention_mask: [B, L]; returns log_probs [B, R] where entry t scores
     input_ids[:, L-R+t] from the logits at position L-R+t-1 (padding positions are
-    arbitrary and masked by the caller).
+    arbitrary and masked by the caller). `multi_modal` (a vision-language model's batch images,
+    ``rlhf.data.multimodal.collate_multi_modal``) adds the images and M-RoPE positions.
     """
     R = response_length
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-                logits_to_keep=R + 1)
+    if multi_modal is not None:
+        from rlhf.models.vlm import padded_inputs
+
+        extra = padded_inputs(model, input_ids, attention_mask, multi_modal)
+    else:
+        extra = {"position_ids": position_ids_from_mask(attention_mask)}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=R + 1, **extra)
     logits = out.logits[:, :-1, :]  # [B, R, V]
     return token_log_probs(logits, input_ids[:, -R:], temperature, compute_entropy)

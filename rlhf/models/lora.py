@@ -92,8 +92,15 @@ def apply_lora(
         bias="none",
         use_rslora=use_rslora,
         task_type=TaskType.CAUSAL_LM,
+        # A vision-language model: adapters on the language model only (the vision tower stays frozen, as
+        # in verl's VLM LoRA recipes); a list of names chooses its layers explicitly.
+        exclude_modules=r".*\.visual\..*" if isinstance(targets, str) and _has_vision_tower(model) else None,
     )
     return get_peft_model(model, config)
+
+
+def _has_vision_tower(model: nn.Module) -> bool:
+    return any(n.endswith("visual") for n, _ in model.named_modules())
 
 
 def hf_param_name(name: str) -> str:

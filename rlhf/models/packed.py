@@ -99,6 +99,10 @@ def _packed_call(model: nn.Module, packed: PackedBatch, shard: Optional[SpShard]
     if varlen_kernel(ids.device) is None:
         kwargs["varlen_plan"] = build_varlen_plan(kwargs["cu_seq_lens_q"])
     enable_varlen_attention(model)
+    if "position_ids" in extra:  # a vision-language model's [4, 1, total] M-RoPE positions
+        if shard is not None:
+            raise NotImplementedError("parallel.sp with a vision-language model is not supported")
+        pos = extra.pop("position_ids")
     return model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs, **extra)
 
 
@@ -119,6 +123,7 @@ def packed_forward_log_probs(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     sp_group: Optional[dist.ProcessGroup] = None,
+    multi_modal: Optional[dict] = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the response, padding-free.
 
@@ -131,6 +136,9 @@ def packed_forward_log_probs(
         compute_entropy: also return the entropy of ``softmax(logits / temperature)``.
         sp_group: Ulysses sequence-parallel group (:mod:`rlhf.models.ulysses`): this rank
             runs its slice of the packed row and the per-token results are summed over sp.
+        multi_modal: a vision-language model's images of these rows
+            (:func:`rlhf.data.multimodal.collate_multi_modal`): the vision tower runs on them and
+            the packed row gets M-RoPE positions (:func:`rlhf.models.vlm.packed_inputs`).
 
     Returns:
         ``log_probs [B, R]`` float32 and ``entropy [B, R]`` float32 (or None); 0 at pad
@@ -141,11 +149,16 @@ def packed_forward_log_probs(
     packed = unpad(input_ids, attention_mask)
     shard = shard_packed(packed, sp_group) if sp_group is not None else None
     pos = _local_positions(response_positions(input_ids, attention_mask, packed, R), shard)
+    mm: dict = {}
+    if multi_modal is not None:
+        from rlhf.models.vlm import packed_inputs
+
+        mm = packed_inputs(model, input_ids, attention_mask, multi_modal, packed.indices, packed.position_ids)
     if _accepts_logits_to_keep(model):
-        out = _packed_call(model, packed, shard, logits_to_keep=pos.rows)
+        out = _packed_call(model, packed, shard, logits_to_keep=pos.rows, **mm)
         logits = out.logits  # [1, N, V], or under TP its vocab shard (a DTensor, never gathered)
     else:
-        out = _packed_call(model, packed, shard)
+        out = _packed_call(model, packed, shard, **mm)
         logits = out.logits[:, pos.rows]  # [1, N, V]
     # fp32 inside: bf16 log-probs are too coarse for PPO ratios.
     lp, ent = log_probs_from_logits(logits, pos.labels[None], temperature=temperature,

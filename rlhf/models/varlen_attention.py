@@ -476,6 +476,17 @@ def _pretrained_root(model: nn.Module) -> nn.Module:
 def enable_varlen_attention(model: nn.Module) -> str:
     """Switch ``model`` to packed attention; returns the implementation it had before."""
     root = _pretrained_root(model)
+    vision = getattr(root.config, "vision_config", None)
+    if vision is not None:
+        # A vision-language model: only its language model runs packed. The vision tower attends
+        # bidirectionally within each image (its own cu_seqlens), which varlen's causal kernel would
+        # break; it keeps sdpa and ignores the text's cu_seq_lens it is handed too.
+        previous = root.config.text_config._attn_implementation
+        if previous != VARLEN_ATTN_IMPLEMENTATION:
+            register_varlen_attention()
+            root.set_attn_implementation({"text_config": VARLEN_ATTN_IMPLEMENTATION,
+                                          "vision_config": vision._attn_implementation or "sdpa"})
+        return previous
     previous = root.config._attn_implementation
     if previous != VARLEN_ATTN_IMPLEMENTATION:
         register_varlen_attention()

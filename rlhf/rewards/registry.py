@@ -38,6 +38,8 @@ DATA_SOURCE_REWARDS: dict[str, RewardFn] = {
     "DigitalLearningGmbH/MATH-lighteval": math_verify_score,
     "HuggingFaceH4/MATH-500": math_verify_score,
     "math_dapo": math_dapo,
+    # verl scores geo3k 0.9 x accuracy (the \boxed{} answer) + 0.1 x the <think> format; here: accuracy only
+    "hiyouga/geometry3k": math_verify_score,
 }
 # data_source prefixes, as verl routes every "aime..." source to the DAPO scorer.
 DATA_SOURCE_PREFIX_REWARDS: dict[str, RewardFn] = {"aime": math_dapo}

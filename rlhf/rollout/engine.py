@@ -279,7 +279,9 @@ class RolloutEngine:
                            keys=[x for p in unique for x in p.keys],
                            ground_truths=[x for p in unique for x in p.ground_truths],
                            data_sources=[x for p in unique for x in p.data_sources],
-                           extra_infos=[x for p in unique for x in p.extra_infos])
+                           extra_infos=[x for p in unique for x in p.extra_infos],
+                           multi_modal=[x for p in unique for x in (p.multi_modal or [None] * len(p.keys))]
+                           if any(p.multi_modal for p in unique) else [])
         start = start_of[tuple(prompts.keys)]
         return glob, list(range(start, start + len(prompts.keys)))
 
@@ -329,5 +331,6 @@ class RolloutEngine:
             index=torch.tensor([prompts.keys[i] for i in pick], dtype=torch.long),
             rollout_log_probs=rollout_lp, truncated=out.truncated.cpu().bool(),
             response_texts=texts, ground_truths=[prompts.ground_truths[i] for i in pick],
-            data_sources=[prompts.data_sources[i] for i in pick], extra_infos=[prompts.extra_infos[i] for i in pick])
+            data_sources=[prompts.data_sources[i] for i in pick], extra_infos=[prompts.extra_infos[i] for i in pick],
+            multi_modal=[prompts.multi_modal[i] for i in pick] if prompts.multi_modal else [])
         return batch.to(self.device)

@@ -19,12 +19,15 @@ class PromptBatch:
     ground_truths: list[str]
     data_sources: list[str]
     extra_infos: list[dict]
+    # Per prompt: a VLM prompt's images ({"pixel_values", "image_grid_thw"}) or None; empty for text-only data.
+    multi_modal: list = field(default_factory=list)
 
     def subset(self, rows: list[int]) -> "PromptBatch":
         return PromptBatch(prompt_ids=[self.prompt_ids[i] for i in rows], keys=[self.keys[i] for i in rows],
                            ground_truths=[self.ground_truths[i] for i in rows],
                            data_sources=[self.data_sources[i] for i in rows],
-                           extra_infos=[self.extra_infos[i] for i in rows])
+                           extra_infos=[self.extra_infos[i] for i in rows],
+                           multi_modal=[self.multi_modal[i] for i in rows] if self.multi_modal else [])
 
 
 @dataclass
@@ -60,6 +63,10 @@ class RolloutBatch:
     ground_truths: list = field(default_factory=list)
     data_sources: list = field(default_factory=list)
     extra_infos: list = field(default_factory=list)
+    # Per row: its prompt's images (rlhf.data.multimodal.MultiModalInputs) or None; empty when no
+    # row has images. A plain list, so select / concat (micro-batches, regrouping, exchanges) keep it
+    # with its row; rlhf.data.multimodal.collate_multi_modal makes a forward's inputs from it.
+    multi_modal: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -103,6 +110,8 @@ class RolloutBatch:
                 if width is not None and any(v.shape[1] != width for v in vals):
                     raise ValueError(f"cannot concat field {f.name} of different widths")
                 kw[f.name] = torch.cat(vals)
+            elif f.name == "multi_modal" and any(vals):  # text-only parts hold [] for their rows' None
+                kw[f.name] = [x for p, v in zip(parts, vals) for x in (v or [None] * len(p))]
             elif all(isinstance(v, list) for v in vals):
                 kw[f.name] = [x for v in vals for x in v]
             else:

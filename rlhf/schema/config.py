@@ -40,6 +40,8 @@ class ModelConfig:
     use_remove_padding: bool = _f(False, "Padding-free (packed) forward/backward for actor, critic and reference.")
     lora_rank: int = _f(0, "LoRA rank; 0 disables LoRA (full fine-tuning).")
     lora_alpha: int = _f(16, "LoRA alpha (scale = alpha / rank).")
+    freeze_vision_tower: bool = _f(False, "Vision-language models: train the language model only (verl: "
+                                   "actor.freeze_vision_tower); the tower still runs every micro-batch.")
     target_modules: Union[str, list] = _f("all-linear", "LoRA target modules: 'all-linear' or a list of names.")
     param_offload: bool = _f(False, "FSDP2 CPU offload of parameters, gradients and optimizer state.")
     unsharded_grad_accumulation: bool = _f(
@@ -53,6 +55,8 @@ class DataConfig:
     train_files: Union[str, list] = _f("", "Parquet or jsonl prompt files (verl schema).")
     val_files: Union[str, list] = _f("", "Held-out prompt files for validation; empty disables validation.")
     prompt_key: str = _f("prompt", "Column holding the prompt (chat messages or a string).")
+    image_key: str = _f("images", "Column holding a row's images (verl's multimodal schema; one <image> "
+                        "placeholder per image in the prompt); read when model.path is a vision-language model.")
     max_prompt_length: int = _f(512, "Prompts longer than this (tokens) are filtered or truncated.")
     max_response_length: int = _f(512, "Maximum generated tokens per response.")
     train_batch_size: int = _f(1024, "Prompts per step, global over all dp ranks.")

@@ -32,14 +32,17 @@ from rlhf.algos.optimal_token_baseline import sum_pi_squared_from_logits
 from rlhf.algos.policy_loss import PolicyLossParams, get_policy_loss
 from rlhf.algos.policy_loss_cov import COV_LOSSES, select_cov_tokens
 from rlhf.data.batching import micro_batches_for_rank
+from rlhf.data.multimodal import collate_multi_modal
 from rlhf.models.fsdp import grad_scale
-from rlhf.models.loading import load_causal_lm
+from rlhf.models.loading import load_causal_lm, vision_tower
 from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
 from rlhf.models.lora import apply_lora
+from rlhf.models.mrope import is_vlm_config
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
 from rlhf.models.ulysses import check_sp
+from rlhf.models.vlm import dummy_image_forward, padded_inputs
 from rlhf.models.vocab_parallel import log_probs_from_logits
 from rlhf.schema.batch import RolloutBatch, split_rows
 from rlhf.schema.config import ActorConfig, ConfigError, ModelConfig, ParallelConfig
@@ -149,6 +152,9 @@ def check_features(model_cfg: ModelConfig, mesh: DeviceMesh, lora: bool, hf_conf
         raise ConfigError(f"model.use_remove_padding: padding-free passes need parallel.pp = 1 (got pp={pp}): the "
                           f"pipeline schedule splits a batch into micro-batches by rows and a packed batch is one row "
                           f"whose sequence boundaries it cannot carry; set model.use_remove_padding=false with pp")
+    if hf_config is not None and is_vlm_config(hf_config) and (pp > 1 or sp > 1 or tp > 1):
+        raise ConfigError(f"model.path: a vision-language model ({hf_config.model_type}) trains with dp only in this "
+                          f"version (got tp={tp}, pp={pp}, sp={sp}); set parallel.tp = parallel.pp = parallel.sp = 1")
     if lora and (tp > 1 or pp > 1):
         raise ConfigError(f"model.lora_rank: LoRA needs parallel.tp = parallel.pp = 1 (got tp={tp}, pp={pp}): the TP "
                           f"plans and pipeline cuts address nn.Linear / decoder modules that peft has wrapped; split "
@@ -180,7 +186,13 @@ class PolicyWorker:
             trust_remote_code=model_cfg.trust_remote_code)
         if not trainable:
             model.requires_grad_(False)
+        elif model_cfg.freeze_vision_tower:
+            visual = vision_tower(model)
+            if visual is None:
+                raise ConfigError(f"model.freeze_vision_tower: {path or model_cfg.path} has no vision tower")
+            visual.requires_grad_(False)
         self.hf_config = model.config
+        self.is_vlm = is_vlm_config(model.config)
         self.lora = trainable and model_cfg.lora_rank > 0 if lora is None else lora
         check_features(model_cfg, mesh, self.lora, self.hf_config)
         if self.lora:
@@ -209,20 +221,31 @@ class PolicyWorker:
     # ------------------------------------------------------------------ forward-only
 
     def forward_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, response_length: int,
-                          temperature: float, compute_entropy: bool = False
+                          temperature: float, compute_entropy: bool = False, multi_modal: Optional[list] = None,
                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Teacher-forced log-probs [B, R] (and entropy [B, R]) of the last R tokens (no pipeline).
 
         Entry t scores ``input_ids[:, L-R+t]`` from the logits at ``L-R+t-1``. Under TP the
         logits stay a vocab-sharded DTensor and are reduced with three scalars per token.
+        ``multi_modal``: the rows' images (``RolloutBatch.multi_modal`` of these rows) of a
+        vision-language model; a micro-batch without any runs the tower on a dummy image.
         """
         R = response_length
+        mm = collate_multi_modal(multi_modal or [])
+        if mm is None and self.is_vlm:  # keeps the tower's FSDP2 collectives in step with ranks that have images
+            with dummy_image_forward(self.model, self.device):
+                return self._forward_log_probs(input_ids, attention_mask, R, temperature, compute_entropy, mm)
+        return self._forward_log_probs(input_ids, attention_mask, R, temperature, compute_entropy, mm)
+
+    def _forward_log_probs(self, input_ids, attention_mask, R, temperature, compute_entropy, mm):
         if self.cfg.use_remove_padding:
             return packed_forward_log_probs(self.model, input_ids, attention_mask, response_length=R,
                                             temperature=temperature, compute_entropy=compute_entropy,
-                                            sp_group=self.sp_group)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids_from_mask(attention_mask), use_cache=False, logits_to_keep=R + 1)
+                                            sp_group=self.sp_group, multi_modal=mm)
+        extra = padded_inputs(self.model, input_ids, attention_mask, mm) if mm is not None else \
+            {"position_ids": position_ids_from_mask(attention_mask)}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=R + 1,
+                         **extra)
         logits = out.logits[:, :-1]  # [B, R, V] (or its vocab shard)
         labels = input_ids[:, -R:]
         if isinstance(logits, DTensor):
@@ -272,8 +295,9 @@ class PolicyWorker:
                 fwd(batch.input_ids[:1], batch.attention_mask[:1], response_length=batch.response_length,
                     temperature=temperature, compute_entropy=False)
                 continue
+            mm = {"multi_modal": [batch.multi_modal[i] for i in rows.tolist()]} if batch.multi_modal else {}
             lp, ent = fwd(batch.input_ids[rows], batch.attention_mask[rows], response_length=batch.response_length,
-                          temperature=temperature, compute_entropy=compute_entropy)
+                          temperature=temperature, compute_entropy=compute_entropy, **mm)
             lps.append(lp)
             ents.append(ent)
         order = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in chunks])
@@ -370,7 +394,8 @@ class PolicyWorker:
             mb = mini.select(rows)
             log_probs, entropy = self.forward_log_probs(mb.input_ids, mb.attention_mask,
                                                         response_length=mb.response_length, temperature=temperature,
-                                                        compute_entropy=_needs_entropy(cfg))
+                                                        compute_entropy=_needs_entropy(cfg),
+                                                        multi_modal=mb.multi_modal)
             loss, parts = self._loss(log_probs, entropy, mb.response_mask, mb.old_log_probs, mb.advantages,
                                      mb.rollout_log_probs, mb.ref_log_probs, cov_select=mb.cov_select,
                                      is_weights=mb.rollout_is_weights, **terms)

@@ -6,6 +6,8 @@ same batches in the same order.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rlhf.data.dataset import load_prompt_dataset
 from rlhf.data.loader import PromptLoader
 from rlhf.schema.batch import PromptBatch
@@ -22,7 +24,21 @@ def load_data(cfg: Config, files, tokenizer):
         tools = tool_schemas(load_tool_config(cfg.rollout.multi_turn.tool_config_path))
     return load_prompt_dataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                                truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                               apply_chat_template=d.apply_chat_template, tools=tools)
+                               apply_chat_template=d.apply_chat_template, tools=tools,
+                               processor=vlm_processor(cfg), image_key=d.image_key)
+
+
+def vlm_processor(cfg: Config):
+    """The processor of a vision-language ``model.path`` (its images column is then read), else None."""
+    from rlhf.models.loading import model_config
+    from rlhf.models.mrope import is_vlm_config
+    from rlhf.models.processor import load_processor
+
+    # (a missing model directory is reported where the model is loaded, with its own message)
+    if not cfg.model.path or not (Path(cfg.model.path).expanduser() / "config.json").is_file() or \
+            not is_vlm_config(model_config(cfg.model.path, cfg.model.trust_remote_code)):
+        return None
+    return load_processor(cfg.model.path, cfg.model.trust_remote_code)
 
 
 def make_loader(cfg: Config, dataset_len: int) -> tuple[PromptLoader, int]:
@@ -46,7 +62,8 @@ def prompt_batch(indices: list[int], examples) -> PromptBatch:
     ex = [examples[i] for i in indices]
     return PromptBatch(prompt_ids=[e.prompt_ids for e in ex], keys=[e.index for e in ex],
                        ground_truths=[e.ground_truth for e in ex], data_sources=[e.data_source for e in ex],
-                       extra_infos=[e.extra_info for e in ex])
+                       extra_infos=[e.extra_info for e in ex],
+                       multi_modal=[e.multi_modal for e in ex] if any(e.multi_modal is not None for e in ex) else [])
 
 
 def data_metrics(loader: PromptLoader, global_idx: list[int]) -> dict[str, float]:

@@ -233,6 +233,8 @@ class RLTrainer:
         out.ground_truths = [e.ground_truth for e in examples]
         out.data_sources = [e.data_source for e in examples]
         out.extra_infos = [e.extra_info for e in examples]
+        # a VLM's images: from the dataset too (a prompt's pixel_values never travel between ranks)
+        out.multi_modal = [e.multi_modal for e in examples] if any(e.multi_modal is not None for e in examples) else []
         out.response_texts = decode_responses(self.tokenizer, out.responses, out.attention_mask[:, -out.responses.shape[1]:])
         return out
 

@@ -108,7 +108,7 @@ def test_wrong_layout_names_the_missing_column(tmp_path, capsys):
 
 
 def test_unknown_dataset_lists_known_ones(tmp_path):
-    with pytest.raises(DataError, match="unknown dataset 'gsm9k'; known: dapo_math, gsm8k, math"):
+    with pytest.raises(DataError, match="unknown dataset 'gsm9k'; known: dapo_math, geo3k, gsm8k, math"):
         prepare("gsm9k", ["x.parquet"], str(tmp_path))
 
 

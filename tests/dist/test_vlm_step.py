@@ -1,0 +1,102 @@
+"""A vision-language actor update on 2 gloo ranks, one of which holds only text prompts, equals the
+same batch on 1 rank (padding-free, vision tower trained); on 1 rank the padded path with a frozen
+tower gives the same log-probs and leaves the tower's weights as they were.
+
+The text-only rank runs the vision tower on a dummy image every micro-batch
+(``rlhf.models.vlm.dummy_vision_loss``): without it the tower's FSDP2 collectives would differ
+between the ranks and the job would hang (the process-group timeout fails the test instead).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.dist._dist_utils import run_distributed
+
+N, R = 8, 6
+
+
+def _vlm_batch(proc):
+    """8 rows: 4 with images (rows 0-3), 4 text only (rows 4-7); random responses and RL fields."""
+    from PIL import Image
+
+    from rlhf.data.multimodal import QWEN_IMAGE_TEXT
+    from rlhf.schema.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    texts, mms = [], []
+    for i in range(N):
+        if i < 4:
+            im = Image.fromarray((torch.rand(16 + 8 * (i % 2), 16, 3, generator=g) * 255).byte().numpy())
+            out = proc(text=[f"<|user|>{QWEN_IMAGE_TEXT}{i}?<|assistant|>"], images=[im], return_tensors="pt")
+            mms.append({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]})
+        else:
+            out = proc(text=[f"<|user|>text {i}?<|assistant|>"], return_tensors="pt")
+            mms.append(None)
+        texts.append(out["input_ids"][0])
+    P = max(len(t) for t in texts)
+    pad = proc.tokenizer.pad_token_id
+    prompts = torch.full((N, P), pad, dtype=torch.long)
+    pmask = torch.zeros(N, P, dtype=torch.long)
+    for i, t in enumerate(texts):
+        prompts[i, P - len(t):], pmask[i, P - len(t):] = t, 1
+    resp_len = torch.randint(2, R + 1, (N,), generator=g)
+    rmask = (torch.arange(R) < resp_len[:, None]).long()
+    resp = torch.randint(10, 60, (N, R), generator=g) * rmask
+    return RolloutBatch(
+        input_ids=torch.cat([prompts, resp], 1), attention_mask=torch.cat([pmask, rmask], 1), responses=resp,
+        response_mask=rmask.float(), index=torch.arange(N), rollout_log_probs=-torch.rand(N, R, generator=g),
+        truncated=torch.zeros(N, dtype=torch.bool), old_log_probs=-torch.rand(N, R, generator=g),
+        advantages=torch.randn(N, R, generator=g), multi_modal=mms)
+
+
+def _update(rank: int, world: int, model_dir: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlhf.models.processor import load_processor
+    from rlhf.schema.config import ActorConfig, ModelConfig
+    from rlhf.train.actor import PolicyWorker
+
+    batch = _vlm_batch(load_processor(model_dir))
+    per = N // world
+    local = batch.select(list(range(rank * per, rank * per + per)))  # rank 1 of 2: text only
+    result = {}
+    # 1 rank also checks the padded path with a frozen tower; the 2-rank comparison is on the padding-free path
+    for packed, freeze in ((True, False), (False, True))[:3 - world]:
+        mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("pp", "dp", "tp"))
+        cfg = ActorConfig(lr=1e-2, ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=2, grad_clip=1e9,
+                          weight_decay=0.0)
+        worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=packed, freeze_vision_tower=freeze),
+                              mesh, torch.device("cpu"), actor_cfg=cfg, total_steps=1)
+        lp, _ = worker.compute_log_probs(local, temperature=1.0, micro_batch_size=2)
+        worker.update_policy(local, mini_batch_rows=per, temperature=1.0, max_response_length=R)
+        result[packed] = {"log_probs": lp, "response_mask": local.response_mask, "params": {n: p.full_tensor().clone() if hasattr(p, "full_tensor")
+                                                      else p.detach().clone() for n, p in
+                                                      worker.model.named_parameters()}}
+    torch.save(result, f"{out}.w{world}.rank{rank}")
+
+
+def test_vlm_update_with_a_text_only_rank_equals_one_rank(tmp_path):
+    from rlhf.models.tiny_vlm import write_tiny_vlm
+
+    model_dir = str(write_tiny_vlm(str(tmp_path / "m")))
+    out = str(tmp_path / "out")
+    run_distributed(_update, 1, model_dir, out)
+    run_distributed(_update, 2, model_dir, out)
+    from transformers import AutoModelForImageTextToText
+
+    init = dict(AutoModelForImageTextToText.from_pretrained(model_dir).named_parameters())
+    one = torch.load(f"{out}.w1.rank0", weights_only=False)
+    two = [torch.load(f"{out}.w2.rank{r}", weights_only=False) for r in range(2)]
+    lp2 = torch.cat([two[0][True]["log_probs"], two[1][True]["log_probs"]])
+    torch.testing.assert_close(lp2, one[True]["log_probs"], rtol=0, atol=1e-5)
+    real = one[True]["response_mask"].bool()  # the padded path leaves arbitrary values on pad tokens
+    torch.testing.assert_close(one[False]["log_probs"][real], one[True]["log_probs"][real], rtol=0, atol=1e-5)
+    for n, p in one[True]["params"].items():
+        torch.testing.assert_close(two[0][True]["params"][n], p, rtol=1e-5, atol=1e-6, msg=n)
+    for packed in (True, False):
+        moved = {n for n, p in one[packed]["params"].items() if not torch.equal(p, init[n].detach())}
+        moved_visual = [n for n in moved if n.startswith("model.visual.")]
+        assert any(n.startswith("model.language_model.") for n in moved)
+        # trained (packed run): the images moved the tower; frozen (padded run): it keeps its weights
+        assert moved_visual if packed else not moved_visual, (packed, moved_visual)
