@@ -87,7 +87,8 @@ def main() -> None:
         "fully_async_rollout_idle_share": mean(full, "async/rollout_idle_share"),
         "fully_async_staleness_mean": mean(full, "async/staleness_mean"),
         "fully_async_staleness_max": max(r["async/staleness_max"] for r in full),
-        "response_length_mean": mean(colo, "response_length/mean"), "response_length_max": mean(colo, "response_length/max"),
+        "response_length_mean": mean(colo, "response_length/mean"),
+        "response_length_max": mean(colo, "response_length/max"),
         "config": vars(args),
     }
     samples = args.batch * args.n

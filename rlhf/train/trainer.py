@@ -483,7 +483,8 @@ class RLTrainer:
         """JSON-able state; subclasses extend it and `load_trainer_state`."""
         return {"global_step": self.global_step, "loader": self.loader.state_dict(),
                 "actor_scheduler": self.actor.scheduler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "skipped_steps": self.actor.nonfinite.skipped}
+                "skipped_steps": self.actor.nonfinite.skipped,
+                **({"fully_async": self.offpolicy.trainer_state()} if hasattr(self.offpolicy, "trainer_state") else {})}
 
     def load_trainer_state(self, st: dict) -> None:
         self.global_step = st["global_step"]
@@ -491,6 +492,8 @@ class RLTrainer:
         self.actor.scheduler.load_state_dict(st["actor_scheduler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
         self.actor.nonfinite.skipped = st.get("skipped_steps", 0)
+        if "fully_async" in st and hasattr(self.offpolicy, "load_trainer_state"):
+            self.offpolicy.load_trainer_state(st["fully_async"])
 
     def save(self) -> None:
         path = save_checkpoint(str(self.out_dir), self.global_step, self._stateful(), self.trainer_state(),

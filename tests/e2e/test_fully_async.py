@@ -34,6 +34,6 @@ def test_zero_staleness_equals_colocated_on_every_metric(tiny_assets, tmp_path):
             assert abs(lagged[step][key] - value) <= 1e-6 * max(1.0, abs(value)), (step, key, value, lagged[step][key])
             compared += 1
         a = lagged[step]
-        assert a["async/staleness_max"] == 0.0 and a["async/policy_lag"] == 0.0 and a["async/samples_dropped"] == 0
+        assert a["async/staleness_max"] == 0.0 and a["async/samples_dropped"] == 0
         assert 0.0 <= a["async/trainer_idle_share"] <= 1.0 and 0.0 <= a["async/rollout_idle_share"] <= 1.0
     assert compared > 20 * STEPS  # losses, grad norms, rewards, lengths, advantages, data fingerprint, ...

@@ -64,6 +64,9 @@ class FullyAsync:
         self.clock_at_take: dict[int, tuple[float, float]] = {}
         self.dropped = 0
         self.last_take = time.perf_counter()
+        # Data-order positions trained on: all below ``base``, and ``consumed`` above it (checkpointed,
+        # so a resumed rollout role regenerates exactly the others).
+        self.base, self.consumed = 0, set()
 
     # ------------------------------------------------------------------ weights
 
@@ -135,14 +138,17 @@ class FullyAsync:
             wait = time.perf_counter() - t0
             chosen = sorted(self.held[:B], key=lambda m: m["seq"])  # first to arrive, in data order
             self.held = self.held[B:]
+            self.consumed.update(m["seq"] for m in chosen)
+            while self.base in self.consumed:
+                self.consumed.discard(self.base)
+                self.base += 1
             batch = RolloutBatch.concat([RolloutBatch(**m["batch"]) for m in chosen])
             now = time.perf_counter()
             metrics = {**staleness_metrics(batch.token_versions, batch.response_mask, step - 1),
                        "async/samples_dropped": float(self.dropped * self.cfg.rollout.n),
                        "async/groups_held": float(len(self.held)), "async/train_wait_s": wait,
                        "async/trainer_idle_share": idle_share(wait, now - self.last_take),
-                       "async/rollout_idle_share": self._rollout_idle_share(),
-                       "async/policy_lag": float(step - 1 - int(batch.token_versions.max()))}
+                       "async/rollout_idle_share": self._rollout_idle_share()}
             self.last_take = now
             payload = [{k: v for k, v in vars(batch).items()}, metrics, [m["idx"] for m in chosen]]
         box = [payload]
@@ -165,14 +171,23 @@ class FullyAsync:
         return idle_share(idle, wall)
 
     def after_update(self, step: int, batch: RolloutBatch, model: torch.nn.Module, loader) -> dict[str, float]:
+        cap = self.cfg.actor.tis_imp_ratio_cap
         metrics = offpolicy_metrics(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask,
-                                    self.cfg.actor.tis_imp_ratio_cap if self.cfg.actor.tis_imp_ratio_cap > 0 else float("inf"), self.dp_group)
+                                    cap if cap > 0 else float("inf"), self.dp_group)
         if step >= self.schedule.last_step:
             self._stop()
             metrics["async/samples_dropped"] = float(self.dropped * self.cfg.rollout.n)
         elif step % self.trigger == 0:
             metrics.update(self._push(model, step))
         return metrics
+
+    def trainer_state(self) -> dict:
+        """In the checkpoint's trainer_state.json (written by the leader, read by the rollout ranks):
+        the data-order positions already trained on. Groups held or in flight are generated again."""
+        return {"base": self.base, "consumed": sorted(self.consumed)}
+
+    def load_trainer_state(self, state: dict) -> None:
+        self.base, self.consumed = int(state["base"]), set(state["consumed"])
 
     def rank_state(self) -> Optional[dict]:
         return None

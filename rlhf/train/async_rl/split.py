@@ -106,6 +106,7 @@ class StreamRoles(Roles):
             if layout.group is None:
                 layout.group = dist.new_group(train, use_local_synchronization=True)
         partner = (env.rank - t) % t if in_rollout else -1
-        return cls(role="rollout" if in_rollout else "train", env=replace(env, world_size=len(ranks), group=layout.group),
+        return cls(role="rollout" if in_rollout else "train",
+                   env=replace(env, world_size=len(ranks), group=layout.group),
                    mesh=mesh, layout=layout, partner=partner, size=len(ranks), pair_group=None,
                    train_ranks=train, rollout_ranks=rollout, weight_groups=weight_groups, row_groups=row_groups)

@@ -58,12 +58,15 @@ class StreamWorker:
                                         key="model.tokenizer_path" if m.tokenizer_path else "model.path")
         self.hf_config = model_config(m.path, m.trust_remote_code)
         self.data = load_data(cfg, cfg.data.train_files, self.tokenizer)
+        # A fresh loader, replayed from the first batch: a resumed run may still owe prompts of
+        # batches before the checkpoint's data position (staleness_threshold > 0).
         self.loader, self.total_steps = make_loader(cfg, len(self.data))
-        self.start = 0
+        self.start, base, self.done = 0, 0, set()
         if resume is not None:
             state = json.loads((Path(resume) / "trainer_state.json").read_text())
             self.start = int(state["global_step"])
-            self.loader.load_state_dict(state["loader"])
+            trained = state.get("fully_async", {"base": self.start * cfg.data.train_batch_size, "consumed": []})
+            base, self.done = int(trained["base"]), set(trained["consumed"])
         self.engine = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                     max_response_length=cfg.data.max_response_length, device=self.device,
                                     dtype=rollout_dtype(cfg.rollout.dtype, self.device.type, m.dtype))
@@ -71,14 +74,13 @@ class StreamWorker:
         self.B = cfg.data.train_batch_size
         self.G = len(roles.rollout_ranks)
         self.me = roles.env.rank - len(roles.train_ranks)
-        # Data-order positions continue after the resumed step's batches (the loader is past them).
-        self.first_s = self.start * self.B
-        self.next_s = self.first_s + self.me
+        # Mine: positions s = me (mod G), from the first one not yet trained on.
+        self.next_s = base + (self.me - base) % self.G
         self.end_s = self.total_steps * self.B
         stop = cfg.trainer.stop_after_steps
         if stop >= 0:
             self.end_s = min(self.end_s, (self.start + stop) * self.B)
-        self.batches: list[list[int]] = []  # loader batches from the resumed step on
+        self.batches: list[list[int]] = []  # the loader's batches, in order
         self.inbox: queue.Queue = queue.Queue()
         self.idle_s, self.t0 = 0.0, time.perf_counter()
         self.groups_sent = 0
@@ -111,12 +113,14 @@ class StreamWorker:
         out = []
         while len(out) < free and self.next_s < bound:
             s = self.next_s
-            b = (s - self.first_s) // self.B
+            self.next_s += self.G
+            if s in self.done:  # trained on before the checkpoint
+                continue
+            b = s // self.B
             while len(self.batches) <= b:
                 self.batches.append(self.loader.next_batch())
             pb = prompt_batch([self.batches[b][s % self.B]], self.data.examples)
-            out.append(StreamPrompt(pb.prompt_ids[0], key=pb.keys[0], step=s // self.B + 1, tag=(s, pb)))
-            self.next_s += self.G
+            out.append(StreamPrompt(pb.prompt_ids[0], key=pb.keys[0], step=b + 1, tag=(s, pb)))
         return out
 
     def on_group(self, prompt: StreamPrompt, out: dict[str, torch.Tensor]) -> None:
