@@ -65,3 +65,23 @@ def test_planner_sizes_the_training_ranks_of_the_split():
                              "actor.ppo_mini_batch_size=8", "trainer.mode=fully_async", "parallel.rollout_ranks=6"])
     plan = plan_memory(s, cfg, world_size=8, device="cuda")
     assert plan.layout["dp"] == 2 and "rollout" not in plan.phases and "weight send" in plan.phases
+
+
+def test_quickstart_config_is_a_valid_split_of_four():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "quickstart_fully_async.yaml"
+    cfg = load_config(str(path), [], check=lambda c: None)
+    assert cfg.trainer.mode == "fully_async" and check_fully_async(cfg, 4) == (1, 3)
+
+
+def test_verl_fully_async_keys_map_to_the_same_names():
+    from rlhf.config.verl import translate
+
+    out = translate({"actor_rollout_ref": {"model": {"path": "x"}},
+                     "async_training": {"staleness_threshold": 0.5, "trigger_parameter_sync_step": 2,
+                                        "require_batches": 2, "partial_rollout": False, "use_rollout_log_probs": True},
+                     "rollout": {"nnodes": 1, "n_gpus_per_node": 3}}, verbose=False)
+    assert out["async_training"] == {"staleness_threshold": 0.5, "trigger_parameter_sync_step": 2,
+                                     "require_batches": 2, "partial_rollout": False, "use_rollout_log_probs": True}
+    assert out["rollout"] == {"nnodes": 1, "n_gpus_per_node": 3}
