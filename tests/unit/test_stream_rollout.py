@@ -63,6 +63,17 @@ def _run(driver: Driver, **kw) -> dict:
     return stats
 
 
+_PLAIN: list[tuple[Driver, dict]] = []
+
+
+def _plain() -> Driver:
+    """The run without a weight push (shared by the tests that compare against it)."""
+    if not _PLAIN:
+        d = Driver()
+        _PLAIN.append((d, _run(d)))
+    return _PLAIN[0]
+
+
 def _rows(driver: Driver):
     for i, p in enumerate(PROMPTS):
         g = driver.groups[i]
@@ -74,8 +85,7 @@ def _rows(driver: Driver):
 def test_streamed_groups_with_refill_equal_one_batched_generate():
     ref = Sampler(A.config, A.state_dict(), pad_token_id=0).generate(PROMPTS, PARAMS, step=STEP,
                                                                     prompt_keys=[10 + i for i in range(5)])
-    d = Driver()
-    stats = _run(d)  # 2 group slots, 3 sequence slots: groups stream out and slots refill
+    d, stats = _plain()  # 2 group slots, 3 sequence slots: groups stream out and slots refill
     assert stats["groups"] == 5 and stats["weight_loads"] == 0
     for i in range(len(PROMPTS)):
         for j in range(PARAMS.n):
@@ -87,8 +97,7 @@ def test_streamed_groups_with_refill_equal_one_batched_generate():
 
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
 def test_pause_with_the_same_weights_changes_no_token(kv):
-    plain, paused = Driver(), Driver(new=A, push_at=6)
-    _run(plain)
+    plain, paused = _plain()[0], Driver(new=A, push_at=6)
     stats = _run(paused, kv=kv)
     assert stats["pauses"] == 1 and stats["paused_sequences"] > 0
     for (_, r0, lp0, _), (_, r1, lp1, v1) in zip(_rows(plain), _rows(paused)):
