@@ -1,7 +1,14 @@
-"""Colocated (4 ranks generate, then 4 ranks train) vs one_step_off (2 generate while 2 train), in one run.
+"""Colocated (4 ranks generate, then 4 ranks train) vs one_step_off (2 generate while 2 train) vs
+fully_async (3 rollout ranks stream groups to 1 training rank), in one run.
 
-    python bench/async.py                           # ~1 min on a 2-core CPU
+    python bench/async.py                           # ~2 min on a 2-core CPU
+    python bench/async.py --lengths long-tail       # most responses short, a few up to ~8x the median
     python bench/async.py --steps 8 --response 128
+
+``--lengths long-tail`` stops a response at any of 8 of the tiny model's 102 character tokens
+(``rollout.stop``): a near-geometric length with median ~R/11 and a tail to R, the regime where a
+lockstep batch waits for its longest response and streaming does not. fully_async runs with
+``staleness_threshold`` 1 (``--staleness``), partial rollout, truncated IS (cap 2).
 
 Generation is made the dominant phase on purpose (long responses from a random tiny
 model, which rarely stops early): that is the regime the pipeline is for. Both runs use
@@ -38,19 +45,30 @@ sys.path.insert(0, str(ROOT))
 from bench.tiny_run import add_shape_args, mean, tiny_grpo_rows  # noqa: E402
 
 
+def FULLY_ASYNC(args) -> dict:
+    """fully_async on 3 rollout + 1 training rank: an update per batch, weights pushed after each."""
+    return {"parallel.rollout_ranks": 3, "async_training.require_batches": 1,
+            "async_training.staleness_threshold": args.staleness, "async_training.trigger_parameter_sync_step": 1,
+            "async_training.partial_rollout": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(ap, steps=8, batch=16, n=4, response=96)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--lengths", choices=("uniform", "long-tail"), default="uniform")
+    ap.add_argument("--staleness", type=float, default=1.0, help="fully_async staleness_threshold")
     args = ap.parse_args()
+    lengths = {"rollout.stop": "[a,b,c,d,e,f,g,h]"} if args.lengths == "long-tail" else {}
     from tests._assets import write_tiny_assets
 
     with tempfile.TemporaryDirectory() as tmp:
         assets = write_tiny_assets(Path(tmp) / "assets", n_train=256, n_val=16)
-        colo, off = (tiny_grpo_rows(assets, Path(tmp) / mode, batch=args.batch, n=args.n, response=args.response,
-                                    steps=args.steps, warmup=args.warmup, nproc=4, **{
-                                        "trainer.mode": mode, "actor.tis_imp_ratio_cap": 2.0})
-                     for mode in ("colocated", "one_step_off"))
+        colo, off, full = (tiny_grpo_rows(assets, Path(tmp) / mode, batch=args.batch, n=args.n,
+                                          response=args.response, steps=args.steps, warmup=args.warmup, nproc=4, **{
+                                              "trainer.mode": mode, "actor.tis_imp_ratio_cap": 2.0, **lengths,
+                                              **(FULLY_ASYNC(args) if mode == "fully_async" else {})})
+                           for mode in ("colocated", "one_step_off", "fully_async"))
     t_colo, t_off = mean(colo, "timing/step"), mean(off, "timing/step")
     g4 = mean(colo, "timing/rollout")
     u4 = t_colo - g4
@@ -64,8 +82,20 @@ def main() -> None:
         "expected_ideal_overlap": t_colo / max(gen_busy, train_busy),
         "expected_linear_scaling": t_colo / max(2 * g4, 2 * u4),
         "policy_lag_mean": mean(off, "async/policy_lag"),
+        "steps_per_s_fully_async": 1 / mean(full, "timing/step"),
+        "fully_async_train_idle_share": mean(full, "async/trainer_idle_share"),
+        "fully_async_rollout_idle_share": mean(full, "async/rollout_idle_share"),
+        "fully_async_staleness_mean": mean(full, "async/staleness_mean"),
+        "fully_async_staleness_max": max(r["async/staleness_max"] for r in full),
+        "response_length_mean": mean(colo, "response_length/mean"),
+        "response_length_max": mean(colo, "response_length/max"),
         "config": vars(args),
     }
+    samples = args.batch * args.n
+    for mode in ("colocated", "one_step_off", "fully_async"):
+        res[f"samples_per_s_{mode}"] = res[f"steps_per_s_{mode}"] * samples
+    res["fully_async_vs_one_step_off"] = res["steps_per_s_fully_async"] / res["steps_per_s_one_step_off"]
+    res["fully_async_vs_colocated"] = res["steps_per_s_fully_async"] / res["steps_per_s_colocated"]
     print(f"colocated    4 ranks: {res['steps_per_s_colocated']:.3f} steps/s, generation {res['colocated_generate_share']:.0%} "
           f"of the step (g4 {g4:.2f} s, rest u4 {u4:.2f} s)")
     print(f"one_step_off 2+2    : {res['steps_per_s_one_step_off']:.3f} steps/s, training ranks idle "
@@ -74,6 +104,11 @@ def main() -> None:
     print(f"speedup one_step_off / colocated: measured {res['speedup']:.2f}x; expected {res['expected_ideal_overlap']:.2f}x "
           f"with ideal overlap of the measured busy times, {res['expected_linear_scaling']:.2f}x if each phase took "
           f"twice as long on half the ranks")
+    print(f"fully_async  3+1    : {res['steps_per_s_fully_async']:.3f} steps/s ({res['samples_per_s_fully_async']:.1f} "
+          f"samples/s), trainer idle {res['fully_async_train_idle_share']:.0%}, rollout idle "
+          f"{res['fully_async_rollout_idle_share']:.0%}, staleness mean {res['fully_async_staleness_mean']:.2f} max "
+          f"{res['fully_async_staleness_max']:.0f}; {res['fully_async_vs_one_step_off']:.2f}x one_step_off, "
+          f"{res['fully_async_vs_colocated']:.2f}x colocated")
     print(json.dumps(res))
 
 

@@ -149,10 +149,10 @@ def train_main(doc: str, trainer_factory: Callable) -> None:
         args.world_size = args.world_size or planned
         if args.dry_run and not print_memory_plan(cfg, args):
             return
-        if cfg.trainer.mode == "one_step_off":
-            from rlhf.train.async_rl import run_one_step_off
+        if cfg.trainer.mode in ("one_step_off", "fully_async"):
+            from rlhf.train.async_rl import run_async
 
-            trainer = run_one_step_off(cfg, trainer_factory, dry_run=args.dry_run)
+            trainer = run_async(cfg, trainer_factory, dry_run=args.dry_run)
             if args.dry_run and trainer is not None and trainer.env.is_main:
                 print("dry run OK: config, data and both roles' layouts are valid")
             return

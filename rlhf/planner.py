@@ -28,8 +28,8 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   every phase); while the sampler fuses q|k|v and gate|up, one layer's fused tensors next
   to the unfused ones (all layers' with pp, whose exchange hands out views of one buffer);
   with ``rollout.compile`` on CUDA the sampler's weights and KV cache for the whole run;
-* trainer.mode one_step_off: the training layout on half the world; the rollout ranks'
-  own phase; on training ranks the partner's gathered rollout weights and the send buffer;
+* trainer.mode one_step_off / fully_async: the training layout on half the world (fully_async: on
+  the ranks parallel.rollout_ranks leaves); the rollout ranks' own phase; on training ranks the partner's gathered rollout weights and the send buffer;
 * KV cache ``[layers, slots, 2, kv_heads / rollout.tp, prompt + response, head_dim]``;
   slots = min(rollout.max_num_seqs, budget, sequences this rollout replica generates);
 * decode without flash-attn on CUDA (not installed, or an fp32 rollout): the gather kernel's
@@ -303,13 +303,18 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     from rlhf.train.async_rl.transfer import SEND_BUCKET_BYTES
 
     s, m, d, r, a = shape, cfg.model, cfg.data, cfg.rollout, cfg.actor
-    # trainer.mode one_step_off: half the world trains, the other half generates.
-    one_step_off = cfg.trainer.mode == "one_step_off"
-    if one_step_off:
+    # trainer.mode one_step_off: half the world trains, the other half generates; fully_async: the
+    # split of parallel.rollout_ranks. Either way training ranks send weights, rollout ranks only sample.
+    one_step_off = cfg.trainer.mode in ("one_step_off", "fully_async")
+    role_world = world_size
+    if cfg.trainer.mode == "one_step_off":
         from rlhf.train.async_rl.roles import check_one_step_off
 
-        check_one_step_off(cfg, world_size)  # the split's own one-line errors, before sizing half a world
-    role_world = world_size // 2 if one_step_off else world_size
+        role_world = check_one_step_off(cfg, world_size)  # the split's own errors, before sizing half a world
+    elif cfg.trainer.mode == "fully_async":
+        from rlhf.train.async_rl.split import check_fully_async
+
+        role_world = check_fully_async(cfg, world_size)[0]
     dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, role_world)
     validate_layout(cfg.parallel, _HFLike(s), role_world, rollout_tp=r.tp, train_batch_size=d.train_batch_size,
                     mini_batch_size=a.ppo_mini_batch_size, n=r.n)

@@ -391,6 +391,12 @@ RULES: dict[str, Rule] = {
     "trainer.validation_data_dir": ignored("see trainer.log_val_generations (generations.jsonl)"),
     **{"trainer." + k: ignored("no Ray / verl worker here") for k in (
         "ray_wait_register_center_timeout", "use_legacy_worker_impl", "esi_redundant_time", "use_v1")},
+    # ---------------------------------------------------------------- fully async (verl's fully_async_policy)
+    **{"async_training." + k: to("async_training." + k) for k in (
+        "staleness_threshold", "trigger_parameter_sync_step", "require_batches", "partial_rollout",
+        "use_rollout_log_probs")},
+    "rollout.nnodes": to("rollout.nnodes", "the rollout role of trainer.mode fully_async"),
+    "rollout.n_gpus_per_node": to("rollout.n_gpus_per_node", "the rollout role of trainer.mode fully_async"),
     "global_profiler": ignored("profile with trainer.profile_steps"),
     "ray_init": ignored("no Ray: torchrun launches the ranks"),
     "ray_kwargs": ignored("no Ray: torchrun launches the ranks"),

@@ -58,6 +58,7 @@ class RolloutBatch:
     reward_components: Optional[torch.Tensor] = None    # [N, K] gdpo: algorithm.gdpo_reward_keys
     sum_pi_squared: Optional[torch.Tensor] = None       # [N, R] optimal token baselines
     rollout_is_weights: Optional[torch.Tensor] = None   # [N, R] rollout-correction loss weights (algos/rollout_corr.py)
+    token_versions: Optional[torch.Tensor] = None       # [N, R] int64 policy version that sampled each token
     # Python-side per-row data (not tensors).
     response_texts: list = field(default_factory=list)
     ground_truths: list = field(default_factory=list)

@@ -99,6 +99,9 @@ class RolloutConfig:
     stop: list = _f([], "Extra stop strings (EOS always stops).")
     tp: int = _f(1, "Tensor-parallel size of the rollout layout (divides parallel.tp x pp x dp).")
     max_num_seqs: int = _f(256, "Most sequences decoded at once per rank.")
+    nnodes: int = _f(0, "trainer.mode fully_async (verl's name): nodes of the rollout role; the rollout ranks are "
+                        "nnodes x n_gpus_per_node (0 = parallel.rollout_ranks).")
+    n_gpus_per_node: int = _f(0, "trainer.mode fully_async (verl's name): rollout ranks per node (see rollout.nnodes).")
     kv_cache_tokens: int = _f(0, "Paged KV-cache budget in tokens per rank; sequences beyond it are preempted and "
                                  "resumed (same tokens). 0 = kv_cache_memory, else max_num_seqs x max sequence length.")
     kv_cache_memory: float = _f(0.0, "Paged KV-cache budget in GiB per rank (used when kv_cache_tokens is 0; "
@@ -276,8 +279,9 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel size of training.")
     pp: int = _f(1, "Pipeline-parallel size of training.")
     pp_schedule: str = _f("1F1B", "Pipeline schedule: 1F1B or GPipe.")
-    rollout_ranks: int = _f(0, "trainer.mode one_step_off: ranks in the rollout group (the upper half of the "
-                               "world; the lower half trains); 0 = half the world, the only split supported.")
+    rollout_ranks: int = _f(0, "trainer.mode one_step_off / fully_async: ranks in the rollout group (the upper "
+                               "ranks of the world; the rest train); 0 = half the world (one_step_off supports "
+                               "only half; fully_async any split, or rollout.nnodes x rollout.n_gpus_per_node).")
     pp_microbatches: int = _f(2, "Pipeline micro-batches per forward/backward.")
     sp: int = _f(1, "Ulysses sequence-parallel size (verl ulysses_sequence_parallel_size): ranks that split the "
                     "tokens of the same rows; needs model.use_remove_padding. dp = world / (tp x pp x sp).")
@@ -329,10 +333,11 @@ class TrainerConfig:
                                  "output_dir/profile/step_<k>/ (CPU activity, and CUDA kernels on GPU).")
     max_oom_retries: int = _f(3, "Out of memory in a phase: record it, end the job, and on restart/rerun halve that "
                                  "phase's micro-batch / token budget (rlhf/ops/oom.py); fail after this many.")
-    mode: Literal["colocated", "one_step_off"] = _f(
+    mode: Literal["colocated", "one_step_off", "fully_async"] = _f(
         "colocated", "colocated: every rank generates, then every rank trains. one_step_off: half the ranks "
                      "generate batch k+1 with the weights of step k-1 while the other half trains on batch k "
-                     "(rlhf/async_rl).")
+                     "(rlhf/train/async_rl). fully_async: parallel.rollout_ranks ranks generate continuously and "
+                     "stream finished groups to the training ranks (async_training.*).")
     nnodes: int = _f(0, "verl's launch layout: nodes; with n_gpus_per_node, checked against the launched world "
                         "size (0 = unchecked); a single-process --dry-run plans for nnodes x n_gpus_per_node.")
     n_gpus_per_node: int = _f(0, "verl's launch layout: ranks per node (see trainer.nnodes; 0 = unchecked).")
@@ -352,6 +357,28 @@ class CheckpointConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """trainer.mode fully_async (verl's ``async_training`` section, same names and meanings)."""
+
+    staleness_threshold: float = _f(0.0, "Bounded staleness (AReaL's eta): the rollout role admits a new prompt "
+                                         "only while accepted + in-flight prompts stay within (1 + this) sync "
+                                         "windows ahead of the weights it holds; 0 with trigger_parameter_sync_step "
+                                         "1 is the synchronous algorithm.")
+    trigger_parameter_sync_step: int = _f(1, "Updates between two weight pushes to the rollout ranks.")
+    require_batches: int = _f(1, "An update starts once the trainer holds require_batches x "
+                                 "actor.ppo_mini_batch_size prompts' groups (must equal data.train_batch_size).")
+    partial_rollout: bool = _f(True, "At a weight push, sequences in flight pause at a token boundary, take the "
+                                     "new weights and continue; false: they finish on the old weights first "
+                                     "(no new prompt is admitted meanwhile).")
+    partial_rollout_kv: Literal["recompute", "keep"] = _f(
+        "recompute", "After a partial-rollout pause: recompute = re-prefill the kept tokens under the new weights "
+                     "(AReaL); keep = continue on the stale KV cache (PipelineRL).")
+    use_rollout_log_probs: bool = _f(False, "Use the sampler's per-token log-probs as the old log-probs (no "
+                                            "recompute forward); false: the trainer recomputes them and corrects "
+                                            "with actor.tis_imp_ratio_cap.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -363,6 +390,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,2 +1,2 @@
-"""The step: the trainer and its roles (actor, critic), its modes (one_step_off in :mod:`rlhf.train.async_rl`),
-SFT, checkpoints, and what a step needs around them (prompts, optimizer, validation metrics)."""
+"""The step: the trainer and its roles (actor, critic), its modes (one_step_off, fully_async in
+:mod:`rlhf.train.async_rl`), SFT, checkpoints, and what a step needs around them (prompts, optimizer, validation metrics)."""

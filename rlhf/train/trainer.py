@@ -54,7 +54,7 @@ class RLTrainer:
 
     def __init__(self, cfg: Config, *, dry_run: bool = False, roles=None):
         """``roles``: this process's :class:`rlhf.train.async_rl.roles.Roles` under trainer.mode one_step_off
-        (the trainer then runs on the training role's ranks and takes its batches from the rollout role)."""
+        or fully_async (the trainer then runs on the training role's ranks and takes its batches from the rollout role)."""
         self.cfg = cfg
         self.env = roles.env if roles is not None else \
             init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.collective_timeout_s)
@@ -124,7 +124,13 @@ class RLTrainer:
         self.global_step = 0
         self._streamed = None  # (StreamingScores, local rows) of the last generate, collected by score()
         self.offpolicy = None  # trainer.mode one_step_off: the training side of the pipeline
-        if roles is not None:
+        if roles is not None and cfg.trainer.mode == "fully_async":
+            from rlhf.train.async_rl.fully_async import FullyAsync
+
+            self.offpolicy = FullyAsync(roles, cfg, device=self.device, dtype=self.rollout.dtype,
+                                        total_steps=self.total_steps, dp_rank=self.dp_rank, dp=self.dims.dp,
+                                        dp_group=self.dp_group)
+        elif roles is not None:
             from rlhf.train.async_rl.pipeline import OneStepOff
 
             self.offpolicy = OneStepOff(roles, device=self.device, dtype=self.rollout.dtype, rollout_tp=cfg.rollout.tp,
@@ -313,6 +319,8 @@ class RLTrainer:
         T = self.cfg.rollout.temperature or 1.0
         batch.old_log_probs, entropy = self.actor.compute_log_probs(
             batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu, compute_entropy=True)
+        if self.cfg.trainer.mode == "fully_async" and self.cfg.async_training.use_rollout_log_probs:
+            batch.old_log_probs = batch.rollout_log_probs  # verl's name: the sampler's log-probs are the old policy's
         mask = batch.response_mask
         diff = ((batch.old_log_probs - batch.rollout_log_probs).abs() * mask).max()
         if dist.get_world_size(self.dp_group) > 1:
@@ -482,7 +490,8 @@ class RLTrainer:
         """JSON-able state; subclasses extend it and `load_trainer_state`."""
         return {"global_step": self.global_step, "loader": self.loader.state_dict(),
                 "actor_scheduler": self.actor.scheduler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "skipped_steps": self.actor.nonfinite.skipped}
+                "skipped_steps": self.actor.nonfinite.skipped,
+                **({"fully_async": self.offpolicy.trainer_state()} if hasattr(self.offpolicy, "trainer_state") else {})}
 
     def load_trainer_state(self, st: dict) -> None:
         self.global_step = st["global_step"]
@@ -490,6 +499,8 @@ class RLTrainer:
         self.actor.scheduler.load_state_dict(st["actor_scheduler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
         self.actor.nonfinite.skipped = st.get("skipped_steps", 0)
+        if "fully_async" in st and hasattr(self.offpolicy, "load_trainer_state"):
+            self.offpolicy.load_trainer_state(st["fully_async"])
 
     def save(self) -> None:
         path = save_checkpoint(str(self.out_dir), self.global_step, self._stateful(), self.trainer_state(),

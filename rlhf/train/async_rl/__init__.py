@@ -1,4 +1,5 @@
-"""Asynchronous RL: trainer.mode one_step_off (roles.py, pipeline.py, rollout_worker.py, transfer.py)."""
+"""Asynchronous RL: trainer.mode one_step_off (roles.py, pipeline.py, rollout_worker.py, transfer.py) and
+fully_async (split.py, fully_async.py, stream_worker.py, staleness.py; the sampler run is rlhf/rollout/stream.py)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,30 @@ from rlhf.schema.config import Config
 from rlhf.train.checkpoint import find_resume_path
 
 
-def run_one_step_off(cfg: Config, trainer_factory: Callable, *, dry_run: bool = False):
+def run_async(cfg: Config, trainer_factory: Callable, *, dry_run: bool = False):
     """Every rank: split the world; training ranks build the trainer from ``trainer_factory`` and
     fit, rollout ranks run the rollout loop. Returns the trainer on training ranks, else None."""
     from rlhf.models.parallel import init_distributed
     from rlhf.train.async_rl.roles import Roles
 
     env = init_distributed(cfg.trainer.device, timeout_s=cfg.trainer.collective_timeout_s)
-    roles = Roles.build(cfg, env)
+    fully = cfg.trainer.mode == "fully_async"
+    if fully:
+        from rlhf.train.async_rl.split import StreamRoles
+
+        roles = StreamRoles.build(cfg, env)
+    else:
+        roles = Roles.build(cfg, env)
     # Decided once, before any rank can write a checkpoint, so both roles start from the same step.
     box = [str(p) if (p := find_resume_path(cfg.checkpoint.resume, cfg.trainer.output_dir)) else None]
     dist.broadcast_object_list(box, src=0, device=env.device if env.device.type == "cuda" else None)
+    if roles.is_rollout and fully:
+        from rlhf.train.async_rl.stream_worker import StreamWorker
+
+        worker = StreamWorker(cfg, roles, box[0])
+        if not dry_run:
+            worker.run()
+        return None
     if roles.is_rollout:
         from rlhf.train.async_rl.rollout_worker import RolloutWorker
 

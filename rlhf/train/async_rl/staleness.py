@@ -1,0 +1,43 @@
+"""Bounded staleness for trainer.mode fully_async: AReaL's admission rule and the staleness metrics.
+
+Pure functions (no process group). Versions count updates: theta_v is the policy after v
+optimizer updates; the training role pushes theta_v after every ``trigger_parameter_sync_step``-th
+update. Prompts are numbered in the seeded data order (position ``s = (batch - 1) x B + i``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def admission_bound(version: int, batch_prompts: int, trigger: int, staleness_threshold: float) -> int:
+    """Prompts (data-order positions ``s < bound``) the rollout role may have started while it holds theta_version.
+
+    AReaL's capacity rule (Fu et al. 2025, "AReaL", Sec. 5.1), in prompts: with one sync window
+    ``W = trigger x B`` (B = prompts per update) and ``v`` updates consumed, accepted + in-flight
+    prompts stay within ``(1 + eta)`` windows ahead of the consumer:
+
+        bound = v * B + floor((1 + eta) * W)
+
+    ``eta = 0, trigger = 1`` admits batch v+1 only once theta_v is loaded: the synchronous schedule.
+    """
+    if staleness_threshold < 0 or trigger < 1:
+        raise ValueError(f"staleness_threshold must be >= 0 and trigger >= 1, got {staleness_threshold}, {trigger}")
+    return version * batch_prompts + math.floor((1 + staleness_threshold) * trigger * batch_prompts + 1e-9)
+
+
+def staleness_metrics(token_versions: torch.Tensor, mask: torch.Tensor, trained_version: int) -> dict[str, float]:
+    """Staleness of the response tokens of one whole batch: ``trained_version - version`` of each
+    token ([N, R] versions, [N, R] 0/1 mask, holes allowed), mean and max over the masked tokens."""
+    m = mask.bool()
+    lag = (trained_version - token_versions.to(torch.float64))[m]
+    if lag.numel() == 0:
+        return {"async/staleness_mean": 0.0, "async/staleness_max": 0.0}
+    return {"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max())}
+
+
+def idle_share(idle_s: float, wall_s: float) -> float:
+    """Fraction of ``wall_s`` spent idle (0 when no time passed)."""
+    return float(min(max(idle_s / wall_s, 0.0), 1.0)) if wall_s > 0 else 0.0
