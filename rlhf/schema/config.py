@@ -185,6 +185,13 @@ class ActorConfig:
                                          "weight each token by pi_prox / pi_rollout.")
     behav_imp_weight_cap: float = _f(-1.0, "use_decoupled_loss: tokens whose pi_prox / pi_rollout exceeds this "
                                            "(> 1) get weight 0; -1 no cap.")
+
+    @property
+    def corrects_off_policy(self) -> bool:
+        """Whether the loss corrects for a sampler policy other than pi_old (truncated IS, verl's decoupled
+        rollout IS, or AReaL's decoupled PPO): the async modes need one of them."""
+        return self.tis_imp_ratio_cap > 0 or self.rollout_is_decoupled or self.use_decoupled_loss
+
     entropy_coeff_schedule: Literal["constant", "linear", "cosine"] = _f(
         "constant", "Entropy coefficient over training: from entropy_coeff to entropy_coeff_final.")
     entropy_coeff_final: float = _f(0.0, "Entropy coefficient at the last step (linear / cosine schedules).")

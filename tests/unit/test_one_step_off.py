@@ -38,6 +38,12 @@ def test_even_split_gives_half_the_world():
     assert check_one_step_off(_cfg(**{"parallel.rollout_ranks": 2, "rollout.tp": 2}), 4) == 2
 
 
+@pytest.mark.parametrize("correction", [{"actor.rollout_is_decoupled": True, "actor.rollout_is": "token"},
+                                        {"actor.use_decoupled_loss": True}])
+def test_decoupled_corrections_satisfy_the_off_policy_check(correction):
+    assert check_one_step_off(_cfg(**{"actor.tis_imp_ratio_cap": -1, **correction}), 4) == 2
+
+
 def test_schedule_fresh_stopped_and_resumed():
     fresh = Schedule.of(0, 4, -1)
     assert fresh.last_batch == 4

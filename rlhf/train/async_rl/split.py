@@ -50,9 +50,10 @@ def check_fully_async(cfg: Config, world_size: int) -> tuple[int, int]:
     if a.trigger_parameter_sync_step < 1 or a.staleness_threshold < 0:
         raise ConfigError(f"{at}.trigger_parameter_sync_step must be >= 1 and {at}.staleness_threshold >= 0")
     synchronous = a.staleness_threshold == 0 and a.trigger_parameter_sync_step == 1
-    if not synchronous and cfg.actor.tis_imp_ratio_cap <= 0 and not a.use_rollout_log_probs:
+    if not synchronous and not cfg.actor.corrects_off_policy and not a.use_rollout_log_probs:
         raise ConfigError(f"{mode}: with {at}.staleness_threshold > 0 or trigger_parameter_sync_step > 1 batches "
-                          f"come from older policies; set actor.tis_imp_ratio_cap (truncated IS, e.g. 2.0)")
+                          f"come from older policies; set actor.tis_imp_ratio_cap (truncated IS, e.g. 2.0), "
+                          f"actor.rollout_is_decoupled or actor.use_decoupled_loss")
     alg = cfg.algorithm
     for bad, what in ((cfg.rollout.tp != 1, "rollout.tp > 1 (each rollout rank is one replica)"),
                       (cfg.parallel.sp != 1, "parallel.sp > 1"),
