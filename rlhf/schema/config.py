@@ -261,6 +261,9 @@ class ParallelConfig:
     pp_microbatches: int = _f(2, "Pipeline micro-batches per forward/backward.")
     sp: int = _f(1, "Ulysses sequence-parallel size (verl ulysses_sequence_parallel_size): ranks that split the "
                     "tokens of the same rows; needs model.use_remove_padding. dp = world / (tp x pp x sp).")
+    ep: int = _f(1, "Expert-parallel size (MoE; verl expert_model_parallel_size): experts are split over ep ranks "
+                    "taken from dp (tokens reach them by all-to-all) and FSDP-sharded over the other dp / ep; "
+                    "must divide dp, and ep x tp must divide num_experts.")
 
 
 @dataclass

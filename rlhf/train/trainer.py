@@ -61,7 +61,7 @@ class RLTrainer:
         self.oom_retries = apply_oom_records(cfg, cfg.trainer.max_oom_retries)
         torch.manual_seed(cfg.trainer.seed)
         self.dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, self.env.world_size,
-                                         sp=cfg.parallel.sp)
+                                         sp=cfg.parallel.sp, ep=cfg.parallel.ep)
         self.dims.check_batch(train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n,
                               mini_batch_size=cfg.actor.ppo_mini_batch_size)
         self.mesh = roles.mesh if roles is not None else self.dims.build_mesh(self.env.device.type)
@@ -146,7 +146,7 @@ class RLTrainer:
         text = self.cfg.to_yaml()
         (self.out_dir / "config.yaml").write_text(text)
         print("[rlhf] resolved config:\n" + text, flush=True)
-        print(f"[rlhf] world={self.env.world_size} layout dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} sp={self.dims.sp} "
+        print(f"[rlhf] world={self.env.world_size} layout dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} sp={self.dims.sp} ep={self.dims.ep} "
               f"device={self.device} backend={self.env.backend} steps={self.total_steps}", flush=True)
 
     # ------------------------------------------------------------------ phases
