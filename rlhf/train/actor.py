@@ -17,6 +17,7 @@ The gradient norm is global over all pp x dp x tp ranks.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -36,6 +37,8 @@ from rlhf.models.fsdp import grad_scale
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
 from rlhf.models.lora import apply_lora
+from rlhf.models.moe import MoESpec
+from rlhf.models.moe_stats import RouterStats
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
@@ -193,6 +196,8 @@ class PolicyWorker:
             activation_checkpointing=trainable and model_cfg.enable_gradient_checkpointing)
         del model  # with pp, the other stages' layers are freed here
         adopt_layout(self, self.parallel, mesh)
+        # (not under pp: the schedule splits rows into micro-batches the padding mask cannot follow)
+        self.router_stats = _router_stats(self.model, self.hf_config) if trainable and self.pipeline is None else None
         self.optimizer = self.scheduler = None
         self.total_steps = total_steps
         self.entropy_coeff = actor_cfg.entropy_coeff if actor_cfg is not None else 0.0
@@ -217,6 +222,8 @@ class PolicyWorker:
         logits stay a vocab-sharded DTensor and are reduced with three scalars per token.
         """
         R = response_length
+        if self.router_stats is not None:  # padding rows are routed in the padded forward, not counted
+            self.router_stats.mask = None if self.cfg.use_remove_padding else attention_mask
         if self.cfg.use_remove_padding:
             return packed_forward_log_probs(self.model, input_ids, attention_mask, response_length=R,
                                             temperature=temperature, compute_entropy=compute_entropy,
@@ -345,9 +352,12 @@ class PolicyWorker:
             step = self._pp_mini_step if self.pipeline is not None else self._mini_step
             return step(mini, terms, temperature, metrics)
 
-        out = run_ppo_epochs(self, batch, mini_batch_rows=mini_batch_rows, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
-                             max_response_len=max_response_length, grad_clip=cfg.grad_clip, prefix="actor",
-                             loss_name="loss", mini_step=mini_step)
+        with self.router_stats.record() if self.router_stats is not None else nullcontext():
+            out = run_ppo_epochs(self, batch, mini_batch_rows=mini_batch_rows, epochs=cfg.ppo_epochs,
+                                 shuffle=cfg.shuffle, max_response_len=max_response_length, grad_clip=cfg.grad_clip,
+                                 prefix="actor", loss_name="loss", mini_step=mini_step)
+        if self.router_stats is not None:  # MoE: expert load and router entropy of the update's forwards
+            out.update(self.router_stats.reduce(self.device, self.mesh_group))
         out["actor/entropy_coeff"] = self.entropy_coeff
         covs = [covariance_from_sums(row) for row in torch.stack(cov_sums).tolist()] if cov_sums else []
         out["actor/cov_logp_adv"] = sum(covs) / max(len(covs), 1)
@@ -363,8 +373,9 @@ class PolicyWorker:
             if len(rows) == 0:
                 # This rank has fewer rows than the agreed micro-batch count: a zero-weight
                 # pass keeps its FSDP collectives in step with the other ranks.
-                lp, _ = self.forward_log_probs(mini.input_ids[:1], mini.attention_mask[:1],
-                                               response_length=mini.response_length, temperature=temperature)
+                with self.router_stats.paused() if self.router_stats is not None else nullcontext():
+                    lp, _ = self.forward_log_probs(mini.input_ids[:1], mini.attention_mask[:1],
+                                                   response_length=mini.response_length, temperature=temperature)
                 (lp.sum() * 0.0).backward()
                 continue
             mb = mini.select(rows)
@@ -444,6 +455,14 @@ def set_grad_sync(model: torch.nn.Module, model_cfg: ModelConfig, *, last: bool)
     ``last`` micro-batch of the mini-batch, holding unsharded gradients until then."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last or not model_cfg.unsharded_grad_accumulation)
+
+
+def _router_stats(model: torch.nn.Module, hf_config) -> Optional[RouterStats]:
+    """Routing metrics hooks for a MoE model (None for a dense one)."""
+    if not getattr(hf_config, "num_experts", None) or getattr(hf_config, "model_type", None) != "qwen3_moe":
+        return None
+    layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
+    return RouterStats(model, layers, hf_config.num_experts)
 
 
 def _needs_entropy(cfg: ActorConfig) -> bool:

@@ -2,9 +2,10 @@
 dp4 x ep2 (experts FSDP-sharded over the 2 remaining ranks), dp4 x ep4 and dp2 x tp2 x ep2 equals the
 1-rank step, and the updated experts reshard into the rollout like every other weight.
 
-One 4-rank launch runs the three layouts one after the other (one 1-rank launch is the reference).
-Per layout: padding-free old log-probs, one PPO-clip + KL + entropy update over two mini-batches
-(masks with tool-output holes), full parameters after, then greedy sampling from the resharded
+One 4-rank launch runs the three layouts one after the other (one 1-rank launch is the reference);
+dp2 x tp2 x ep2 also checkpoints activations (the all-to-alls run again in the recompute). Per layout: padding-free old log-probs, one PPO-clip + KL + entropy update over two mini-batches
+(masks with tool-output holes) with its metrics (``actor/*`` and the global ``moe/*`` routing
+metrics), full parameters after, then greedy sampling from the resharded
 weights. SGD with lr 1 makes the parameter change the gradient itself (see test_grpo_archs).
 """
 
@@ -19,8 +20,8 @@ from tests.dist._dist_utils import dist_device, dist_device_type, run_distribute
 
 N_PROMPTS, N_SAMPLES, P, R, MINI = 8, 2, 6, 8, 4
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
-# name -> (dp, tp, ep)
-LAYOUTS = {"dp4xep2": (4, 1, 2), "dp4xep4": (4, 1, 4), "dp2xtp2xep2": (2, 2, 2)}
+# name -> (dp, tp, ep, activation checkpointing: the all-to-alls run again in the recompute)
+LAYOUTS = {"dp4xep2": (4, 1, 2, False), "dp4xep4": (4, 1, 4, False), "dp2xtp2xep2": (2, 2, 2, True)}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
 
 
-def _run(path: str, dp: int, tp: int, ep: int) -> dict:
+def _run(path: str, dp: int, tp: int, ep: int, checkpointing: bool = False) -> dict:
     import torch.distributed as dist
 
     from rlhf.models.parallel import ParallelDims
@@ -44,7 +45,8 @@ def _run(path: str, dp: int, tp: int, ep: int) -> dict:
     torch.manual_seed(0)
     cfg = ActorConfig(lr=1e-3, ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=2, use_kl_loss=True,
                       kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, weight_decay=0.0)
-    worker = PolicyWorker(ModelConfig(path=path, use_remove_padding=True, mixed_precision=False), mesh, dist_device(),
+    worker = PolicyWorker(ModelConfig(path=path, use_remove_padding=True, mixed_precision=False,
+                                      enable_gradient_checkpointing=checkpointing), mesh, dist_device(),
                           actor_cfg=cfg, total_steps=1, parallel_cfg=ParallelConfig(dp=dp, tp=tp, ep=ep))
     worker.optimizer = torch.optim.SGD(worker.model.parameters(), lr=1.0)
     prompts = minibatch_major_shard(list(range(N_PROMPTS)), dp_rank, dp, MINI)
@@ -70,7 +72,7 @@ def _run(path: str, dp: int, tp: int, ep: int) -> dict:
 
 
 def _worker(rank: int, world: int, path: str, out: str) -> None:
-    layouts = {"one": (1, 1, 1)} if world == 1 else LAYOUTS
+    layouts = {"one": (1, 1, 1, False)} if world == 1 else LAYOUTS
     results = {name: _run(path, *layout) for name, layout in layouts.items()}
     if rank == 0:
         torch.save(results, out)
@@ -92,8 +94,9 @@ def test_grpo_step_under_expert_parallel_matches_one_rank(model_dir, tmp_path):
         got = res[name]
         torch.testing.assert_close(got["log_probs"], ref["log_probs"], atol=1e-5, rtol=0, msg=name)
         m1, m2 = ref["metrics"], got["metrics"]
-        keys = [k for k in m1 if k.startswith("actor/") and isinstance(m1[k], (int, float))]
-        assert "actor/loss" in keys and "actor/grad_norm" in keys
+        keys = [k for k in m1 if k.startswith(("actor/", "moe/")) and isinstance(m1[k], (int, float))]
+        assert {"actor/loss", "actor/grad_norm", "moe/load_max_mean", "moe/router_entropy/layer2"} <= set(keys)
+        assert set(m2) >= set(keys), name
         for k in keys:
             assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), f"{name} {k}: {m2[k]} vs {m1[k]}"
         for n in init:
