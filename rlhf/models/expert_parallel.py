@@ -134,7 +134,8 @@ def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: T
         yr = DTensor.from_local(yr, tp_mesh, [Partial()]).redistribute(tp_mesh, [Replicate()]).to_local()
     ys = all_to_all(yr, send, recv, ep_group)  # [M k, H] in `order`
     y = torch.zeros_like(ys).index_copy(0, order, ys)  # assignment order
-    return (y.view(m, k, -1) * top_w[..., None].to(y.dtype)).sum(dim=1).to(x.dtype)
+    # (an fp32 router's weights promote the sum to fp32, as rlhf.models.moe.experts does)
+    return (y.view(m, k, -1) * top_w[..., None]).sum(dim=1).to(x.dtype)
 
 
 class ExpertParallel(ParallelStyle):

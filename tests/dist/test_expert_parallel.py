@@ -71,9 +71,40 @@ def _run(path: str, dp: int, tp: int, ep: int, checkpointing: bool = False) -> d
             "gen_log_probs": gen.log_probs.cpu()}
 
 
+def _bf16(path: str) -> dict:
+    """dp4 x ep2 under FSDP2 mixed precision (driven over gloo as tests/dist/test_mixed_precision.py):
+    the router computes in fp32 (its own FSDP unit), the experts in bf16 through the all-to-alls."""
+    import rlhf.models.fsdp as fsdp
+    from rlhf.models.parallel import ParallelDims
+    from rlhf.schema.batch import minibatch_major_shard
+    from rlhf.schema.config import ActorConfig, ModelConfig, ParallelConfig
+    from rlhf.train.actor import PolicyWorker
+
+    fsdp.MIXED_PRECISION_DEVICES.add("cpu")
+    try:
+        mesh = ParallelDims.resolve(4, 1, 1, 4, ep=2).build_mesh("cpu")
+        cfg = ActorConfig(lr=1e-3, ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=2, grad_clip=1e9)
+        worker = PolicyWorker(ModelConfig(path=path, mixed_precision=True), mesh, torch.device("cpu"), actor_cfg=cfg,
+                              total_steps=1, parallel_cfg=ParallelConfig(dp=4, ep=2))
+    finally:
+        fsdp.MIXED_PRECISION_DEVICES.discard("cpu")
+    seen = set()
+    mlp = worker.model.model.layers[0].mlp
+    mlp.gate.register_forward_hook(lambda m, a, o: seen.add(("router", m.weight.dtype, o[0].dtype, o[1].dtype)))
+    mlp.experts.register_forward_pre_hook(lambda m, a: seen.add(("experts", m.gate_up_proj.dtype, a[0].dtype)))
+    prompts = minibatch_major_shard(list(range(N_PROMPTS)), mesh["dp"].get_local_rank(), 4, MINI)
+    batch = random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, worker.hf_config.vocab_size)
+    local = batch.select([p * N_SAMPLES + j for p in prompts for j in range(N_SAMPLES)])
+    metrics = worker.update_policy(local, mini_batch_rows=MINI * N_SAMPLES // 4, temperature=1.0,
+                                   max_response_length=R)
+    return {"seen": seen, "metrics": metrics, "param_dtypes": {p.dtype for p in worker.model.parameters()}}
+
+
 def _worker(rank: int, world: int, path: str, out: str) -> None:
     layouts = {"one": (1, 1, 1, False)} if world == 1 else LAYOUTS
     results = {name: _run(path, *layout) for name, layout in layouts.items()}
+    if world == 4 and dist_device_type() == "cpu":
+        results["bf16"] = _bf16(path)
     if rank == 0:
         torch.save(results, out)
 
@@ -103,3 +134,9 @@ def test_grpo_step_under_expert_parallel_matches_one_rank(model_dir, tmp_path):
             assert float((got["params"][n] - ref["params"][n]).abs().max()) < 1e-5, f"{name} {n}"
         assert torch.equal(got["ids"], ref["ids"]), name
         torch.testing.assert_close(got["gen_log_probs"], ref["gen_log_probs"], atol=1e-4, rtol=0, msg=name)
+    if "bf16" in res:
+        bf16 = res["bf16"]
+        assert bf16["seen"] == {("router", torch.float32, torch.float32, torch.float32),
+                                ("experts", torch.bfloat16, torch.bfloat16)}, bf16["seen"]
+        assert bf16["param_dtypes"] == {torch.float32}
+        assert abs(bf16["metrics"]["actor/loss"]) < 10 and bf16["metrics"]["actor/grad_norm"] > 0
