@@ -54,6 +54,7 @@ class RolloutBatch:
     cov_select: Optional[torch.Tensor] = None           # [N, R] clip_cov / kl_cov token selection
     reward_components: Optional[torch.Tensor] = None    # [N, K] gdpo: algorithm.gdpo_reward_keys
     sum_pi_squared: Optional[torch.Tensor] = None       # [N, R] optimal token baselines
+    routes: Optional[torch.Tensor] = None               # [N, P+R, S, k] int16 MoE expert ids per sparse layer
     # Python-side per-row data (not tensors).
     response_texts: list = field(default_factory=list)
     ground_truths: list = field(default_factory=list)

@@ -39,6 +39,7 @@ from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
 from rlhf.models.lora import apply_lora
 from rlhf.models.moe import MoESpec
 from rlhf.models.moe_stats import RouterStats
+from rlhf.models.router_replay import RouterReplay
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
@@ -198,6 +199,8 @@ class PolicyWorker:
         adopt_layout(self, self.parallel, mesh)
         # (not under pp: the schedule splits rows into micro-batches the padding mask cannot follow)
         self.router_stats = _router_stats(self.model, self.hf_config) if trainable and self.pipeline is None else None
+        self.router_replay = _router_replay(self.model, self.hf_config, actor_cfg, self.sp_group) \
+            if trainable and self.pipeline is None else None
         self.optimizer = self.scheduler = None
         self.total_steps = total_steps
         self.entropy_coeff = actor_cfg.entropy_coeff if actor_cfg is not None else 0.0
@@ -224,6 +227,8 @@ class PolicyWorker:
         R = response_length
         if self.router_stats is not None:  # padding rows are routed in the padded forward, not counted
             self.router_stats.mask = None if self.cfg.use_remove_padding else attention_mask
+        if self.router_replay is not None:  # the tokens this forward routes, in the batch layout
+            self.router_replay.tokens = attention_mask if self.cfg.use_remove_padding else None
         if self.cfg.use_remove_padding:
             return packed_forward_log_probs(self.model, input_ids, attention_mask, response_length=R,
                                             temperature=temperature, compute_entropy=compute_entropy,
@@ -259,13 +264,21 @@ class PolicyWorker:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: RolloutBatch, *, temperature: float, micro_batch_size: int,
-                          compute_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                          compute_entropy: bool = False, record_routes: bool = False
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Log-probs [N, R] (and entropy [N, R]) of the batch's responses, in eval mode.
 
         Without pp: micro-batches of ``micro_batch_size`` rows. With pp: pipelined calls of
         ``micro_batch_size x pp_microbatches`` rows (one pipeline flush per call).
+        ``record_routes`` (the old-log-prob pass of a MoE actor): the routers' choices go to
+        ``batch.routes`` (``rlhf.models.router_replay``).
         """
         self.model.eval()
+        replay = self.router_replay if record_routes else None
+        if replay is not None:
+            n, length = batch.input_ids.shape
+            batch.routes = torch.zeros(n, length, len(replay.slot), replay.top_k, dtype=torch.int16,
+                                       device=batch.input_ids.device)
         lps, ents = [], []
         if self.pipeline is not None:
             chunks = list(split_rows(len(batch), micro_batch_size * self.pipeline.n_microbatches))
@@ -279,8 +292,12 @@ class PolicyWorker:
                 fwd(batch.input_ids[:1], batch.attention_mask[:1], response_length=batch.response_length,
                     temperature=temperature, compute_entropy=False)
                 continue
+            if replay is not None:
+                replay.record_into = torch.zeros_like(batch.routes[rows])
             lp, ent = fwd(batch.input_ids[rows], batch.attention_mask[rows], response_length=batch.response_length,
                           temperature=temperature, compute_entropy=compute_entropy)
+            if replay is not None:
+                batch.routes[rows], replay.record_into = replay.record_into, None
             lps.append(lp)
             ents.append(ent)
         order = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in chunks])
@@ -358,6 +375,9 @@ class PolicyWorker:
                                  prefix="actor", loss_name="loss", mini_step=mini_step)
         if self.router_stats is not None:  # MoE: expert load and router entropy of the update's forwards
             out.update(self.router_stats.reduce(self.device, self.mesh_group))
+        if self.router_replay is not None:
+            self.router_replay.reference = None
+            out.update(self.router_replay.mismatch(self.device, self.mesh_group))
         out["actor/entropy_coeff"] = self.entropy_coeff
         covs = [covariance_from_sums(row) for row in torch.stack(cov_sums).tolist()] if cov_sums else []
         out["actor/cov_logp_adv"] = sum(covs) / max(len(covs), 1)
@@ -373,12 +393,16 @@ class PolicyWorker:
             if len(rows) == 0:
                 # This rank has fewer rows than the agreed micro-batch count: a zero-weight
                 # pass keeps its FSDP collectives in step with the other ranks.
+                if self.router_replay is not None:
+                    self.router_replay.reference = None
                 with self.router_stats.paused() if self.router_stats is not None else nullcontext():
                     lp, _ = self.forward_log_probs(mini.input_ids[:1], mini.attention_mask[:1],
                                                    response_length=mini.response_length, temperature=temperature)
                 (lp.sum() * 0.0).backward()
                 continue
             mb = mini.select(rows)
+            if self.router_replay is not None:
+                self.router_replay.reference = mb.routes
             log_probs, entropy = self.forward_log_probs(mb.input_ids, mb.attention_mask,
                                                         response_length=mb.response_length, temperature=temperature,
                                                         compute_entropy=_needs_entropy(cfg))
@@ -463,6 +487,21 @@ def _router_stats(model: torch.nn.Module, hf_config) -> Optional[RouterStats]:
         return None
     layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
     return RouterStats(model, layers, hf_config.num_experts)
+
+
+def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp) -> Optional[RouterReplay]:
+    """Route recording / replay for a MoE actor (None for a dense model, under sp, or without a config)."""
+    mode = cfg.router_replay if cfg is not None else "none"
+    if mode == "R3":
+        raise ConfigError("actor.router_replay=R3 needs the rollout's routes, which the sampler does not record "
+                          "yet; use R2 (the old-log-prob pass's routes) or none")
+    moe = getattr(hf_config, "model_type", None) == "qwen3_moe" and getattr(hf_config, "num_experts", 0)
+    if cfg is None or not moe or sp is not None:
+        if mode != "none" and sp is not None:
+            raise ConfigError(f"actor.router_replay={mode} is not supported with parallel.sp > 1; set it to none")
+        return None
+    layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
+    return RouterReplay(model, layers, hf_config.num_experts_per_tok, bool(hf_config.norm_topk_prob), mode == "R2")
 
 
 def _needs_entropy(cfg: ActorConfig) -> bool:

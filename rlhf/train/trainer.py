@@ -309,7 +309,8 @@ class RLTrainer:
         a = self.cfg.actor
         T = self.cfg.rollout.temperature or 1.0
         batch.old_log_probs, entropy = self.actor.compute_log_probs(
-            batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu, compute_entropy=True)
+            batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu, compute_entropy=True,
+            record_routes=True)
         mask = batch.response_mask
         diff = ((batch.old_log_probs - batch.rollout_log_probs).abs() * mask).max()
         if dist.get_world_size(self.dp_group) > 1:
