@@ -1,5 +1,5 @@
 """Expert-parallel sizes: ``parallel.ep`` resolves, is checked against dp / num_experts / tp in one
-line naming the key, and verl's ``expert_model_parallel_size`` maps to it."""
+line naming the key; verl's ``expert_model_parallel_size`` and ``router_replay.mode`` map to ours."""
 
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ def test_validate_layout_checks_experts():
         validate_layout(ParallelConfig(ep=2), _hf(model_type="llama", num_experts=None), 4)
 
 
-def test_verl_expert_model_parallel_size_maps_to_ep():
-    cfg = load_config(None, ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet",
-                             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4"])
-    assert cfg.parallel.ep == 4
+def test_verl_moe_keys_map_to_ours():
+    base = ["actor_rollout_ref.model.path=/m", "data.train_files=/d.parquet"]
+    cfg = load_config(None, base + ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=4",
+                                    "actor_rollout_ref.actor.router_replay.mode=R2"])
+    assert cfg.parallel.ep == 4 and cfg.actor.router_replay == "R2"
+    cfg = load_config(None, base + ["actor_rollout_ref.actor.router_replay.mode=disabled"])
+    assert cfg.actor.router_replay == "none"
