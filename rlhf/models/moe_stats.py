@@ -3,7 +3,7 @@
 Per sparse layer ``l``, over the real tokens ``t`` of the forwards recorded (padding excluded)::
 
     c_e                 = #{(t, j): top_i[t, j] = e}                      top-k assignments of expert e
-    load_max_mean[l]    = max_e c_e / mean_e c_e                           1 = balanced, E / k = one expert's tokens only
+    load_max_mean[l]    = max_e c_e / mean_e c_e         1 = balanced, E / k = all tokens on k experts
     router_entropy[l]   = mean_t  -sum_e p_te log p_te,  p_t = softmax(router logits_t)     (nats; log E = uniform)
 
 Each rank keeps per-layer sums ``[c_0 .. c_{E-1}, sum_t H_t, #tokens]`` (float64) and one all-reduce

@@ -3,10 +3,12 @@ dp4 x ep2 (experts FSDP-sharded over the 2 remaining ranks), dp4 x ep4 and dp2 x
 1-rank step, and the updated experts reshard into the rollout like every other weight.
 
 One 4-rank launch runs the three layouts one after the other (one 1-rank launch is the reference);
-dp2 x tp2 x ep2 also checkpoints activations (the all-to-alls run again in the recompute). Per layout: padding-free old log-probs, one PPO-clip + KL + entropy update over two mini-batches
+dp2 x tp2 x ep2 also checkpoints activations (the all-to-alls run again in the recompute).
+Per layout: padding-free old log-probs, one PPO-clip + KL + entropy update over two mini-batches
 (masks with tool-output holes) with its metrics (``actor/*`` and the global ``moe/*`` routing
-metrics), full parameters after, then greedy sampling from the resharded
-weights. SGD with lr 1 makes the parameter change the gradient itself (see test_grpo_archs).
+metrics), full parameters after, then greedy sampling from the resharded weights. SGD with lr 1
+makes the parameter change the gradient itself (see test_grpo_archs). Last, dp4 x ep2 under bf16
+mixed precision: the router computes in fp32, the experts in bf16 through the all-to-alls.
 """
 
 from __future__ import annotations

@@ -100,5 +100,5 @@ class Roles:
             layout.group = dist.new_group(ranks, use_local_synchronization=True)
         partner = env.rank - half if in_rollout else env.rank + half
         return cls(role="rollout" if in_rollout else "train", env=replace(env, world_size=half, group=layout.group),
-                   mesh=world[tuple(n for n in world.mesh_dim_names if n != "role")], layout=layout, partner=partner, size=half,
-                   pair_group=pair_group)
+                   mesh=world[tuple(n for n in world.mesh_dim_names if n != "role")], layout=layout,
+                   partner=partner, size=half, pair_group=pair_group)
