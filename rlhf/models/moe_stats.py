@@ -34,13 +34,12 @@ def router_sums(logits: Tensor, top_i: Tensor, num_experts: int, mask: Optional[
         logits: ``[M, E]`` router logits; top_i: ``[M, k]`` chosen experts; mask: ``[M]`` bool (None = all real).
     """
     logits = logits.detach().float()
-    ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # [M]
-    ids = top_i.detach()
-    if mask is not None:
-        ent, ids = ent[mask], ids[mask]
-    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).double()
-    return torch.cat([counts, torch.stack([ent.double().sum(), torch.tensor(float(ent.numel()), dtype=torch.float64,
-                                                                              device=ent.device)])])
+    ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).double()  # [M]
+    # weights, not boolean indexing: no device-to-host sync for the count of real tokens
+    w = torch.ones_like(ent) if mask is None else mask.to(ent.dtype)
+    counts = torch.bincount(top_i.detach().reshape(-1), weights=w.repeat_interleave(top_i.shape[1]),
+                            minlength=num_experts)
+    return torch.cat([counts, torch.stack([(ent * w).sum(), w.sum()])])
 
 
 def summarize(sums: Tensor, layers: list[int]) -> dict[str, float]:

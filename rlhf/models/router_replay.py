@@ -64,7 +64,7 @@ class RouterReplay:
     def __init__(self, model: nn.Module, layers: list[int], top_k: int, norm_topk_prob: bool, replay: bool):
         self.slot = {layer: s for s, layer in enumerate(layers)}  # global layer id -> sparse index
         self.top_k, self.norm, self.replay = top_k, norm_topk_prob, replay
-        self.tokens: Optional[Tensor] = None
+        self.tokens = None
         self.record_into: Optional[Tensor] = None
         self.reference: Optional[Tensor] = None
         self.counts: Optional[Tensor] = None  # [3] float64: used != recorded, live != recorded, pairs
@@ -73,9 +73,20 @@ class RouterReplay:
             if m is not None and int(m.group(1)) in self.slot:
                 mod.forward = self._forward(mod, self.slot[int(m.group(1))])
 
+    @property
+    def tokens(self) -> Optional[Tensor]:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, mask: Optional[Tensor]) -> None:
+        self._tokens = mask
+        # the positions once per forward (one host sync, as unpad), not once per layer
+        self._index = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+
     def _select(self, t: Tensor) -> Tensor:
         """``[B, L, ...]`` -> the ``[M, ...]`` tokens of this forward."""
-        return t.reshape(-1, *t.shape[2:]) if self.tokens is None else t[self.tokens.bool()]
+        flat = t.reshape(-1, *t.shape[2:])
+        return flat if self._index is None else flat.index_select(0, self._index.to(flat.device))
 
     def _forward(self, gate: nn.Module, s: int):
         def forward(hidden_states: Tensor):
@@ -95,12 +106,12 @@ class RouterReplay:
     def _store(self, top_i: Tensor, s: int) -> None:
         out = self.record_into
         ids = top_i.detach().to(out.device, out.dtype)
-        if self.tokens is None:
+        if self._index is None:
             out[:, :, s] = ids.view(out.shape[0], out.shape[1], -1)
         else:
-            view = out[:, :, s]  # [B, L, k]
-            view[self.tokens.bool().to(out.device)] = ids
-            out[:, :, s] = view
+            view = out[:, :, s].reshape(-1, ids.shape[1])  # [B L, k] (a copy: out[:, :, s] is strided)
+            view.index_copy_(0, self._index.to(out.device), ids)
+            out[:, :, s] = view.view(out.shape[0], out.shape[1], -1)
 
     def mismatch(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
         """``{"moe/routing_mismatch": ...}`` over all ranks of ``group`` (a collective), then start over."""
