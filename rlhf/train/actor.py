@@ -39,10 +39,10 @@ from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
 from rlhf.models.lora import apply_lora
 from rlhf.models.moe import MoESpec
 from rlhf.models.moe_stats import RouterStats
-from rlhf.models.router_replay import RouterReplay
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
+from rlhf.models.router_replay import RouterReplay
 from rlhf.models.ulysses import check_sp
 from rlhf.models.vocab_parallel import log_probs_from_logits
 from rlhf.schema.batch import RolloutBatch, split_rows
