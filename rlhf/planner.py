@@ -315,7 +315,8 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         from rlhf.train.async_rl.split import check_fully_async
 
         role_world = check_fully_async(cfg, world_size)[0]
-    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, role_world)
+    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, role_world, sp=cfg.parallel.sp,
+                                ep=cfg.parallel.ep)
     validate_layout(cfg.parallel, _HFLike(s), role_world, rollout_tp=r.tp, train_batch_size=d.train_batch_size,
                     mini_batch_size=a.ppo_mini_batch_size, n=r.n)
     dp, tp, pp = dims.dp, dims.tp, dims.pp
@@ -346,7 +347,11 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     comp["critic (params+grads+adam)"] = 4 * critic_params * mb
     # FSDP2 all-gathers the root (embeddings / head: kept for the whole forward+backward) and two blocks.
     root = (s.embed_params() + s.head_params()) / tp if pp == 1 else (s.embed_params() + s.hidden_size) / tp
-    block = s.layer_params() / tp
+    # Expert parallelism: a block's experts are Shard(0) over ep before FSDP2, so a block unshards only
+    # its ep rank's experts (the per-rank shard, experts / (dp x tp), is the same with or without ep).
+    ep = dims.ep
+    block_experts = s._experts_params(s.num_experts) - s.num_experts * s.hidden_size if s.sparse_layers else 0
+    block = (s.layer_params() - block_experts * (1 - 1 / ep)) / tp
     unsharded_frozen = (root + 2 * block) * cb
     comp["fsdp unsharded"] = unsharded_frozen
     host: dict[str, float] = {}
@@ -418,6 +423,8 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     full_acts = train_tokens * per_tok * layers_rank * cb
     # With checkpointing: the block inputs, plus one block recomputed during its backward.
     ckpt_acts = train_tokens * (s.hidden_size * layers_rank + per_tok) * cb
+    # ep > 1: one sparse layer's dispatched and returned token rows (send + receive, each [tokens x k, hidden]).
+    comp["all-to-all buffers (ep)"] = 4 * train_tokens * s.experts_per_tok * s.hidden_size * cb if ep > 1 else 0.0
     comp["activations (no checkpointing)"] = full_acts
     comp["activations (checkpointing)"] = ckpt_acts
     # A block's backward holds gradients of its activations next to the saved ones.
@@ -461,7 +468,8 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         "update": {**persistent, "gradients": comp["gradients"],
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
                    "fsdp unsharded (+grads)": unsharded_frozen + (0 if lora else (root + block) * cb),
-                   "activations": acts + act_work, "logits (update)": comp["logits (update)"]},
+                   "activations": acts + act_work, "logits (update)": comp["logits (update)"],
+                   "all-to-all buffers (ep)": comp["all-to-all buffers (ep)"]},
     }
     if one_step_off:  # rollout ranks hold only the rollout state; training ranks send weights instead
         del phases["rollout"]
@@ -478,7 +486,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
                      f"{fmt_bytes(host_node).strip()} per node exceeds 90% of this machine's "
                      f"{fmt_bytes(host_memory).strip()}: the kernel kills a rank without a traceback; load in "
                      "bf16 (model.dtype), use more nodes, or fewer ranks per node")
-    layout = {"world": world_size, "dp": dp, "tp": tp, "pp": pp, "rollout_tp": r.tp, "device": device,
+    layout = {"world": world_size, "dp": dp, "tp": tp, "pp": pp, "ep": ep, "rollout_tp": r.tp, "device": device,
               "slots": slots, "seq_len": seq_len, "mode": cfg.trainer.mode, "ranks_per_node": local}
     return MemoryPlan(shape=s, layout=layout, components=comp, phases=phases, host=host, notes=notes,
                       host_per_node=host_node)
@@ -505,10 +513,11 @@ class _HFLike:
 def format_plan(plan: MemoryPlan, device_memory: Optional[int] = None, headroom: float = 0.10) -> str:
     s, lay = plan.shape, plan.layout
     active = f", {s.num_active_params() / 1e9:.3f}B active per token ({s.experts_per_tok} of {s.num_experts} " \
-        f"experts; experts split over tp)" if s.num_experts else ""
+        f"experts; experts split over {'ep x tp' if lay.get('ep', 1) > 1 else 'tp'})" if s.num_experts else ""
     lines = [f"[plan] {s.architecture}: {s.num_params() / 1e9:.3f}B parameters{active} ({s.num_layers} layers, hidden "
              f"{s.hidden_size}, vocab {s.vocab_size}, heads {s.num_heads}/{s.num_kv_heads} kv)",
-             f"[plan] layout: world {lay['world']} = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}, "
+             f"[plan] layout: world {lay['world']} = dp {lay['dp']} x tp {lay['tp']} x pp {lay['pp']}"
+             f"{f' (ep {ep} from dp)' if (ep := lay.get('ep', 1)) > 1 else ''}, "
              f"rollout.tp {lay['rollout_tp']}, device {lay['device']}; kv-cache slots {lay['slots']} x "
              f"{lay['seq_len']} tokens", "[plan] per rank, by component:"]
     for k, v in plan.components.items():

@@ -206,6 +206,10 @@ RULES: dict[str, Rule] = {
                                     convert=_per_gpu("actor.ppo_micro_batch_size_per_gpu")),
     _A + "ulysses_sequence_parallel_size": to("parallel.sp"),
     _A + "use_remove_padding": to("model.use_remove_padding"),
+    _A + "router_replay.mode": to("actor.router_replay", "disabled is none", convert=lambda v: {
+        "actor.router_replay": "none" if v in (None, "disabled", "none") else v}),
+    _A + "megatron.expert_model_parallel_size": to("parallel.ep", "experts over ep ranks taken from dp (FSDP2 "
+                                                   "shards them over the rest)"),
     _A + "strategy": only(("fsdp", "fsdp2"), "FSDP2 is the training engine", "only FSDP (FSDP2) training exists here"),
     _A + "policy_loss.loss_mode": to("actor.policy_loss"),
     **{_A + "policy_loss." + k: to("actor." + k) for k in (

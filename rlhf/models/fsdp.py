@@ -47,8 +47,8 @@ def set_offload_threads() -> int:
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
                mixed_precision: bool = True, param_offload: bool = False,
-               reshard_after_forward: bool = True, host: Optional[dict[str, torch.Tensor]] = None
-               ) -> torch.nn.Module:
+               reshard_after_forward: bool = True, host: Optional[dict[str, torch.Tensor]] = None,
+               expert_mesh: Optional[DeviceMesh] = None) -> torch.nn.Module:
     """Shard each decoder block and the root over `dp_mesh`, then place this rank's shards.
 
     ``host``: the host tensors of a model whose parameters :func:`params_to_meta` already
@@ -60,6 +60,9 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
     by global token/sequence counts, so callers multiply the loss by `grad_scale(dp_mesh)`
     before backward to turn that average into the sum they need. (Setting the divide
     factor to 1 would do the same but uses PREMUL_SUM, which gloo lacks.)
+
+    ``expert_mesh``: under expert parallelism, the "efsdp" mesh each block's ``mlp.experts``
+    (already ``Shard(0)`` over ep) is sharded over, as its own FSDP2 unit inside the block.
     """
     if host is None:
         host = params_to_meta(model)
@@ -72,6 +75,14 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
         if device.type == "cuda":  # the optimizer step runs on the host (foreach AdamW: rlhf.train.optim)
             set_offload_threads()
     for block in decoder_layers(model):
+        experts = getattr(getattr(block, "mlp", None), "experts", None)
+        if expert_mesh is not None and experts is not None:
+            fully_shard(experts, **{**kwargs, "mesh": expert_mesh})
+        if mp is not None and experts is not None and getattr(block.mlp, "gate", None) is not None:
+            # MoE router in fp32 under bf16 (its own unit; inputs cast up): which experts a token takes
+            # is a discrete choice that bf16 logits flip (the rollout / trainer routing mismatch).
+            fully_shard(block.mlp.gate, **{**kwargs, "mp_policy": MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32)})
         fully_shard(block, **kwargs)
     visual = vision_tower(model)
     if visual is not None:

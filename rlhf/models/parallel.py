@@ -28,6 +28,10 @@ class ParallelDims:
     then the Ulysses sequence-parallel groups (``sp``; ranks that share the same rows and
     split their tokens). Data (prompts, rollouts) is divided over ``dp`` only; FSDP2 shards
     and reduces gradients over the flattened ``dp x sp`` sub-mesh ("dp_sp").
+
+    Expert parallelism (``ep`` > 1, MoE models): the dp ranks split as ``efsdp x ep``, the mesh is
+    ``(pp, efsdp, ep, sp, tp)`` with ``(efsdp, ep)`` flattened into "dp"; experts are sharded over
+    "ep" and FSDP2-sharded over "efsdp" (``rlhf.models.expert_parallel``).
     """
 
     dp: int
@@ -35,9 +39,10 @@ class ParallelDims:
     pp: int
     world_size: int
     sp: int = 1
+    ep: int = 1
 
     @classmethod
-    def resolve(cls, dp: int, tp: int, pp: int, world_size: int, sp: int = 1) -> "ParallelDims":
+    def resolve(cls, dp: int, tp: int, pp: int, world_size: int, sp: int = 1, ep: int = 1) -> "ParallelDims":
         if tp < 1 or pp < 1 or sp < 1:
             raise ConfigError(f"parallel.tp ({tp}), parallel.pp ({pp}) and parallel.sp ({sp}) must be >= 1")
         model_ranks = tp * pp * sp
@@ -52,17 +57,23 @@ class ParallelDims:
                 f"impossible parallel layout: parallel.dp x tp x pp{' x sp' if sp > 1 else ''} = {dp} x {tp} x {pp}"
                 f"{f' x {sp}' if sp > 1 else ''} = {dp * model_ranks} "
                 f"but the world size is {world_size} (set parallel.dp: -1 to infer it)")
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, sp=sp)
+        check_ep(ep, dp, sp)
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, sp=sp, ep=ep)
 
     def build_mesh(self, device_type: str, roles: int = 1) -> DeviceMesh:
         """The (pp, dp, sp, tp) mesh. ``roles=2`` (trainer.mode one_step_off): the world mesh
         ``(role, pp, dp, sp, tp)`` of two equal halves; the caller slices its role's sub-mesh.
         A collective: every rank builds every group here, before the roles part ways."""
-        dims = (self.pp, self.dp, self.sp, self.tp)
-        names = ("pp", "dp", "sp", "tp")
+        dims: tuple[int, ...] = (self.pp, self.dp, self.sp, self.tp)
+        names: tuple[str, ...] = ("pp", "dp", "sp", "tp")
+        if self.ep > 1:
+            dims = (self.pp, self.dp // self.ep, self.ep, self.sp, self.tp)
+            names = ("pp", "efsdp", "ep", "sp", "tp")
         if roles > 1:
             dims, names = (roles, *dims), ("role", *names)
         mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
+        if self.ep > 1:
+            mesh["efsdp", "ep"]._flatten(mesh_dim_name="dp")
         if self.sp > 1:
             mesh["dp", "sp"]._flatten(mesh_dim_name="dp_sp")
         return mesh
@@ -72,6 +83,21 @@ class ParallelDims:
         for key, value in (("data.train_batch_size", train_batch_size), ("actor.ppo_mini_batch_size", mini_batch_size)):
             if value % self.dp != 0:
                 raise ConfigError(f"impossible parallel layout: {key} ({value}) is not divisible by dp ({self.dp})")
+
+
+def check_ep(ep: int, dp: int, sp: int = 1) -> None:
+    """``parallel.ep`` must divide the data-parallel size (the ep group is taken from the dp ranks)."""
+    if ep < 1 or dp % ep:
+        raise ConfigError(f"impossible parallel layout: parallel.ep={ep} must be >= 1 and divide dp={dp} "
+                          "(the expert-parallel group is taken from the data-parallel ranks)")
+    if ep > 1 and sp > 1:
+        raise ConfigError("parallel.ep > 1 with parallel.sp > 1 is not supported; set one of them to 1")
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh) -> Optional[DeviceMesh]:
+    """The sub-mesh FSDP2 shards the experts over ("efsdp" = dp / ep), or None without expert parallelism."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["efsdp"] if "ep" in names and mesh["ep"].size() > 1 else None
 
 
 @dataclass

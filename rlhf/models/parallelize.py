@@ -5,6 +5,7 @@ function that is tested alone:
 
     1. pipeline split   (pp > 1)  rlhf.models.pipeline.PipelineModel -> this rank's stage(s)
     2. apply_tp         (tp > 1)  rlhf.models.tensor_parallel.apply_tp on mesh["tp"], per stage
+       apply_ep         (ep > 1)  rlhf.models.expert_parallel.apply_ep: experts over mesh["ep"] (x tp)
     3. apply_ac         (opt-in)  activation checkpointing per decoder block
     4. apply_fsdp                 FSDP2 on mesh["dp"] per decoder block and per stage root
 
@@ -33,9 +34,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from rlhf.models.activation_checkpointing import apply_ac
+from rlhf.models.expert_parallel import apply_ep
 from rlhf.models.fsdp import apply_fsdp
 from rlhf.models.loading import decoder_layers
-from rlhf.models.parallel import ParallelDims, fsdp_mesh
+from rlhf.models.parallel import ParallelDims, check_ep, expert_fsdp_mesh, fsdp_mesh
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
 from rlhf.models.shard_init import params_to_meta
 from rlhf.models.tensor_parallel import apply_tp, moe_sizes
@@ -135,6 +137,10 @@ def parallelize_model(
         A :class:`ParallelModel`.
     """
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    expert_mesh = expert_fsdp_mesh(mesh)
+    if expert_mesh is not None and not hasattr(model.config, "num_experts"):
+        raise ConfigError(f"parallel.ep={mesh['ep'].size()} needs a mixture-of-experts model; "
+                          f"{model.config.model_type} has no experts (set parallel.ep=1)")
     pipeline: Optional[PipelineModel] = None
     tied_lm_head = None
     if pp > 1:
@@ -146,11 +152,13 @@ def parallelize_model(
     for part in parts:
         host = params_to_meta(part)  # TP and FSDP2 shard on meta; only this rank's shards reach the device
         if tp > 1:
-            apply_tp(part, mesh["tp"], loss_parallel=loss_parallel)
+            apply_tp(part, mesh["tp"], loss_parallel=loss_parallel, experts=expert_mesh is None)
+        if expert_mesh is not None:
+            apply_ep(part, mesh)
         if activation_checkpointing:
             apply_ac(part, blocks=decoder_layers(part))
         apply_fsdp(part, fsdp_mesh(mesh), device=device, mixed_precision=mixed_precision, param_offload=param_offload,
-                   host=host)
+                   host=host, expert_mesh=expert_mesh)
     if pipeline is None:
         module: nn.Module = model
     else:
@@ -245,7 +253,16 @@ def validate_layout(parallel: Any, hf_config: Any, world_size: int, *, rollout_t
     """
     tp, pp, sp = parallel.tp, parallel.pp, getattr(parallel, "sp", 1)
     # World size, dp and sp sizes; sp x (tp, pp, padding-free, heads) combinations.
-    dp = ParallelDims.resolve(parallel.dp, tp, pp, world_size, sp=sp).dp
+    ep = getattr(parallel, "ep", 1)
+    dp = ParallelDims.resolve(parallel.dp, tp, pp, world_size, sp=sp, ep=ep).dp
+    if ep > 1:
+        experts = getattr(hf_config, "num_experts", None)
+        if not experts:
+            raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; "
+                              f"{hf_config.model_type} has no experts (set parallel.ep=1)")
+        if experts % (ep * tp):
+            raise ConfigError(f"impossible parallel layout: model num_experts={experts} is not divisible by "
+                              f"parallel.ep x tp = {ep} x {tp}")
     check_sp(sp, hf_config, tp=tp, pp=pp, use_remove_padding=use_remove_padding)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

@@ -181,8 +181,9 @@ def _layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def _family_plan(model_type: str, layer: nn.Module) -> dict[str, ParallelStyle]:
-    """The (non-sequence-parallel) plan of one block of the families in the module docstring."""
+def _family_plan(model_type: str, layer: nn.Module, experts: bool = True) -> dict[str, ParallelStyle]:
+    """The (non-sequence-parallel) plan of one block of the families in the module docstring;
+    ``experts=False`` leaves a MoE block's experts alone (expert parallelism shards them)."""
     if model_type == "phi3":
         return {"self_attn.qkv_proj": ColwiseParallel(output_layouts=Replicate()),
                 "self_attn.o_proj": RowwiseParallel(input_layouts=Replicate()),
@@ -192,7 +193,8 @@ def _family_plan(model_type: str, layer: nn.Module) -> dict[str, ParallelStyle]:
     if hasattr(layer.mlp, "experts"):  # a sparse MoE block
         for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             del plan[name]
-        plan["mlp.experts"] = ExpertsOverTP()
+        if experts:
+            plan["mlp.experts"] = ExpertsOverTP()
     return plan
 
 
@@ -217,7 +219,7 @@ class ExpertsOverTP(ParallelStyle):
         return module
 
 
-def _replicated_input(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def replicated_input(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """``t`` (identical on every tp rank) whose gradient is summed over tp in the backward."""
     return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
@@ -228,7 +230,7 @@ def _experts_over_tp_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
 
     mesh = self.gate_up_proj.device_mesh
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
-    out = experts(_replicated_input(hidden_states, mesh), top_k_index, _replicated_input(top_k_weights, mesh),
+    out = experts(replicated_input(hidden_states, mesh), top_k_index, replicated_input(top_k_weights, mesh),
                   gate_up, down, lambda g, u: self.act_fn(g) * u,
                   expert_offset=mesh.get_local_rank() * gate_up.shape[0])
     return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
@@ -249,6 +251,7 @@ def apply_tp(
     *,
     sequence_parallel: bool = False,
     loss_parallel: bool = True,
+    experts: bool = True,
 ) -> None:
     """Shard ``model`` in place over the 1-D ``tp_mesh``.
 
@@ -262,6 +265,8 @@ def apply_tp(
         loss_parallel: keep LM-head logits sharded on the vocab (``[B, T, V]`` DTensor,
             ``Shard(-1)``); use :func:`rlhf.models.vocab_parallel.log_probs_from_logits`.
             When False, logits are all-gathered into a full local ``[B, T, V]``.
+        experts: split MoE experts over tp (:class:`ExpertsOverTP`); False when expert
+            parallelism places them (:mod:`rlhf.models.expert_parallel`, over ``(ep, tp)``).
 
     Raises:
         ValueError: unsupported architecture or a size tp does not divide.
@@ -298,7 +303,7 @@ def apply_tp(
             ),
         )
     for layer in _decoder_layers(model):
-        plan = _layer_plan(True) if sequence_parallel else _family_plan(model_type, layer)
+        plan = _layer_plan(True) if sequence_parallel else _family_plan(model_type, layer, experts)
         heads_dim = 1 if model_type == "gemma3_text" else 2  # q/k norms see [b, heads, T, hd] / [b, T, heads, hd]
         for norm in ("q_norm", "k_norm"):  # Qwen3 / Gemma 3: per-head RMSNorm of the local heads
             if getattr(layer.self_attn, norm, None) is not None:

@@ -128,6 +128,9 @@ class RolloutConfig:
 @dataclass
 class ActorConfig:
     lr: float = _f(1e-6, "Peak learning rate (verl actor.optim.lr).")
+    router_replay: Literal["none", "R2", "R3"] = _f(
+        "none", "MoE routing replay (verl router_replay.mode): R2 = every update forward uses the experts the "
+        "old-log-prob pass chose (gate weights from the live router); R3 (the rollout's routes) is not built yet.")
     weight_decay: float = _f(0.01, "AdamW weight decay.")
     betas: list = _f([0.9, 0.999], "AdamW betas.")
     lr_warmup_steps: int = _f(-1, "Warmup steps; -1 uses lr_warmup_steps_ratio.")
@@ -292,6 +295,9 @@ class ParallelConfig:
     pp_microbatches: int = _f(2, "Pipeline micro-batches per forward/backward.")
     sp: int = _f(1, "Ulysses sequence-parallel size (verl ulysses_sequence_parallel_size): ranks that split the "
                     "tokens of the same rows; needs model.use_remove_padding. dp = world / (tp x pp x sp).")
+    ep: int = _f(1, "Expert-parallel size (MoE; verl expert_model_parallel_size): experts are split over ep ranks "
+                    "taken from dp (tokens reach them by all-to-all) and FSDP-sharded over the other dp / ep; "
+                    "must divide dp, and ep x tp must divide num_experts.")
 
 
 @dataclass

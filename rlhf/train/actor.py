@@ -17,6 +17,7 @@ The gradient norm is global over all pp x dp x tp ranks.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -38,9 +39,12 @@ from rlhf.models.loading import load_causal_lm, vision_tower
 from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
 from rlhf.models.lora import apply_lora
 from rlhf.models.mrope import is_vlm_config
+from rlhf.models.moe import MoESpec
+from rlhf.models.moe_stats import RouterStats
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
+from rlhf.models.router_replay import RouterReplay
 from rlhf.models.ulysses import check_sp
 from rlhf.models.vlm import dummy_image_forward, padded_inputs
 from rlhf.models.vocab_parallel import log_probs_from_logits
@@ -205,6 +209,10 @@ class PolicyWorker:
             activation_checkpointing=trainable and model_cfg.enable_gradient_checkpointing)
         del model  # with pp, the other stages' layers are freed here
         adopt_layout(self, self.parallel, mesh)
+        # (not under pp: the schedule splits rows into micro-batches the padding mask cannot follow)
+        self.router_stats = _router_stats(self.model, self.hf_config) if trainable and self.pipeline is None else None
+        self.router_replay = _router_replay(self.model, self.hf_config, actor_cfg, self.sp_group) \
+            if trainable and self.pipeline is None else None
         self.optimizer = self.scheduler = None
         self.total_steps = total_steps
         self.entropy_coeff = actor_cfg.entropy_coeff if actor_cfg is not None else 0.0
@@ -231,6 +239,10 @@ class PolicyWorker:
         vision-language model; a micro-batch without any runs the tower on a dummy image.
         """
         R = response_length
+        if self.router_stats is not None:  # padding rows are routed in the padded forward, not counted
+            self.router_stats.mask = None if self.cfg.use_remove_padding else attention_mask
+        if self.router_replay is not None:  # the tokens this forward routes, in the batch layout
+            self.router_replay.tokens = attention_mask if self.cfg.use_remove_padding else None
         mm = collate_multi_modal(multi_modal or [])
         if mm is None and self.is_vlm:  # keeps the tower's FSDP2 collectives in step with ranks that have images
             with dummy_image_forward(self.model, self.device):
@@ -275,13 +287,21 @@ class PolicyWorker:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: RolloutBatch, *, temperature: float, micro_batch_size: int,
-                          compute_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                          compute_entropy: bool = False, record_routes: bool = False
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Log-probs [N, R] (and entropy [N, R]) of the batch's responses, in eval mode.
 
         Without pp: micro-batches of ``micro_batch_size`` rows. With pp: pipelined calls of
         ``micro_batch_size x pp_microbatches`` rows (one pipeline flush per call).
+        ``record_routes`` (the old-log-prob pass of a MoE actor): the routers' choices go to
+        ``batch.routes`` (``rlhf.models.router_replay``).
         """
         self.model.eval()
+        replay = self.router_replay if record_routes else None
+        if replay is not None:
+            n, length = batch.input_ids.shape
+            batch.routes = torch.zeros(n, length, len(replay.slot), replay.top_k, dtype=torch.int16,
+                                       device=batch.input_ids.device)
         lps, ents = [], []
         if self.pipeline is not None:
             chunks = list(split_rows(len(batch), micro_batch_size * self.pipeline.n_microbatches))
@@ -296,8 +316,12 @@ class PolicyWorker:
                     temperature=temperature, compute_entropy=False)
                 continue
             mm = {"multi_modal": [batch.multi_modal[i] for i in rows.tolist()]} if batch.multi_modal else {}
+            if replay is not None:
+                replay.record_into = torch.zeros_like(batch.routes[rows])
             lp, ent = fwd(batch.input_ids[rows], batch.attention_mask[rows], response_length=batch.response_length,
                           temperature=temperature, compute_entropy=compute_entropy, **mm)
+            if replay is not None:
+                batch.routes[rows], replay.record_into = replay.record_into, None
             lps.append(lp)
             ents.append(ent)
         order = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in chunks])
@@ -369,9 +393,15 @@ class PolicyWorker:
             step = self._pp_mini_step if self.pipeline is not None else self._mini_step
             return step(mini, terms, temperature, metrics)
 
-        out = run_ppo_epochs(self, batch, mini_batch_rows=mini_batch_rows, epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
-                             max_response_len=max_response_length, grad_clip=cfg.grad_clip, prefix="actor",
-                             loss_name="loss", mini_step=mini_step)
+        with self.router_stats.record() if self.router_stats is not None else nullcontext():
+            out = run_ppo_epochs(self, batch, mini_batch_rows=mini_batch_rows, epochs=cfg.ppo_epochs,
+                                 shuffle=cfg.shuffle, max_response_len=max_response_length, grad_clip=cfg.grad_clip,
+                                 prefix="actor", loss_name="loss", mini_step=mini_step)
+        if self.router_stats is not None:  # MoE: expert load and router entropy of the update's forwards
+            out.update(self.router_stats.reduce(self.device, self.mesh_group))
+        if self.router_replay is not None:
+            self.router_replay.reference = None
+            out.update(self.router_replay.mismatch(self.device, self.mesh_group))
         out["actor/entropy_coeff"] = self.entropy_coeff
         covs = [covariance_from_sums(row) for row in torch.stack(cov_sums).tolist()] if cov_sums else []
         out["actor/cov_logp_adv"] = sum(covs) / max(len(covs), 1)
@@ -387,11 +417,16 @@ class PolicyWorker:
             if len(rows) == 0:
                 # This rank has fewer rows than the agreed micro-batch count: a zero-weight
                 # pass keeps its FSDP collectives in step with the other ranks.
-                lp, _ = self.forward_log_probs(mini.input_ids[:1], mini.attention_mask[:1],
-                                               response_length=mini.response_length, temperature=temperature)
+                if self.router_replay is not None:
+                    self.router_replay.reference = None
+                with self.router_stats.paused() if self.router_stats is not None else nullcontext():
+                    lp, _ = self.forward_log_probs(mini.input_ids[:1], mini.attention_mask[:1],
+                                                   response_length=mini.response_length, temperature=temperature)
                 (lp.sum() * 0.0).backward()
                 continue
             mb = mini.select(rows)
+            if self.router_replay is not None:
+                self.router_replay.reference = mb.routes
             log_probs, entropy = self.forward_log_probs(mb.input_ids, mb.attention_mask,
                                                         response_length=mb.response_length, temperature=temperature,
                                                         compute_entropy=_needs_entropy(cfg),
@@ -473,6 +508,29 @@ def set_grad_sync(model: torch.nn.Module, model_cfg: ModelConfig, *, last: bool)
     ``last`` micro-batch of the mini-batch, holding unsharded gradients until then."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last or not model_cfg.unsharded_grad_accumulation)
+
+
+def _router_stats(model: torch.nn.Module, hf_config) -> Optional[RouterStats]:
+    """Routing metrics hooks for a MoE model (None for a dense one)."""
+    if not getattr(hf_config, "num_experts", None) or getattr(hf_config, "model_type", None) != "qwen3_moe":
+        return None
+    layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
+    return RouterStats(model, layers, hf_config.num_experts)
+
+
+def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp) -> Optional[RouterReplay]:
+    """Route recording / replay for a MoE actor (None for a dense model, under sp, or without a config)."""
+    mode = cfg.router_replay if cfg is not None else "none"
+    if mode == "R3":
+        raise ConfigError("actor.router_replay=R3 needs the rollout's routes, which the sampler does not record "
+                          "yet; use R2 (the old-log-prob pass's routes) or none")
+    moe = getattr(hf_config, "model_type", None) == "qwen3_moe" and getattr(hf_config, "num_experts", 0)
+    if cfg is None or not moe or sp is not None:
+        if mode != "none" and sp is not None:
+            raise ConfigError(f"actor.router_replay={mode} is not supported with parallel.sp > 1; set it to none")
+        return None
+    layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
+    return RouterReplay(model, layers, hf_config.num_experts_per_tok, bool(hf_config.norm_topk_prob), mode == "R2")
 
 
 def _needs_entropy(cfg: ActorConfig) -> bool:

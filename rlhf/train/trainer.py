@@ -62,7 +62,7 @@ class RLTrainer:
         self.oom_retries = apply_oom_records(cfg, cfg.trainer.max_oom_retries)
         torch.manual_seed(cfg.trainer.seed)
         self.dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, self.env.world_size,
-                                         sp=cfg.parallel.sp)
+                                         sp=cfg.parallel.sp, ep=cfg.parallel.ep)
         self.dims.check_batch(train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n,
                               mini_batch_size=cfg.actor.ppo_mini_batch_size)
         self.mesh = roles.mesh if roles is not None else self.dims.build_mesh(self.env.device.type)
@@ -153,7 +153,7 @@ class RLTrainer:
         text = self.cfg.to_yaml()
         (self.out_dir / "config.yaml").write_text(text)
         print("[rlhf] resolved config:\n" + text, flush=True)
-        print(f"[rlhf] world={self.env.world_size} layout dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} sp={self.dims.sp} "
+        print(f"[rlhf] world={self.env.world_size} layout dp={self.dims.dp} tp={self.dims.tp} pp={self.dims.pp} sp={self.dims.sp} ep={self.dims.ep} "
               f"device={self.device} backend={self.env.backend} steps={self.total_steps}", flush=True)
 
     # ------------------------------------------------------------------ phases
@@ -318,7 +318,8 @@ class RLTrainer:
         a = self.cfg.actor
         T = self.cfg.rollout.temperature or 1.0
         batch.old_log_probs, entropy = self.actor.compute_log_probs(
-            batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu, compute_entropy=True)
+            batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu, compute_entropy=True,
+            record_routes=True)
         if self.cfg.trainer.mode == "fully_async" and self.cfg.async_training.use_rollout_log_probs:
             batch.old_log_probs = batch.rollout_log_probs  # verl's name: the sampler's log-probs are the old policy's
         mask = batch.response_mask

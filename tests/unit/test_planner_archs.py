@@ -87,3 +87,19 @@ def test_dry_run_plans_the_dense_families(name, tp, capsys):
     args = parse_args("x", ["--dry-run", "--world-size", "8", "--plan-device", "cuda"])
     assert print_memory_plan(_cfg(name, f"parallel.tp={tp}"), args) is False
     assert f"{PUBLISHED[name][0] / 1e9:.3f}B parameters (" in capsys.readouterr().out
+
+
+def test_moe_plan_with_expert_parallel_unshards_fewer_experts(capsys):
+    s = ModelShape.from_model_dir(str(REPO / "configs" / "models" / "Qwen3-30B-A3B"))
+    base = plan_memory(s, _cfg("Qwen3-30B-A3B"), world_size=8, device="cuda")
+    ep = plan_memory(s, _cfg("Qwen3-30B-A3B", "parallel.ep=8"), world_size=8, device="cuda")
+    # the per-rank shard is the same (experts / (dp x tp) either way); a block unshards 1/ep of its experts
+    assert ep.components["parameters"] == base.components["parameters"]
+    assert ep.components["fsdp unsharded"] < 0.5 * base.components["fsdp unsharded"]
+    assert ep.components["all-to-all buffers (ep)"] > 0 == base.components["all-to-all buffers (ep)"]
+    args = parse_args("x", ["--dry-run", "--world-size", "8", "--plan-device", "cuda"])
+    print_memory_plan(_cfg("Qwen3-30B-A3B", "parallel.ep=8"), args)
+    out = capsys.readouterr().out
+    assert "experts split over ep x tp" in out and "(ep 8 from dp)" in out
+    with pytest.raises(ConfigError, match="parallel.ep=3 must be >= 1 and divide dp=8"):
+        plan_memory(s, _cfg("Qwen3-30B-A3B", "parallel.ep=3"), world_size=8, device="cuda")

@@ -85,7 +85,7 @@ class Roles:
         """Check the split and build the world mesh and both roles' groups (every rank calls it)."""
         half = check_one_step_off(cfg, env.world_size)
         p = cfg.parallel
-        dims = ParallelDims.resolve(p.dp, p.tp, p.pp, half, sp=p.sp)
+        dims = ParallelDims.resolve(p.dp, p.tp, p.pp, half, sp=p.sp, ep=p.ep)
         world = dims.build_mesh(env.device.type, roles=2)
         in_rollout = env.rank >= half
         ranks = list(range(half, 2 * half)) if in_rollout else list(range(half))
@@ -101,5 +101,5 @@ class Roles:
             layout.group = dist.new_group(ranks, use_local_synchronization=True)
         partner = env.rank - half if in_rollout else env.rank + half
         return cls(role="rollout" if in_rollout else "train", env=replace(env, world_size=half, group=layout.group),
-                   mesh=world["pp", "dp", "sp", "tp"], layout=layout, partner=partner, size=half,
-                   pair_group=pair_group)
+                   mesh=world[tuple(n for n in world.mesh_dim_names if n != "role")], layout=layout,
+                   partner=partner, size=half, pair_group=pair_group)

@@ -1,0 +1,126 @@
+"""Routing replay for MoE routers (``actor.router_replay``) and the routing mismatch metric.
+
+A top-k router is a discrete choice: a small change of the logits (bf16 vs fp32, another kernel,
+the weights moved by the previous mini-batch) flips which experts a token uses, and the log-prob of
+that token jumps. Replay fixes the choice and keeps the weights differentiable::
+
+    p     = softmax_fp32(x W_router^T)                       [M, E]   (live router: gets gradients)
+    e     = replayed ids                                     [M, k]   (recorded earlier, int)
+    w     = p[e] (/ sum_j p[e_j] when norm_topk_prob)        [M, k]
+
+Modes: ``R2`` replays the ids the trainer's own old-log-prob pass chose (every update forward,
+activation recompute included, routes like the policy that produced ``old_log_probs``); ``R3``
+would replay the rollout's ids (the sampler does not record them yet). ``moe/routing_mismatch``:
+the fraction of (token, sparse layer) pairs whose top-k set used by the update differs from the
+recorded one (0 under replay), ``moe/routing_mismatch_live``: the same for the live router's own
+choice (what replay corrects); over the real tokens of every update forward of all ranks.
+
+Routes are kept in the batch layout, ``routes [N, P+R, S, k]`` int16 (``S`` sparse layers), so any
+micro-batching reads them back: the tokens a forward sees are the rows' real tokens in row-major
+order (padding-free) or every position (padded).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+REPLAY_MODES = ("none", "R2", "R3")
+_GATE = re.compile(r"layers\.(\d+)\.(?:_checkpoint_wrapped_module\.)?mlp\.gate$")
+
+
+def replay_route(logits: Tensor, top_k: int, norm_topk_prob: bool, ids: Optional[Tensor] = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(weights [M, k] in logits' dtype, ids used [M, k], live top-k ids [M, k])``; ``ids=None`` routes live."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    live = torch.topk(probs, top_k, dim=-1).indices
+    top_i = live if ids is None else ids.to(live.dtype)
+    top_w = probs.gather(1, top_i)
+    if norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(logits.dtype), top_i, live
+
+
+def routes_differ(a: Tensor, b: Tensor) -> Tensor:
+    """``[M]`` bool: the top-k sets of ``a`` and ``b`` (``[M, k]``) differ (order within k ignored)."""
+    return (a.sort(dim=-1).values != b.to(a.dtype).sort(dim=-1).values).any(dim=-1)
+
+
+class RouterReplay:
+    """Patches the routers (``mlp.gate``) of a Qwen3-MoE model in place.
+
+    Per forward the caller sets :attr:`tokens` (``[B, L]`` mask of the tokens the forward sees, or
+    None for every position), and :attr:`record_into` (a ``[B, L, S, k]`` tensor to fill) and / or
+    :attr:`reference` (the recorded ``[B, L, S, k]`` routes of the same rows); :attr:`replay` says
+    whether the reference is used or only compared (``moe/routing_mismatch``).
+    """
+
+    def __init__(self, model: nn.Module, layers: list[int], top_k: int, norm_topk_prob: bool, replay: bool):
+        self.slot = {layer: s for s, layer in enumerate(layers)}  # global layer id -> sparse index
+        self.top_k, self.norm, self.replay = top_k, norm_topk_prob, replay
+        self.tokens = None
+        self.record_into: Optional[Tensor] = None
+        self.reference: Optional[Tensor] = None
+        self.counts: Optional[Tensor] = None  # [3] float64: used != recorded, live != recorded, pairs
+        for name, mod in model.named_modules():
+            m = _GATE.search(name)
+            if m is not None and int(m.group(1)) in self.slot:
+                mod.forward = self._forward(mod, self.slot[int(m.group(1))])
+
+    @property
+    def tokens(self) -> Optional[Tensor]:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, mask: Optional[Tensor]) -> None:
+        self._tokens = mask
+        # the positions once per forward (one host sync, as unpad), not once per layer
+        self._index = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+
+    def _select(self, t: Tensor) -> Tensor:
+        """``[B, L, ...]`` -> the ``[M, ...]`` tokens of this forward."""
+        flat = t.reshape(-1, *t.shape[2:])
+        return flat if self._index is None else flat.index_select(0, self._index.to(flat.device))
+
+    def _forward(self, gate: nn.Module, s: int):
+        def forward(hidden_states: Tensor):
+            h = hidden_states.reshape(-1, gate.weight.shape[-1])
+            logits = F.linear(h, gate.weight)
+            ref = None if self.reference is None else self._select(self.reference[:, :, s]).to(h.device)
+            w, top_i, live = replay_route(logits, self.top_k, self.norm, ref if self.replay else None)
+            if ref is not None:  # [used != recorded, live != recorded, pairs]
+                diff = torch.stack([routes_differ(top_i, ref).sum().double(), routes_differ(live, ref).sum().double(),
+                                    torch.tensor(float(live.shape[0]), dtype=torch.float64, device=live.device)])
+                self.counts = diff if self.counts is None else self.counts + diff.to(self.counts.device)
+            if self.record_into is not None:
+                self._store(top_i, s)
+            return logits, w, top_i
+        return forward
+
+    def _store(self, top_i: Tensor, s: int) -> None:
+        out = self.record_into
+        ids = top_i.detach().to(out.device, out.dtype)
+        if self._index is None:
+            out[:, :, s] = ids.view(out.shape[0], out.shape[1], -1)
+        else:
+            view = out[:, :, s].reshape(-1, ids.shape[1])  # [B L, k] (a copy: out[:, :, s] is strided)
+            view.index_copy_(0, self._index.to(out.device), ids)
+            out[:, :, s] = view.view(out.shape[0], out.shape[1], -1)
+
+    def mismatch(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
+        """``{"moe/routing_mismatch": ...}`` over all ranks of ``group`` (a collective), then start over."""
+        counts = self.counts.to(device) if self.counts is not None else torch.zeros(3, dtype=torch.float64,
+                                                                                     device=device)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        self.counts = None
+        used, live, pairs = counts.tolist()
+        if pairs <= 0:
+            return {}
+        return {"moe/routing_mismatch": used / pairs, "moe/routing_mismatch_live": live / pairs}
