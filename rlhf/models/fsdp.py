@@ -47,12 +47,14 @@ def set_offload_threads() -> int:
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
                mixed_precision: bool = True, param_offload: bool = False,
-               reshard_after_forward: bool = True, host: Optional[dict[str, torch.Tensor]] = None
-               ) -> torch.nn.Module:
+               reshard_after_forward: bool = True, host: Optional[dict[str, torch.Tensor]] = None,
+               load_ranks_per_node: int = 0) -> torch.nn.Module:
     """Shard each decoder block and the root over `dp_mesh`, then place this rank's shards.
 
     ``host``: the host tensors of a model whose parameters :func:`params_to_meta` already
     moved to the meta device (``parallelize_model`` does so before TP); None = done here.
+    ``load_ranks_per_node``: local ranks that read and place their shards at once (0 = auto;
+    :func:`rlhf.models.shard_init.load_turns`).
     The device never holds more than this rank's shards (CPU offload: the shards stay in
     host memory).
 
@@ -74,7 +76,7 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
     for block in decoder_layers(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    materialize_shards(model, host, torch.device("cpu") if param_offload else device)
+    materialize_shards(model, host, torch.device("cpu") if param_offload else device, load_ranks_per_node)
     return model
 
 

@@ -124,14 +124,15 @@ def _available_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-_CPU_GROUP: list[Any] = []
+_CPU_GROUP: dict[int, Any] = {}
 
 
 def _cpu_group():
-    # A gloo group for host-side coordination, whatever the device backend.
-    if not _CPU_GROUP:
-        _CPU_GROUP.append(dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None)
-    return _CPU_GROUP[0]
+    # A gloo group for host-side coordination, whatever the device backend (one per world group).
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUP:
+        _CPU_GROUP[key] = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    return _CPU_GROUP[key]
 
 
 def staggered(fn: Callable[[], Any], at_once: int) -> Any:
