@@ -85,7 +85,7 @@ def _check(rank: int, world: int, tmp: str) -> None:
 
 def _check_deferred_load(rank: int, world: int, tmp: str) -> None:
     """``load_causal_lm(deferred=True)``: the shards equal today's loading (whole model in fp32, then
-    sliced) exactly, for fp32 and bf16 checkpoints on dp 2 and tp 2; each rank reads about half of
+    sliced) exactly, for an fp32 checkpoint on dp 2 and a bf16 one on tp 2; each rank reads about half of
     the checkpoint's bytes, in its own dtype; ``model.load_ranks_per_node=1`` places one rank at a time."""
     import os
     import time
@@ -110,23 +110,24 @@ def _check_deferred_load(rank: int, world: int, tmp: str) -> None:
 
     shard_init._materialize = timed
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # one node: the stagger applies
-    for dtype, dims in ((torch.float32, (1, 2, 1)), (torch.bfloat16, (1, 1, 2)), (torch.bfloat16, (1, 2, 1))):
+    for dtype, dims in ((torch.float32, (1, 2, 1)), (torch.bfloat16, (1, 1, 2))):
         path = f"{tmp}/{str(dtype)[6:]}"
-        if rank == 0 and not os.path.exists(path):
-            _model(38).to(dtype).save_pretrained(path)
+        saved = _model(38).to(dtype)
+        # today's loading: from_pretrained in fp32 (bf16 values upcast exactly), then sliced
+        full = {n: p.detach().float() for n, p in saved.named_parameters()}
+        if rank == 0:
+            saved.save_pretrained(path)
         dist.barrier()
         file_bytes = sum(f.stat().st_size for f in __import__("pathlib").Path(path).glob("*.safetensors"))
         mesh = init_device_mesh(dist_device_type(), dims, mesh_dim_names=("pp", "dp", "tp"))
-        today = parallelize_model(load_causal_lm(path), mesh, ParallelConfig(), dist_device()).module
         model = load_causal_lm(path, deferred=True)
         assert all(p.is_meta for p in model.parameters())
         index = next(model.parameters())._rlhf_source.index
         spans.clear()
         new = parallelize_model(model, mesh, ParallelConfig(), dist_device(), load_ranks_per_node=1).module
-        for (n, a), b in zip(today.named_parameters(), new.parameters()):
-            assert b.dtype == torch.float32 and a.placements == b.placements, n
-            torch.testing.assert_close(to_mesh_device(b).to_local(), to_mesh_device(a).to_local(), rtol=0, atol=0,
-                                       msg=n)
+        for n, b in new.named_parameters():
+            assert b.dtype == torch.float32 and b.to_local().numel() < full[n].numel() or b.dim() == 1, n
+            torch.testing.assert_close(to_mesh_device(b).full_tensor().cpu(), full[n], rtol=0, atol=0, msg=n)
         # About half of the checkpoint per rank (norms and the header are read whole): not all of it.
         assert index.bytes_read < 0.6 * file_bytes, (dims, dtype, index.bytes_read, file_bytes)
         # Staggered: rank 0 placed its shards before rank 1 started.
