@@ -18,10 +18,11 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   unsharded gradients of its stage between micro-batches (fp32 under mixed precision);
 * ``fsdp unsharded``: the all-gathered root (embeddings, LM head) and two decoder blocks
   (current + prefetched), in the compute dtype; in the update also their gradients;
-* ``load``: the loaded model (its pipeline stage) stays in host memory while TP / FSDP2
-  shard it on the meta device; only this rank's shards reach the device
-  (rlhf/models/shard_init.py). On CUDA it is listed as host memory; on a CPU plan the
-  host is the device;
+* ``load``: the model is built on the meta device, TP / FSDP2 shard it there, and each
+  rank reads only its slice of each weight from the safetensors files, in the checkpoint's
+  dtype, upcasting it as it is placed (rlhf/models/shard_init.py): the host holds the
+  largest weight's slice (checkpoint + master bytes) at a time; with LoRA the whole stage in
+  the master dtype. On CUDA it is listed as host memory; on a CPU plan the host is the device;
 * reference (``actor.use_kl_loss`` without LoRA) and critic (``adv_estimator: gae``) copies;
 * rollout copy: the full model over ``rollout.tp`` in ``rollout.dtype`` (auto: bf16 on
   CUDA, else ``model.dtype``); with LoRA the base copy is cached between steps (counted in
@@ -34,8 +35,9 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   slots = min(rollout.max_num_seqs, budget, sequences this rollout replica generates);
 * decode without flash-attn on CUDA (not installed, or an fp32 rollout): the gather kernel's
   per-layer window copy and scores (in the CUDA-graph pool for the whole run under compile);
-* host memory per node at load: every local rank's host model at once (warned against the
-  machine's memory by ``plan_from_config``);
+* host memory per node at load: ``model.load_ranks_per_node`` ranks' load slices at once plus
+  what offload keeps on the host for every rank (warned against the machine's memory by
+  ``plan_from_config``);
 * activations of one training micro-batch, with and without activation checkpointing
   (which one enters the update total follows ``model.enable_gradient_checkpointing``);
 * logits: ``[rows, response, vocab / tp]`` in fp32 for log-probs, with the temporaries of
@@ -72,6 +74,9 @@ GIB = 1024 ** 3
 # --------------------------------------------------------------------------- model shape
 
 
+_CHECKPOINT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Sizes of a supported decoder read from an HF config.json dict.
@@ -101,6 +106,7 @@ class ModelShape:
     experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     sparse_layers: int = 0  # blocks with routed experts (the others keep the dense MLP)
+    checkpoint_bytes: int = 4  # bytes per weight in the checkpoint files (config.json's dtype; bf16 = 2)
 
     @classmethod
     def from_config_dict(cls, d: dict, source: str = "config.json") -> "ModelShape":
@@ -128,7 +134,8 @@ class ModelShape:
                        num_experts=int(d.get("num_experts") or d["num_local_experts"]) if moe else 0,
                        experts_per_tok=int(d["num_experts_per_tok"]) if moe else 0,
                        moe_intermediate_size=int(d["moe_intermediate_size"]) if moe else 0,
-                       sparse_layers=sum(i not in skip and (i + 1) % step == 0 for i in range(layers)) if moe else 0)
+                       sparse_layers=sum(i not in skip and (i + 1) % step == 0 for i in range(layers)) if moe else 0,
+                       checkpoint_bytes=_CHECKPOINT_BYTES.get(str(d.get("dtype") or d.get("torch_dtype")), 4))
         except KeyError as e:
             raise ConfigError(f"{source}: missing key {e.args[0]!r} needed by the memory planner") from None
 
@@ -196,6 +203,12 @@ class ModelShape:
 
     def num_params(self) -> int:
         return self.embed_params() + self.decoder_params() + self.head_params()
+
+    def largest_param(self) -> int:
+        """Elements of the largest single weight (the embedding, a fused MLP matrix or a block's experts)."""
+        mlp = self.intermediate_size * self.hidden_size * (2 if self.fused else 1)
+        experts = self.num_experts * 2 * self.moe_intermediate_size * self.hidden_size
+        return max(self.embed_params(), mlp, experts)
 
     def num_active_params(self) -> int:
         """Parameters one token goes through (MoE: routed experts only; dense: all)."""
@@ -356,9 +369,13 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     comp["fsdp unsharded"] = unsharded_frozen
     host: dict[str, float] = {}
     on_host = cuda or m.param_offload
-    comp["load (host model before sharding)"] = 0.0 if on_host else stage * mb
+    if lora:  # peft wraps the loaded model: loaded whole, in the master dtype
+        load_rank = stage * mb
+    else:  # one weight's slice at a time, read in the checkpoint dtype and upcast (rlhf/models/shard_init.py)
+        load_rank = s.largest_param() / (tp * dp) * (s.checkpoint_bytes + mb)
+    comp["load (host slice being placed)"] = 0.0 if on_host else load_rank
     if on_host:
-        host["load (model before sharding)"] = stage * mb
+        host["load (slice being placed)"] = load_rank
     if m.param_offload:
         for k in ("parameters", "gradients", "optimizer (AdamW m+v)", "reference"):
             host[k] = comp[k]
@@ -459,7 +476,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
             carried["cuda-graph pool (decode gather buffers)"] = comp["decode gather buffers (no flash-attn)"]
     persistent = {**training_state, **({} if one_step_off else carried)}
     phases = {
-        "load": {"load (host model before sharding)": comp["load (host model before sharding)"],
+        "load": {"load (host slice being placed)": comp["load (host slice being placed)"],
                  "parameters": comp["parameters"]},
         "rollout": {**training_state, **rollout_state},
         "log-probs": {**persistent, "fsdp unsharded": unsharded_frozen,
@@ -478,14 +495,17 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
                                  "send buffer": comp["send buffer"]}
     if m.param_offload:
         del phases["load"]
-    # Every rank of a node loads its model (stage) on the host at once, next to what offload keeps there.
+    # A node's ranks read and place their shards model.load_ranks_per_node at a time (0: all), next to
+    # what offload keeps on the host for every rank.
     local = min(world_size, RANKS_PER_NODE)
-    host_node = local * sum(host.values())
+    at_once = min(local, m.load_ranks_per_node or local)
+    load_host = host.get("load (slice being placed)", 0.0)
+    host_node = local * (sum(host.values()) - load_host) + at_once * load_host
     if host_memory and host_node > 0.9 * host_memory:
-        notes.append(f"host memory at load: {local} ranks x {fmt_bytes(sum(host.values())).strip()} = "
-                     f"{fmt_bytes(host_node).strip()} per node exceeds 90% of this machine's "
-                     f"{fmt_bytes(host_memory).strip()}: the kernel kills a rank without a traceback; load in "
-                     "bf16 (model.dtype), use more nodes, or fewer ranks per node")
+        notes.append(f"host memory at load: {fmt_bytes(host_node).strip()} per node ({local} ranks, {at_once} "
+                     f"loading at once) exceeds 90% of this machine's {fmt_bytes(host_memory).strip()}: the kernel "
+                     "kills a rank without a traceback; lower model.load_ranks_per_node, use more nodes, or fewer "
+                     "ranks per node")
     layout = {"world": world_size, "dp": dp, "tp": tp, "pp": pp, "ep": ep, "rollout_tp": r.tp, "device": device,
               "slots": slots, "seq_len": seq_len, "mode": cfg.trainer.mode, "ranks_per_node": local}
     return MemoryPlan(shape=s, layout=layout, components=comp, phases=phases, host=host, notes=notes,

@@ -15,6 +15,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': {msg}")
 
     need(bool(cfg.model.path), "model.path", "is required (a local HF model directory)")
+    need(cfg.model.load_ranks_per_node >= 0, "model.load_ranks_per_node", "must be >= 0 (0 = auto)")
     need(bool(cfg.data.train_files), "data.train_files", "is required (parquet or jsonl prompt files)")
     need(cfg.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")
     need(cfg.data.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")

@@ -48,11 +48,13 @@ def set_offload_threads() -> int:
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
                mixed_precision: bool = True, param_offload: bool = False,
                reshard_after_forward: bool = True, host: Optional[dict[str, torch.Tensor]] = None,
-               expert_mesh: Optional[DeviceMesh] = None) -> torch.nn.Module:
+               expert_mesh: Optional[DeviceMesh] = None, load_ranks_per_node: int = 0) -> torch.nn.Module:
     """Shard each decoder block and the root over `dp_mesh`, then place this rank's shards.
 
     ``host``: the host tensors of a model whose parameters :func:`params_to_meta` already
     moved to the meta device (``parallelize_model`` does so before TP); None = done here.
+    ``load_ranks_per_node``: local ranks that read and place their shards at once (0 = auto;
+    :func:`rlhf.models.shard_init.load_turns`).
     The device never holds more than this rank's shards (CPU offload: the shards stay in
     host memory).
 
@@ -90,7 +92,7 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
         # micro-batch feeds it a dummy image, rlhf.models.vlm.dummy_vision_loss), so ranks never diverge.
         fully_shard(visual, **kwargs)
     fully_shard(model, **kwargs)
-    materialize_shards(model, host, torch.device("cpu") if param_offload else device)
+    materialize_shards(model, host, torch.device("cpu") if param_offload else device, load_ranks_per_node)
     return model
 
 

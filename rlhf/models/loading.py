@@ -9,6 +9,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
+from rlhf.models.checkpoint_reader import (CheckpointIndex, checkpoint_dtype, checkpoint_sources,
+                                             deferred_whole_loads, parameters_on_meta)
 from rlhf.models.decoder import check_supported
 from rlhf.models.mrope import is_vlm_config
 from rlhf.schema.config import ConfigError
@@ -57,26 +59,84 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
 
 
 def load_causal_lm(path: str, *, dtype: str = "float32", attn_implementation: str = "sdpa",
-                   trust_remote_code: bool = False, key: str = "model.path") -> PreTrainedModel:
-    """`AutoModelForCausalLM` on CPU in the master dtype; FSDP2 moves shards to the device."""
+                   trust_remote_code: bool = False, key: str = "model.path", deferred: bool = False) -> PreTrainedModel:
+    """`AutoModelForCausalLM` on CPU in the master dtype ``dtype``.
+
+    ``deferred``: the parameters are left on the meta device (in ``dtype``), each with the source
+    :func:`rlhf.models.shard_init.materialize_shards` reads this rank's slice from: the
+    safetensors file itself (only the slice's bytes, in the checkpoint dtype), or, where the
+    checkpoint's layout needs transformers' conversions, the host tensor ``from_pretrained``
+    loaded in the checkpoint's own dtype (a bf16 checkpoint stays bf16 on the host). Shards are
+    upcast to ``dtype`` one by one as they are placed. Only for callers that go through
+    ``parallelize_model`` (its ``params_to_meta`` takes the sources)."""
     p = check_model_dir(path, key)
     config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     attn_implementation = training_attn_implementation(config, attn_implementation)
+    vlm = is_vlm_config(config)  # Qwen-VL: the *ForConditionalGeneration class (vision tower + language model)
+    if deferred and not vlm:  # a VLM loads whole (its tower's and language model's names are converted on load)
+        return _load_deferred(p, config, DTYPES[dtype], attn_implementation, trust_remote_code, key)
+    model = _from_pretrained(p, DTYPES[dtype], attn_implementation, trust_remote_code, key, vlm=vlm)
+    check_finite_weights(model, f"{key}: {p}")
+    return model
+
+
+def _weights_error(p: Path, key: str, e: Exception) -> ConfigError:
+    files = ", ".join(sorted(f.name for f in p.glob("*.safetensors"))) or "no *.safetensors"
+    return ConfigError(f"{key}: cannot read the weights in {p} ({files}): {type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _from_pretrained(p: Path, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
+                     key: str, vlm: bool = False) -> PreTrainedModel:
     auto = AutoModelForCausalLM
-    if is_vlm_config(config):  # Qwen-VL: the *ForConditionalGeneration class (vision tower + language model)
+    if vlm:
         from transformers import AutoModelForImageTextToText as auto
     try:
         model = auto.from_pretrained(
-            str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code)
+            str(p), dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a damaged weight file: safetensors' own error names no file
         if "safetensor" not in f"{type(e).__module__} {type(e).__name__} {e}".lower():
             raise
-        files = ", ".join(sorted(f.name for f in p.glob("*.safetensors"))) or "no *.safetensors"
-        raise ConfigError(f"{key}: cannot read the weights in {path} ({files}): {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise _weights_error(p, key, e) from None
     model.config.use_cache = False
-    check_finite_weights(model, f"{key}: {path}")
+    return model
+
+
+def _load_deferred(p: Path, config, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool,
+                   key: str) -> PreTrainedModel:
+    try:
+        index = CheckpointIndex(p)
+    except FileNotFoundError:
+        index = None  # a .bin checkpoint: from_pretrained below
+    except Exception as e:  # noqa: BLE001 - a damaged header
+        raise _weights_error(p, key, e) from None
+    if index is None:
+        # No safetensors header to read slices by: its own loader, now, in the checkpoint's dtype.
+        model = _from_pretrained(p, checkpoint_dtype(p) or dtype, attn_implementation, trust_remote_code, key)
+        check_finite_weights(model, f"{key}: {p}")
+        sources = {}
+        for name, param in model.named_parameters():
+            sources[name] = param.detach()
+            with torch.no_grad():
+                torch.utils.swap_tensors(param, torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=dtype, device="meta"), requires_grad=param.requires_grad))
+    else:
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+                                                     trust_remote_code=trust_remote_code)
+        model.eval()  # as from_pretrained returns it
+        model.config.use_cache = False
+        sources = checkpoint_sources(model, index)
+        if sources is None:
+            # A layout transformers converts on load: its loader in the checkpoint's dtype, run at
+            # placement (staggered), each tensor dropped once its shard is placed.
+            ckpt = index.dtype() or dtype
+            sources = deferred_whole_loads(
+                model, lambda: _from_pretrained(p, ckpt, attn_implementation, trust_remote_code, key),
+                index.file_bytes)
+    for name, param in model.named_parameters():
+        param._rlhf_source = sources[name]
+        param._rlhf_where = f"{key}: {p}"
     return model
 
 

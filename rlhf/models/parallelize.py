@@ -118,6 +118,7 @@ def parallelize_model(
     activation_checkpointing: bool = False,
     pp_output: str = "logprobs",
     loss_parallel: bool = True,
+    load_ranks_per_node: int = 0,
 ) -> ParallelModel:
     """Put ``model`` into the training layout of ``mesh`` (see module docstring).
 
@@ -132,6 +133,8 @@ def parallelize_model(
         activation_checkpointing: recompute each decoder block in the backward.
         pp_output: what the last pipeline stage returns (``"logprobs"`` / ``"values"``).
         loss_parallel: keep LM-head logits vocab-sharded under TP (never gathered).
+        load_ranks_per_node: local ranks that read and place their shards at once
+            (``model.load_ranks_per_node``; 0 = auto).
 
     Returns:
         A :class:`ParallelModel`.
@@ -158,7 +161,7 @@ def parallelize_model(
         if activation_checkpointing:
             apply_ac(part, blocks=decoder_layers(part))
         apply_fsdp(part, fsdp_mesh(mesh), device=device, mixed_precision=mixed_precision, param_offload=param_offload,
-                   host=host, expert_mesh=expert_mesh)
+                   host=host, expert_mesh=expert_mesh, load_ranks_per_node=load_ranks_per_node)
     if pipeline is None:
         module: nn.Module = model
     else:

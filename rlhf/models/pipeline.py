@@ -303,7 +303,11 @@ class PipelineModel:
         if self.tied_across_ranks:
             for stage in self.stages:
                 if stage.is_last and stage.lm_head.weight is model.model.embed_tokens.weight:
-                    stage.lm_head.weight = nn.Parameter(stage.lm_head.weight.detach().clone())
+                    tied = stage.lm_head.weight
+                    stage.lm_head.weight = nn.Parameter(tied.detach().clone())
+                    for attr in ("_rlhf_source", "_rlhf_where"):  # a deferred load's reader (shard_init)
+                        if hasattr(tied, attr):
+                            setattr(stage.lm_head.weight, attr, getattr(tied, attr))
 
     # ------------------------------------------------------------------ helpers
     @property

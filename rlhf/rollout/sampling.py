@@ -162,6 +162,51 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     return torch.where(following < v, following, preceding)
 
 
+# Candidates the top-p nucleus is first looked for among (the largest logits); rows whose nucleus
+# reaches past them fall back to sorting the whole vocabulary (bench/top_p.py: the share that does).
+TOP_P_PREFILTER = 1024
+
+
+def _stable_descending(values: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """Reorder candidate ``values`` [B, k] (with vocabulary ``index``) into the order a stable
+    descending sort of the whole vocabulary gives them: by value, ties by ascending index."""
+    index, perm = index.sort(dim=-1)
+    values, perm2 = values.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    return values, index.gather(1, perm2)
+
+
+def top_p_nucleus(logp: Tensor, top_p: float, prefilter: int = TOP_P_PREFILTER) -> tuple[Tensor, Tensor]:
+    """The top-p (nucleus) distribution of ``logp`` [B, V] (log-probs over the vocabulary).
+
+    HF's ``TopPLogitsWarper`` rule: in stable descending order, keep a token when the mass strictly
+    before it is < ``top_p`` (so the most likely token always stays). Returns ``probs`` [B, k] (the
+    full-vocabulary probabilities of the kept tokens, 0 after them, in that order) and their
+    vocabulary ``index`` [B, k]; sampling renormalises over the kept mass.
+
+    Without sorting the vocabulary: the ``prefilter`` largest log-probs (``topk``) are put in the
+    stable order; the nucleus lies among them exactly when the mass of the candidates strictly
+    above the smallest candidate value (a tie group there may be cut by ``topk``) already reaches
+    ``top_p``; then every kept token, its order and its cumulative mass are those of the full
+    sort. Otherwise (a flat distribution) the whole vocabulary is sorted. The check costs one
+    host sync per call. The probabilities are ``exp(logp - max) / sum`` with the sum over the
+    vocabulary in its natural order on both paths, so which path ran changes nothing.
+    """
+    v = logp.shape[-1]
+    top = logp.amax(dim=-1, keepdim=True)
+    total = (logp - top).exp_().sum(dim=-1, keepdim=True)
+    if prefilter < v:
+        cand, index = _stable_descending(*logp.topk(prefilter, dim=-1, sorted=False))
+        probs = (cand - top).exp_().div_(total)
+        before = probs.cumsum(dim=-1) - probs
+        boundary = (cand == cand[:, -1:]).int().argmax(dim=-1, keepdim=True)  # first of the last tie group
+        if bool((before.gather(1, boundary) >= top_p).all()):
+            return probs.masked_fill_(before >= top_p, 0.0), index
+    cand, index = logp.sort(dim=-1, descending=True, stable=True)
+    probs = (cand - top).exp_().div_(total)
+    before = probs.cumsum(dim=-1) - probs
+    return probs.masked_fill_(before >= top_p, 0.0), index
+
+
 def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tuple[Tensor, Tensor]:
     """Pick one token per row and return its log-prob under the temperature-scaled distribution.
 
@@ -198,12 +243,12 @@ def sample_next(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tup
     cand_idx: Tensor | None = None
     if use_top_k:
         cand, cand_idx = logp.topk(params.top_k, dim=-1, sorted=True)  # [B, k] descending
+        probs = torch.softmax(cand, dim=-1)  # renormalised over the top-k
     elif params.top_p < 1.0:
-        cand, cand_idx = logp.sort(dim=-1, descending=True, stable=True)  # [B, V]
+        probs, cand_idx = top_p_nucleus(logp, params.top_p)  # [B, k <= V] descending, 0 past the nucleus
     else:
-        cand = logp
-    probs = torch.softmax(cand, dim=-1)  # renormalised over the candidates
-    if params.top_p < 1.0:
+        probs = torch.softmax(logp, dim=-1)
+    if params.top_p < 1.0 and use_top_k:
         # keep a token when the mass strictly before it (in descending order) is < top_p;
         # this is HF's TopPLogitsWarper rule and always keeps the most likely token.
         before = probs.cumsum(dim=-1) - probs

@@ -44,6 +44,9 @@ class ModelConfig:
                                    "actor.freeze_vision_tower); the tower still runs every micro-batch.")
     target_modules: Union[str, list] = _f("all-linear", "LoRA target modules: 'all-linear' or a list of names.")
     param_offload: bool = _f(False, "FSDP2 CPU offload of parameters, gradients and optimizer state.")
+    load_ranks_per_node: int = _f(0, "Local ranks that read and place their weight shards at once at load (staggered "
+                                     "by local rank); 0 = auto: all where the checkpoint is read by slices, else as "
+                                     "many whole checkpoints as fit 80% of the node's available memory.")
     unsharded_grad_accumulation: bool = _f(
         False, "Reduce-scatter gradients once per mini-batch instead of after every micro-batch (FSDP2 no-sync): "
                "fewer collectives, but each rank holds the unsharded fp32 gradients of its whole model between "

@@ -185,9 +185,12 @@ class PolicyWorker:
         self.mesh = mesh
         self.device = device
         self.dp_group = mesh["dp"].get_group()
+        self.lora = trainable and model_cfg.lora_rank > 0 if lora is None else lora
+        # Deferred: each rank reads only its shards, in the checkpoint dtype, at placement (not under
+        # LoRA: peft would create its adapters on the meta device next to the base weights).
         model = build_model() if build_model else load_causal_lm(
             path or model_cfg.path, dtype=model_cfg.dtype, attn_implementation=model_cfg.attn_implementation,
-            trust_remote_code=model_cfg.trust_remote_code)
+            trust_remote_code=model_cfg.trust_remote_code, deferred=not self.lora)
         if not trainable:
             model.requires_grad_(False)
         elif model_cfg.freeze_vision_tower:
@@ -197,7 +200,6 @@ class PolicyWorker:
             visual.requires_grad_(False)
         self.hf_config = model.config
         self.is_vlm = is_vlm_config(model.config)
-        self.lora = trainable and model_cfg.lora_rank > 0 if lora is None else lora
         check_features(model_cfg, mesh, self.lora, self.hf_config)
         if self.lora:
             # Only the adapters are trainable (and so sharded with gradients / optimizer state).
@@ -205,7 +207,7 @@ class PolicyWorker:
                                target_modules=model_cfg.target_modules)
         self.parallel: ParallelModel = parallelize_model(
             model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,
-            param_offload=model_cfg.param_offload,
+            param_offload=model_cfg.param_offload, load_ranks_per_node=model_cfg.load_ranks_per_node,
             activation_checkpointing=trainable and model_cfg.enable_gradient_checkpointing)
         del model  # with pp, the other stages' layers are freed here
         adopt_layout(self, self.parallel, mesh)

@@ -209,14 +209,14 @@ def _setup(cfg: SFTConfig) -> tuple:
 def _build_model(cfg: SFTConfig, mesh, device: torch.device) -> torch.nn.Module:
     m = cfg.model
     model = load_causal_lm(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                           trust_remote_code=m.trust_remote_code)
+                           trust_remote_code=m.trust_remote_code, deferred=m.lora_rank == 0)
     if m.lora_rank > 0:  # only the adapters are trainable, so only they get gradients and optimizer state
         try:
             model = apply_lora(model, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=m.target_modules)
         except ValueError as e:
             raise ConfigError(f"model.target_modules: {e}") from None
     return parallelize_model(model, mesh, cfg.parallel, device, mixed_precision=m.mixed_precision,
-                             param_offload=m.param_offload,
+                             param_offload=m.param_offload, load_ranks_per_node=m.load_ranks_per_node,
                              activation_checkpointing=m.enable_gradient_checkpointing).module
 
 

@@ -101,10 +101,13 @@ def test_mixed_precision_on_cuda_halves_rollout_and_compute_copies():
     tp2 = plan_memory(s, _cfg("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "parallel.tp=2"),
                       world_size=16, device="cuda")
     assert tp2.layout["dp"] == 8 and tp2.components["parameters"] == s.num_params() / 16 * 4
-    # Only shards reach the GPU: the loaded model stays in host memory.
-    assert tp2.components["load (host model before sharding)"] == 0
-    assert tp2.host["load (model before sharding)"] == s.num_params() * 4
-    assert cpu.components["load (host model before sharding)"] == s.num_params() * 4
+    # Only shards reach the GPU; the host holds one weight's slice at a time (checkpoint + master bytes).
+    assert tp2.components["load (host slice being placed)"] == 0
+    assert tp2.host["load (slice being placed)"] == s.largest_param() / 16 * (s.checkpoint_bytes + 4)
+    assert cpu.components["load (host slice being placed)"] == s.largest_param() / 8 * (s.checkpoint_bytes + 4)
+    lora = plan_memory(s, _cfg("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "model.lora_rank=8"),
+                       world_size=8, device="cuda")
+    assert lora.host["load (slice being placed)"] == s.num_params() * 4  # peft wraps the whole loaded model
 
 
 def test_fit_decision_and_bytes_parsing():
@@ -208,8 +211,14 @@ def test_decode_gather_buffers_without_flash_attn_and_host_per_node():
                           flash_attn=False)
     assert regions.components[key] == decode_gather_bytes(s, slots=regions.layout["slots"], seq_len=L, rollout_tp=1,
                                                           rb=2, paged=False)
-    # host: 8 ranks of a node each hold the fp32 model at load
-    assert flash.host_per_node == 8 * s.num_params() * 4
-    tight = plan_memory(s, _cfg(*base), world_size=16, device="cuda", host_memory=128 * GIB)
+    # host: 8 ranks of a node each hold one bf16 slice + its fp32 upcast at load, not the fp32 model
+    assert s.checkpoint_bytes == 2
+    assert flash.host_per_node == pytest.approx(8 * s.largest_param() / 8 * (2 + 4))
+    assert flash.host_per_node < 8 * s.num_params() * 4 / 30  # it was every rank's whole fp32 model
+    offload = [*base, "model.param_offload=true"]
+    tight = plan_memory(s, _cfg(*offload), world_size=16, device="cuda", host_memory=48 * GIB)
     assert tight.layout["ranks_per_node"] == 8 and any("host memory at load" in n for n in tight.notes)
     assert not any("host memory at load" in n for n in flash.notes)
+    one = plan_memory(s, _cfg(*offload, "model.load_ranks_per_node=1"), world_size=16, device="cuda")
+    load = one.host["load (slice being placed)"]
+    assert tight.host_per_node - one.host_per_node == pytest.approx(7 * load)  # only one rank's load slice at a time
