@@ -36,6 +36,8 @@ def params_to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
     host: dict[str, torch.Tensor] = {}
     seen: dict[int, torch.Tensor] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta:  # built on meta (rlhf.simulate): nothing to move, the host tensor is the meta one
+            seen.setdefault(id(p), p)
         if id(p) not in seen:
             seen[id(p)] = p.detach()
             with torch.no_grad():
