@@ -52,6 +52,7 @@ class Simulation:
     layout: dict
     peaks: dict[str, dict[str, int]]  # phase -> {category: bytes at the phase's peak, "total"}
     comm: dict[str, dict[str, int]]  # phase -> {collective: bytes}
+    comm_cross: dict[str, dict[str, int]]  # phase -> {collective: bytes over groups that span nodes}
     calls: dict[str, dict[str, int]]  # phase -> {collective: count}
     flops: dict[str, float]  # phase -> model FLOPs of this rank
     roofline: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -62,7 +63,8 @@ class Simulation:
         return max(self.peaks, key=lambda p: self.peaks[p]["total"])
 
     def to_json(self) -> dict:
-        return {"layout": self.layout, "peaks": self.peaks, "comm": self.comm, "calls": self.calls,
+        return {"layout": self.layout, "peaks": self.peaks, "comm": self.comm, "comm_cross": self.comm_cross,
+                "calls": self.calls,
                 "flops": self.flops, "roofline": self.roofline, "notes": self.notes, "peak_phase": self.peak_phase}
 
 
@@ -155,7 +157,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                                build_model=build) if need_ref else None
         layout = RolloutLayout.build(cfg.rollout.tp, device)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        counter = LiveBytes()
+        counter = LiveBytes(ranks_per_node=8)
         d, a, r = cfg.data, cfg.actor, cfg.rollout
         P, R = d.max_prompt_length, d.max_response_length
         L = P + R
@@ -227,6 +229,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                "model": hf.architectures[0] if getattr(hf, "architectures", None) else hf.model_type}
         peaks = {k: v for k, v in counter.peaks.items() if k != "start"}
         return Simulation(layout=lay, peaks=peaks, comm={k: dict(v) for k, v in counter.comm.items() if k != "start"},
+                          comm_cross={k: dict(v) for k, v in counter.comm_cross.items() if k != "start"},
                           calls={k: dict(v) for k, v in counter.calls.items() if k != "start"}, flops=flops,
                           notes=notes)
     finally:
@@ -270,16 +273,17 @@ def _kv_cache(cfg: Config, hf, world: int, rollout_tp: int, replicas: int, dtype
 
 def roofline(sim: Simulation, cfg: Config, hf, *, gpu: str = "h100") -> dict[str, dict[str, float]]:
     """An estimate, not a measurement: each phase's time as the larger of its compute at the GPU's
-    dense bf16 peak and its collective bytes over the slowest link its groups cross (NVLink inside
-    an 8-GPU node, InfiniBand NDR once the world spans nodes), overlap assumed perfect; the rollout
+    dense bf16 peak and its collective bytes over the link each group uses (NVLink for groups inside
+    one 8-GPU node, InfiniBand NDR for groups that span nodes), overlap assumed perfect; the rollout
     as memory-bound decode (every step reads the rollout weights and the live KV cache at HBM speed)."""
     from rlhf.ops.hardware import GPUS, LINKS
 
     spec = GPUS[gpu]
-    link = LINKS["ib-ndr"] if sim.layout["world"] > 8 else LINKS["nvlink4" if gpu != "a100" else "nvlink3"]
+    node, net = LINKS["nvlink4" if gpu != "a100" else "nvlink3"], LINKS["ib-ndr"]
     out: dict[str, dict[str, float]] = {}
     for ph in sim.peaks:
-        comm_s = sum(sim.comm.get(ph, {}).values()) / link.bandwidth
+        cross = sum(sim.comm_cross.get(ph, {}).values())
+        comm_s = (sum(sim.comm.get(ph, {}).values()) - cross) / node.bandwidth + cross / net.bandwidth
         compute_s = sim.flops.get(ph, 0.0) / spec.bf16
         out[ph] = {"compute_s": compute_s, "comm_s": comm_s, "estimate_s": max(compute_s, comm_s)}
     if "rollout" in out:
@@ -287,8 +291,8 @@ def roofline(sim: Simulation, cfg: Config, hf, *, gpu: str = "h100") -> dict[str
         decode = cfg.data.max_response_length * (rw + kv / 2) / spec.hbm  # the cache is half full on average
         out["rollout"]["decode_s"] = decode
         out["rollout"]["estimate_s"] = max(out["rollout"]["estimate_s"], decode)
-    out["_hardware"] = {"gpu": spec.name, "bf16_flops": spec.bf16, "hbm_bytes_s": spec.hbm, "link": link.name,
-                        "link_bytes_s": link.bandwidth}
+    out["_hardware"] = {"gpu": spec.name, "bf16_flops": spec.bf16, "hbm_bytes_s": spec.hbm,
+                        "link": f"{node.name} inside a node of 8, {net.name} across nodes"}
     return out
 
 
@@ -303,7 +307,9 @@ def format_simulation(sim: Simulation) -> str:
         lines.append(f"[sim]   {ph:10s}{d['total'] / GIB:8.2f}{mark}   ({parts})")
     lines.append("[sim] bytes per collective (this rank, per phase):")
     for ph, d in sim.comm.items():
-        parts = ", ".join(f"{k} {v / GIB:.3f} GiB in {sim.calls[ph][k]} calls" for k, v in sorted(d.items()))
+        parts = ", ".join(f"{k} {v / GIB:.3f} GiB in {sim.calls[ph][k]} calls"
+                          + (f" ({sim.comm_cross[ph][k] / GIB:.3f} across nodes)" if sim.comm_cross[ph].get(k) else "")
+                          for k, v in sorted(d.items()))
         lines.append(f"[sim]   {ph:10s}{parts or 'none'}")
     if sim.roofline:
         hw = sim.roofline["_hardware"]

@@ -47,7 +47,7 @@ class LiveBytes(TorchDispatchMode):
     the backward left behind). ``phase(name)`` starts a new peak record.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ranks_per_node: int = 8) -> None:
         super().__init__()
         self.live: dict[int, tuple[int, str]] = {}  # storage id -> (bytes, category)
         self.by_cat: dict[str, int] = defaultdict(int)
@@ -55,6 +55,8 @@ class LiveBytes(TorchDispatchMode):
         self.peaks: dict[str, dict[str, int]] = {}  # phase -> category bytes at its peak (+ "total")
         self.comm: dict[str, dict[str, int]] = {}  # phase -> collective -> bytes
         self.calls: dict[str, dict[str, int]] = {}  # phase -> collective -> count
+        self.comm_cross: dict[str, dict[str, int]] = {}  # phase -> collective -> bytes over groups spanning nodes
+        self.ranks_per_node = ranks_per_node
         self._phase = "start"
         self._total = 0
         self._start_phase("start")
@@ -66,6 +68,7 @@ class LiveBytes(TorchDispatchMode):
         self.peaks[name] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
         self.comm.setdefault(name, defaultdict(int))
         self.calls.setdefault(name, defaultdict(int))
+        self.comm_cross.setdefault(name, defaultdict(int))
 
     def _free(self, key: int) -> None:
         n, cat = self.live.pop(key, (0, ""))
@@ -118,6 +121,21 @@ class LiveBytes(TorchDispatchMode):
     def total(self) -> int:
         return self._total
 
+    def _crosses_nodes(self, args, kwargs) -> bool:
+        """Whether the collective's group spans more than one node of ``ranks_per_node`` consecutive
+        ranks (its bytes then go over the inter-node network); unknown groups count as spanning."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        for a in tree_leaves((args, kwargs)):
+            try:
+                pg = _resolve_process_group(a) if isinstance(a, str) else a
+                ranks = dist.get_process_group_ranks(pg)
+            except (KeyError, ValueError, RuntimeError, TypeError, AttributeError):
+                continue
+            return len({r // self.ranks_per_node for r in ranks}) > 1
+        return True
+
     # ------------------------------------------------------------------ dispatch
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -132,6 +150,8 @@ class LiveBytes(TorchDispatchMode):
             if kind not in ("wait_tensor", "barrier"):
                 self.comm[self._phase][kind] += max(sizes, default=0)
                 self.calls[self._phase][kind] += 1
+                if self._crosses_nodes(args, kwargs):
+                    self.comm_cross[self._phase][kind] += max(sizes, default=0)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and _plain(t) and t.device.type != "meta":
