@@ -6,8 +6,7 @@
 The real program, not a model of it: the layout checks the launch makes (the same one-line
 errors), the real ``DeviceMesh`` on torch's fake process group (``backend="fake"``: collectives
 return at once), the actor built by ``rlhf.train.actor.PolicyWorker`` from ``config.json`` alone
-(meta device, no weights) with the real TP / pipeline cut / FSDP2 / LoRA / activation
-checkpointing, then parameters and activations as fake tensors (``FakeTensorMode``: shapes and
+(meta device, no weights) with the real TP / FSDP2 / LoRA / activation checkpointing, then parameters and activations as fake tensors (``FakeTensorMode``: shapes and
 dtypes only) through one step's phases at the configured shapes:
 
 * ``load``: this rank's parameter shards (and the reference's with ``actor.use_kl_loss``);
@@ -25,7 +24,9 @@ The simulated device is the run's (``--device cuda``, the default, keeps FSDP2's
 precision as on a GPU). Not simulated yet, and said so in the output: Ulysses (``parallel.sp``:
 packed rows have data-dependent shapes that fake tensors cannot carry; rows are padded to full
 length instead, the same shapes as a full packed micro-batch), the critic, trainer.mode
-one_step_off roles, the sampler's own activations, the pipeline's update (pp: log-prob pass only).
+one_step_off roles, the sampler's own activations, and pipeline parallelism (``parallel.pp > 1``: the
+schedule and the reshard's stage exchange send Python metadata that no fake peer holds; the layout
+checks still run, so an impossible pp layout fails with the launch's error).
 """
 
 from __future__ import annotations
@@ -36,11 +37,15 @@ import math
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from rlhf.schema.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from rlhf.models.parallel import ParallelDims
 
 GIB = 1024 ** 3
 
@@ -68,7 +73,7 @@ class Simulation:
                 "flops": self.flops, "roofline": self.roofline, "notes": self.notes, "peak_phase": self.peak_phase}
 
 
-def check_launch(cfg: Config, hf_config, world: int) -> "ParallelDims":  # noqa: F821
+def check_launch(cfg: Config, hf_config, world: int) -> ParallelDims:
     """The layout checks of ``RLTrainer.__init__``, in its order, with its messages."""
     from rlhf.models.parallel import ParallelDims
     from rlhf.models.parallelize import validate_layout
@@ -135,6 +140,9 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     if cfg.parallel.sp > 1:
         raise ConfigError("rlhf.simulate: parallel.sp > 1 is not simulated (packed rows have data-dependent "
                           "shapes that fake tensors cannot carry); plan it with python -m rlhf.planner")
+    if cfg.parallel.pp > 1:
+        raise ConfigError("rlhf.simulate: parallel.pp > 1 is not simulated (the pipeline schedule and the reshard's "
+                          "stage exchange send metadata that no fake peer holds); plan it with python -m rlhf.planner")
     if cfg.trainer.mode != "colocated":
         notes.append(f"trainer.mode {cfg.trainer.mode}: simulated as the colocated layout on the whole world")
     if cfg.algorithm.adv_estimator == "gae":
@@ -183,47 +191,38 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                 counter.phase("log-probs")
                 lp_rows = _rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu,
                                 a.use_dynamic_bsz, L)
-                if actor.pipeline is not None:
-                    lp_rows *= cfg.parallel.pp_microbatches
                 ids = torch.randint(0, hf.vocab_size, (lp_rows, L))
                 mask = torch.ones(lp_rows, L, dtype=torch.long)
                 entropy = a.entropy_coeff != 0
                 with torch.no_grad():
                     actor.model.eval()
-                    if actor.pipeline is not None:
-                        out = actor._pp_forward(ids, mask, response_length=R, temperature=r.temperature or 1.0,
-                                                compute_entropy=entropy)
-                    else:
-                        out = actor.forward_log_probs(ids, mask, response_length=R,
-                                                      temperature=r.temperature or 1.0, compute_entropy=entropy)
+                    out = actor.forward_log_probs(ids, mask, response_length=R, temperature=r.temperature or 1.0,
+                                                  compute_entropy=entropy)
                 del out, ids, mask
                 layers_share = 1.0 / (dims.tp * dims.pp)
                 flops["log-probs"] = model_flops_per_token(hf, L, False) * lp_rows * L * layers_share
                 counter.phase("update")
-                if actor.pipeline is not None:
-                    notes.append("pp > 1: the pipelined update is not simulated (log-prob pass only)")
-                else:
-                    rows = _rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, L)
-                    ids = torch.randint(0, hf.vocab_size, (rows, L))
-                    mask = torch.ones(rows, L, dtype=torch.long)
-                    actor.model.train()
-                    lp, ent = actor.forward_log_probs(ids, mask, response_length=R,
-                                                      temperature=r.temperature or 1.0, compute_entropy=entropy)
-                    # the policy loss' elementwise terms are [rows, R]: negligible next to the logits
-                    loss = -(lp * torch.ones_like(lp)).mean() * actor.grad_scale
-                    if ent is not None:
-                        loss = loss - a.entropy_coeff * ent.mean()
-                    loss.backward()
-                    del lp, ent, loss, ids, mask
-                    params = list(actor.model.parameters())
-                    counter.relabel([p.grad for p in params if p.grad is not None], "gradients")
-                    with counter.category("optimizer"):
-                        clip_grad_norm_(params, a.grad_clip or 1e9, stage_ranks=actor.stage_ranks,
-                                        group=actor.mesh_group)
-                        actor.optimizer.step()
-                    actor.optimizer.zero_grad(set_to_none=True)
-                    flops["update"] = model_flops_per_token(hf, L, True) * rows * L * layers_share * (
-                        4 / 3 if cfg.model.enable_gradient_checkpointing else 1)
+                rows = _rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, L)
+                ids = torch.randint(0, hf.vocab_size, (rows, L))
+                mask = torch.ones(rows, L, dtype=torch.long)
+                actor.model.train()
+                lp, ent = actor.forward_log_probs(ids, mask, response_length=R,
+                                                  temperature=r.temperature or 1.0, compute_entropy=entropy)
+                # the policy loss' elementwise terms are [rows, R]: negligible next to the logits
+                loss = -(lp * torch.ones_like(lp)).mean() * actor.grad_scale
+                if ent is not None:
+                    loss = loss - a.entropy_coeff * ent.mean()
+                loss.backward()
+                del lp, ent, loss, ids, mask
+                params = list(actor.model.parameters())
+                counter.relabel([p.grad for p in params if p.grad is not None], "gradients")
+                with counter.category("optimizer"):
+                    clip_grad_norm_(params, a.grad_clip or 1e9, stage_ranks=actor.stage_ranks,
+                                    group=actor.mesh_group)
+                    actor.optimizer.step()
+                actor.optimizer.zero_grad(set_to_none=True)
+                flops["update"] = model_flops_per_token(hf, L, True) * rows * L * layers_share * (
+                    4 / 3 if cfg.model.enable_gradient_checkpointing else 1)
         lay = {"world": world, "rank": rank, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp,
                "rollout_tp": layout.tp, "device": device, "lp_rows": lp_rows, "seq_len": L,
                "model": hf.architectures[0] if getattr(hf, "architectures", None) else hf.model_type}
