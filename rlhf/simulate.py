@@ -196,8 +196,9 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                 entropy = a.entropy_coeff != 0
                 with torch.no_grad():
                     actor.model.eval()
+                    # the trainer's old-log-prob pass always computes the entropy (a logged metric)
                     out = actor.forward_log_probs(ids, mask, response_length=R, temperature=r.temperature or 1.0,
-                                                  compute_entropy=entropy)
+                                                  compute_entropy=True)
                 del out, ids, mask
                 layers_share = 1.0 / (dims.tp * dims.pp)
                 flops["log-probs"] = model_flops_per_token(hf, L, False) * lp_rows * L * layers_share
