@@ -302,9 +302,9 @@ def format_simulation(sim: Simulation) -> str:
              f"pp {lay['pp']}, rollout.tp {lay['rollout_tp']}, device {lay['device']} (fake process group, fake "
              f"tensors)", "[sim] peak memory per phase, by category (GiB):"]
     for ph, d in sim.peaks.items():
-        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in d.items() if k != "total" and v)
+        parts = ", ".join(f"{k} {v / GIB:.3f}" for k, v in d.items() if k != "total" and v)
         mark = "  <- peak" if ph == sim.peak_phase else ""
-        lines.append(f"[sim]   {ph:10s}{d['total'] / GIB:8.2f}{mark}   ({parts})")
+        lines.append(f"[sim]   {ph:10s}{d['total'] / GIB:8.3f}{mark}   ({parts})")
     lines.append("[sim] bytes per collective (this rank, per phase):")
     for ph, d in sim.comm.items():
         parts = ", ".join(f"{k} {v / GIB:.3f} GiB in {sim.calls[ph][k]} calls"

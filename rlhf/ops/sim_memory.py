@@ -15,7 +15,8 @@ moves ``(n - 1) / n`` of through each rank's link.
 Why not ``torch.distributed._tools.FSDPMemTracker``: on torch 2.13 with fake tensors and a foreach
 AdamW over DTensors it reported an optimizer state 13x the size the state dict holds, and no
 activations in the forward (its module hooks miss HF's dict outputs); a plain count of live
-storages is simpler and is checked against real runs in ``bench/simulate_vs_real.py``.
+storages is simpler (tests/unit/test_simulate.py checks its parameter and AdamW bytes exactly).
+Not yet compared with a real run's allocator peak.
 """
 
 from __future__ import annotations
