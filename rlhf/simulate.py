@@ -318,7 +318,8 @@ def format_simulation(sim: Simulation) -> str:
         for ph, d in sim.roofline.items():
             if ph != "_hardware":
                 extra = f", decode {d['decode_s']:.1f} s" if "decode_s" in d else ""
-                lines.append(f"[sim]   {ph:10s}~{d['estimate_s']:.3f} s per micro-batch (compute {d['compute_s']:.3f} "
+                unit = "for one generation wave of the slots (decode-bound)" if ph == "rollout" else "per micro-batch"
+                lines.append(f"[sim]   {ph:10s}~{d['estimate_s']:.3f} s {unit} (compute {d['compute_s']:.3f} "
                              f"s, collectives {d['comm_s']:.3f} s{extra})")
     lines += [f"[sim] note: {n}" for n in sim.notes]
     return "\n".join(lines)
