@@ -35,6 +35,9 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     ap.add_argument("--device-memory", help="with --dry-run: say whether the planned peak fits, e.g. 80GiB")
     ap.add_argument("--world-size", type=int, default=0,
                     help="with --dry-run: plan memory for this many ranks (default: the launched world size)")
+    ap.add_argument("--simulate", action="store_true",
+                    help="with --dry-run: run one rank of --world-size on a fake process group with fake tensors "
+                         "(python -m rlhf.simulate) after the plan, and print its memory and collectives")
     ap.add_argument("--plan-device", choices=("cuda", "cpu"), default=None,
                     help="with --dry-run: device to plan for (default: the run's trainer.device)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 parallel.tp=2")
@@ -119,6 +122,25 @@ def print_memory_plan(cfg, args) -> bool:
     return not config_only and plan_world == world
 
 
+def simulate_main(cfg, args) -> None:
+    """--dry-run --simulate: one rank of the planned world run on a fake process group (rank 0 prints)."""
+    import torch.distributed as dist
+
+    from rlhf.models.loading import model_config
+    from rlhf.simulate import format_simulation, roofline, simulate
+
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("--simulate runs in one process: launch it with python, not torchrun")
+    import torch
+
+    # the device the memory plan above used, so that the two tables compare
+    device = args.plan_device or ("cuda" if cfg.trainer.device == "cuda" or
+                                  (cfg.trainer.device == "auto" and torch.cuda.is_available()) else "cpu")
+    sim = simulate(cfg, world=args.world_size or 1, device=device)
+    sim.roofline = roofline(sim, cfg, model_config(cfg.model.path))
+    print(format_simulation(sim), flush=True)
+
+
 def check_tokenizer_and_data(cfg) -> None:
     """The dry-run checks that need no process group: the trainer's start-up checks (names, reward
     function, LoRA layout), tokenizer, prompt files and the batch size against them."""
@@ -147,6 +169,10 @@ def train_main(doc: str, trainer_factory: Callable) -> None:
         # verl's trainer.nnodes x n_gpus_per_node: checked against the launch; a 1-process dry run plans for it
         planned = check_launch_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), dry_run=args.dry_run)
         args.world_size = args.world_size or planned
+        if args.dry_run and args.simulate:
+            print_memory_plan(cfg, args)
+            simulate_main(cfg, args)
+            return
         if args.dry_run and not print_memory_plan(cfg, args):
             return
         if cfg.trainer.mode in ("one_step_off", "fully_async"):

@@ -182,7 +182,7 @@ def _replication(p: torch.Tensor, stage_ranks: int) -> int:
     if not isinstance(p, DTensor):
         return stage_ranks
     shards = 1
-    for size, placement in zip(p.device_mesh.mesh.shape, p.placements):
+    for size, placement in zip(p.device_mesh.shape, p.placements):  # no tensor op (fake mode: rlhf.simulate)
         if placement.is_partial():
             raise ValueError("grad norm: a gradient is still Partial (unreduced); reduce it before clipping")
         if not placement.is_replicate():  # Shard or FSDP2's _StridedShard (not a Shard subclass)

@@ -58,6 +58,8 @@ def params_to_meta(model: nn.Module) -> dict[str, Source]:
         if id(p) not in seen and p.is_meta and hasattr(p, "_rlhf_source"):
             seen[id(p)] = p._rlhf_source
             del p._rlhf_source
+        elif p.is_meta:  # built on meta (rlhf.simulate): nothing to move, the host tensor is the meta one
+            seen.setdefault(id(p), p)
         elif id(p) not in seen:
             seen[id(p)] = p.detach()
             with torch.no_grad():

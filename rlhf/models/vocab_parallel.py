@@ -129,12 +129,11 @@ def vocab_parallel_log_probs(
 
 def _vocab_start_of(logits: DTensor) -> int:
     """Global vocab offset of this rank's shard of a ``Shard(-1)`` logits DTensor."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(
-        logits.shape, logits.device_mesh, logits.placements
-    )
-    return int(offset[-1])
+    # torch.chunk's split (ceil-sized shards) from the mesh coordinate alone: no tensor op, so
+    # it also holds under FakeTensorMode (rlhf.simulate), where the offset helper reads a tensor.
+    mesh = logits.device_mesh
+    chunk = -(-logits.shape[-1] // mesh.size())
+    return min(mesh.get_local_rank() * chunk, logits.shape[-1])
 
 
 def log_probs_from_logits(

@@ -154,3 +154,22 @@ def device_description(device: torch.device) -> dict:
 
 
 __all__ = ["GpuSpec", "gpu_spec", "peak_flops", "hbm_bandwidth", "measured_matmul_flops", "device_description"]
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Per-GPU bandwidth of one interconnect, bytes/s in one direction (what a ring collective uses)."""
+
+    name: str
+    bandwidth: float
+
+
+# - NVLink 4 (H100 / H200 SXM): 900 GB/s total per GPU, i.e. 450 GB/s each way ("NVIDIA H100 Tensor
+#   Core GPU" datasheet, 2023; H200 datasheet, 2024).
+# - NVLink 3 (A100 SXM): 600 GB/s total, 300 GB/s each way (A100 datasheet, 2021).
+# - InfiniBand NDR: 400 Gb/s = 50 GB/s per port, one ConnectX-7 port per GPU as in a DGX H100
+#   ("NVIDIA DGX H100 user guide": 8 x single-port ConnectX-7 for the compute fabric).
+LINKS = {"nvlink4": LinkSpec("NVLink 4 (H100/H200 SXM)", 450e9),
+         "nvlink3": LinkSpec("NVLink 3 (A100 SXM)", 300e9),
+         "ib-ndr": LinkSpec("InfiniBand NDR 400 Gb/s per GPU", 50e9)}
+GPUS = {"h100": _H100_SXM, "h200": _H200_SXM, "a100": _A100_80_SXM}

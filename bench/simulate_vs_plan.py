@@ -1,0 +1,89 @@
+"""Memory planner vs simulation, per phase, for the recipe configs (differences over 15% flagged).
+
+    python bench/simulate_vs_plan.py                       # every recipe below, one process each
+    python bench/simulate_vs_plan.py --only dapo_7b         # one of them
+
+Each recipe runs ``python -m rlhf.simulate`` (one rank of the recipe's world on a fake process
+group, fake tensors; rlhf/simulate.py) in a fresh process and ``rlhf.planner.plan_memory`` for
+the same config, device cuda, and prints both phase totals and their ratio. The planner is a
+model of the program, the simulation runs it; a phase where they differ by more than 15% is a
+bug in one of them (or a term one side leaves out: the simulation does not run the sampler's
+own activations, so its rollout phase is compared without the planner's ``rollout
+activations`` / ``rollout fusing`` / decode-buffer terms, and reported as such).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name -> (config, model config dir, world, extra overrides)
+RECIPES = {
+    "grpo_0.5b": ("configs/grpo_qwen2.5_0.5b_gsm8k.yaml", "configs/models/Qwen2.5-0.5B", 8, []),
+    "ppo_0.5b": ("configs/ppo_qwen2.5_0.5b_gsm8k.yaml", "configs/models/Qwen2.5-0.5B", 8, []),
+    "dapo_7b": ("configs/dapo_qwen2.5_7b_math.yaml", "configs/models/Qwen2.5-7B", 64, []),
+}
+# planner terms the simulation does not run (the sampler's own work)
+NOT_SIMULATED = ("rollout activations", "rollout fusing (q|k|v, gate|up)", "decode gather buffers (no flash-attn)",
+                 "critic (params+grads+adam)")
+GIB = 1024 ** 3
+
+
+def run(name: str) -> dict:
+    from rlhf.config.load import load_config
+    from rlhf.planner import ModelShape, plan_memory
+
+    cfg_file, model, world, extra = RECIPES[name]
+    overrides = [f"model.path={model}", *extra]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "rlhf.simulate", "--config", cfg_file, "--world", str(world), "--json",
+                          *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(f"{name}: simulate failed: {out.stderr[-2000:]}")
+    seconds = time.perf_counter() - t0
+    sim = json.loads(out.stdout.strip().splitlines()[-1])
+    cfg = load_config(str(ROOT / cfg_file), overrides)
+    plan = plan_memory(ModelShape.from_model_dir(str(ROOT / model)), cfg, world_size=world, device="cuda",
+                       flash_attn=True)
+    rows = []
+    for phase in ("rollout", "log-probs", "update"):
+        planned = plan.phases.get(phase)
+        if planned is None or phase not in sim["peaks"]:
+            continue
+        planned_total = sum(v for k, v in planned.items() if k not in NOT_SIMULATED)
+        simulated = sim["peaks"][phase]["total"]
+        ratio = simulated / planned_total if planned_total else float("nan")
+        rows.append({"recipe": name, "world": world, "phase": phase, "planned_GiB": round(planned_total / GIB, 2),
+                     "simulated_GiB": round(simulated / GIB, 2), "sim_over_plan": round(ratio, 3),
+                     "flag": abs(ratio - 1) > 0.15})
+    return {"recipe": name, "seconds": round(seconds, 1), "rows": rows, "notes": sim["notes"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help=f"comma-separated subset of {', '.join(RECIPES)}")
+    args = ap.parse_args()
+    names = args.only.split(",") if args.only else list(RECIPES)
+    results = [run(n) for n in names]
+    print("| recipe | world | phase | planned (GiB) | simulated (GiB) | sim / plan | >15% |")
+    print("|---|---|---|---|---|---|---|")
+    for res in results:
+        for r in res["rows"]:
+            print(f"| {r['recipe']} | {r['world']} | {r['phase']} | {r['planned_GiB']} | {r['simulated_GiB']} | "
+                  f"{r['sim_over_plan']} | {'FLAG' if r['flag'] else ''} |")
+    for res in results:
+        print(f"{res['recipe']}: simulated in {res['seconds']} s; " + "; ".join(res["notes"]))
+    print(json.dumps({"load": open("/proc/loadavg").read().split()[:3], "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Simulate one rank of a large world in this process: what it holds and sends in one RL step.
+
+    python -m rlhf.simulate --config configs/dapo_qwen2.5_7b_math.yaml --world 64 \\
+        model.path=configs/models/Qwen2.5-7B [--rank R] [--gpu h100] [--json]
+
+The real program, not a model of it: the layout checks the launch makes (the same one-line
+errors), the real ``DeviceMesh`` on torch's fake process group (``backend="fake"``: collectives
+return at once), the actor built by ``rlhf.train.actor.PolicyWorker`` from ``config.json`` alone
+(meta device, no weights) with the real TP / FSDP2 / LoRA / activation checkpointing, then parameters and activations as fake tensors (``FakeTensorMode``: shapes and
+dtypes only) through one step's phases at the configured shapes:
+
+* ``load``: this rank's parameter shards (and the reference's with ``actor.use_kl_loss``);
+* ``rollout``: the reshard to the rollout layout (``rlhf.rollout.reshard.gather_rollout_weights``
+  over the ``rollout.tp`` groups) and the sampler's paged KV cache at its budget;
+* ``log-probs``: one forward-only micro-batch of the log-prob pass;
+* ``update``: one training micro-batch (forward, backward, FSDP2 reduce-scatter), the grad-norm
+  clip and the AdamW step (its state is made here, as in the first real step).
+
+Per phase: the peak of live bytes by category (``rlhf/ops/sim_memory.py`` counts storages) and
+the bytes each collective type moved. A roofline estimate of each phase's time follows, from
+datasheet FLOP/s and link bandwidths (``rlhf/ops/hardware.py``), labelled as an estimate.
+
+The simulated device is the run's (``--device cuda``, the default, keeps FSDP2's bf16 mixed
+precision as on a GPU). Not simulated yet, and said so in the output: Ulysses (``parallel.sp``:
+packed rows have data-dependent shapes that fake tensors cannot carry; rows are padded to full
+length instead, the same shapes as a full packed micro-batch), the critic, trainer.mode
+one_step_off roles, the sampler's own activations, and pipeline parallelism (``parallel.pp > 1``: the
+schedule and the reshard's stage exchange send Python metadata that no fake peer holds; the layout
+checks still run, so an impossible pp layout fails with the launch's error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from rlhf.schema.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from rlhf.models.parallel import ParallelDims
+
+GIB = 1024 ** 3
+
+
+@dataclass
+class Simulation:
+    """What one simulated rank held and sent, per phase."""
+
+    layout: dict
+    peaks: dict[str, dict[str, int]]  # phase -> {category: bytes at the phase's peak, "total"}
+    comm: dict[str, dict[str, int]]  # phase -> {collective: bytes}
+    comm_cross: dict[str, dict[str, int]]  # phase -> {collective: bytes over groups that span nodes}
+    calls: dict[str, dict[str, int]]  # phase -> {collective: count}
+    flops: dict[str, float]  # phase -> model FLOPs of this rank
+    roofline: dict[str, dict[str, float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.peaks, key=lambda p: self.peaks[p]["total"])
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout, "peaks": self.peaks, "comm": self.comm, "comm_cross": self.comm_cross,
+                "calls": self.calls,
+                "flops": self.flops, "roofline": self.roofline, "notes": self.notes, "peak_phase": self.peak_phase}
+
+
+def check_launch(cfg: Config, hf_config, world: int) -> ParallelDims:
+    """The layout checks of ``RLTrainer.__init__``, in its order, with its messages."""
+    from rlhf.models.parallel import ParallelDims
+    from rlhf.models.parallelize import validate_layout
+
+    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world, sp=cfg.parallel.sp)
+    dims.check_batch(train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n,
+                     mini_batch_size=cfg.actor.ppo_mini_batch_size)
+    validate_layout(cfg.parallel, hf_config, world, rollout_tp=cfg.rollout.tp,
+                    train_batch_size=cfg.data.train_batch_size, mini_batch_size=cfg.actor.ppo_mini_batch_size,
+                    n=cfg.rollout.n, use_remove_padding=cfg.model.use_remove_padding)
+    return dims
+
+
+@contextmanager
+def _mixed_precision_as_on(device: str):
+    """FSDP2 mixed precision is chosen from the device type; the simulated ranks build on meta."""
+    from rlhf.models import fsdp
+
+    saved = set(fsdp.MIXED_PRECISION_DEVICES)
+    if device in saved:
+        fsdp.MIXED_PRECISION_DEVICES.add("meta")
+    try:
+        yield
+    finally:
+        fsdp.MIXED_PRECISION_DEVICES.clear()
+        fsdp.MIXED_PRECISION_DEVICES.update(saved)
+
+
+def _meta_builder(hf_config, dtype: torch.dtype, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    def build():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+        model.config.use_cache = False
+        return model
+    return build
+
+
+def _rows(tokens_budget: int, micro_rows: int, dynamic: bool, seq_len: int) -> int:
+    """Rows of one micro-batch: the token budget's worth of full-length rows, or the row count."""
+    return max(1, tokens_budget // seq_len) if dynamic else max(1, micro_rows)
+
+
+def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") -> Simulation:
+    """Run one rank (``rank``) of a ``world``-rank job of ``cfg`` on a fake process group."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from rlhf.models.loading import DTYPES, model_config
+    from rlhf.ops.flops import model_flops_per_token
+    from rlhf.ops.sim_memory import LiveBytes
+    from rlhf.rollout.engine import rollout_dtype
+    from rlhf.rollout.kv_cache import PagedKVCache
+    from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights, kv_replicas
+    from rlhf.train.actor import PolicyWorker
+    from rlhf.models.parallelize import clip_grad_norm_
+
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank {rank} is not a rank of --world {world}")
+    hf = model_config(cfg.model.path, cfg.model.trust_remote_code)
+    dims = check_launch(cfg, hf, world)
+    notes: list[str] = []
+    if cfg.parallel.sp > 1:
+        raise ConfigError("rlhf.simulate: parallel.sp > 1 is not simulated (packed rows have data-dependent "
+                          "shapes that fake tensors cannot carry); plan it with python -m rlhf.planner")
+    if cfg.parallel.pp > 1:
+        raise ConfigError("rlhf.simulate: parallel.pp > 1 is not simulated (the pipeline schedule and the reshard's "
+                          "stage exchange send metadata that no fake peer holds); plan it with python -m rlhf.planner")
+    if cfg.trainer.mode != "colocated":
+        notes.append(f"trainer.mode {cfg.trainer.mode}: simulated as the colocated layout on the whole world")
+    if cfg.algorithm.adv_estimator == "gae":
+        notes.append("the critic (adv_estimator gae) is not simulated")
+    if cfg.model.use_remove_padding:
+        notes.append("padding-free micro-batches simulated as full-length padded rows (the same shapes)")
+    cfg.model.use_remove_padding = False
+    if dist.is_initialized():
+        raise RuntimeError("rlhf.simulate needs a process without a process group")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        mesh = dims.build_mesh("cpu")  # the fake group's tensors live on the host whatever the run's device
+        build = _meta_builder(hf, DTYPES[cfg.model.dtype], "sdpa")
+        meta = torch.device("meta")
+        with _mixed_precision_as_on(device):
+            actor = PolicyWorker(cfg.model, mesh, meta, trainable=True, actor_cfg=cfg.actor, total_steps=1,
+                                 build_model=build, parallel_cfg=cfg.parallel)
+            need_ref = (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and cfg.model.lora_rank == 0
+            ref = PolicyWorker(cfg.model, mesh, meta, trainable=False, parallel_cfg=cfg.parallel, lora=False,
+                               build_model=build) if need_ref else None
+        layout = RolloutLayout.build(cfg.rollout.tp, device)
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        counter = LiveBytes(ranks_per_node=8)
+        d, a, r = cfg.data, cfg.actor, cfg.rollout
+        P, R = d.max_prompt_length, d.max_response_length
+        L = P + R
+        flops: dict[str, float] = {}
+        with fake:
+            for w in (actor, ref):
+                if w is not None:
+                    w.model.to_empty(device="cpu")
+            with counter:
+                counter.adopt(actor.model.parameters(), "parameters")
+                if ref is not None:
+                    counter.adopt(ref.model.parameters(), "parameters")
+                _warm_optimizer(actor, counter)
+                counter.phase("rollout")
+                rdt = rollout_dtype(r.dtype, device, cfg.model.dtype)
+                with counter.category("rollout weights"):
+                    weights, _ = gather_rollout_weights(actor.model, dtype=rdt, pp_group=actor.pp_group,
+                                                        tp_rank=layout.tp_rank, tp_size=layout.tp,
+                                                        tp_group=layout.tp_group)
+                with counter.category("kv cache"):
+                    kv = _kv_cache(cfg, hf, world, layout.tp, kv_replicas(layout.tp, hf), rdt, PagedKVCache)
+                del weights, kv
+                counter.phase("log-probs")
+                lp_rows = _rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu,
+                                a.use_dynamic_bsz, L)
+                ids = torch.randint(0, hf.vocab_size, (lp_rows, L))
+                mask = torch.ones(lp_rows, L, dtype=torch.long)
+                entropy = a.entropy_coeff != 0
+                with torch.no_grad():
+                    actor.model.eval()
+                    # the trainer's old-log-prob pass always computes the entropy (a logged metric)
+                    out = actor.forward_log_probs(ids, mask, response_length=R, temperature=r.temperature or 1.0,
+                                                  compute_entropy=True)
+                del out, ids, mask
+                layers_share = 1.0 / (dims.tp * dims.pp)
+                flops["log-probs"] = model_flops_per_token(hf, L, False) * lp_rows * L * layers_share
+                counter.phase("update")
+                rows = _rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, L)
+                ids = torch.randint(0, hf.vocab_size, (rows, L))
+                mask = torch.ones(rows, L, dtype=torch.long)
+                actor.model.train()
+                lp, ent = actor.forward_log_probs(ids, mask, response_length=R,
+                                                  temperature=r.temperature or 1.0, compute_entropy=entropy)
+                # the policy loss' elementwise terms are [rows, R]: negligible next to the logits
+                loss = -(lp * torch.ones_like(lp)).mean() * actor.grad_scale
+                if ent is not None:
+                    loss = loss - a.entropy_coeff * ent.mean()
+                loss.backward()
+                del lp, ent, loss, ids, mask
+                params = list(actor.model.parameters())
+                counter.relabel([p.grad for p in params if p.grad is not None], "gradients")
+                with counter.category("optimizer"):
+                    clip_grad_norm_(params, a.grad_clip or 1e9, stage_ranks=actor.stage_ranks,
+                                    group=actor.mesh_group)
+                    actor.optimizer.step()
+                actor.optimizer.zero_grad(set_to_none=True)
+                flops["update"] = model_flops_per_token(hf, L, True) * rows * L * layers_share * (
+                    4 / 3 if cfg.model.enable_gradient_checkpointing else 1)
+        lay = {"world": world, "rank": rank, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp,
+               "rollout_tp": layout.tp, "device": device, "lp_rows": lp_rows, "seq_len": L,
+               "model": hf.architectures[0] if getattr(hf, "architectures", None) else hf.model_type}
+        peaks = {k: v for k, v in counter.peaks.items() if k != "start"}
+        return Simulation(layout=lay, peaks=peaks, comm={k: dict(v) for k, v in counter.comm.items() if k != "start"},
+                          comm_cross={k: dict(v) for k, v in counter.comm_cross.items() if k != "start"},
+                          calls={k: dict(v) for k, v in counter.calls.items() if k != "start"}, flops=flops,
+                          notes=notes)
+    finally:
+        dist.destroy_process_group()
+
+
+def _warm_optimizer(worker, counter) -> None:
+    """AdamW's state as after the first step (it is made lazily, and lives through every later phase)."""
+    params = [p for p in worker.model.parameters() if p.requires_grad]
+    with counter.category("optimizer"):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        worker.optimizer.step()
+    worker.optimizer.zero_grad(set_to_none=True)
+    states = [t for st in worker.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+    counter.relabel(states, "optimizer")
+
+
+def _kv_cache(cfg: Config, hf, world: int, rollout_tp: int, replicas: int, dtype: torch.dtype, cls):
+    """The sampler's paged KV cache at the configured budget (rollout.kv_cache_tokens / _memory),
+    else one slot per sequence this rollout replica generates (capped at rollout.max_num_seqs)."""
+    from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, kv_bytes_per_token
+
+    r, d = cfg.rollout, cfg.data
+    seq_len = d.max_prompt_length + d.max_response_length
+    heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+    local_heads = max(1, heads // rollout_tp) if replicas == 1 else 1
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    gen_bs = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size > 0 else d.train_batch_size
+    seqs = math.ceil(gen_bs / (world // rollout_tp)) * r.n
+    slots = min(r.max_num_seqs, seqs)
+    per_tok = kv_bytes_per_token(hf.num_hidden_layers, local_heads, head_dim, dtype)
+    tokens = r.kv_cache_tokens or (int(r.kv_cache_memory * GIB // per_tok) if r.kv_cache_memory else slots * seq_len)
+    tokens = min(tokens, r.max_num_seqs * seq_len)
+    return cls(hf.num_hidden_layers, max(tokens // DEFAULT_BLOCK_SIZE, -(-seq_len // DEFAULT_BLOCK_SIZE)), slots,
+               local_heads, seq_len, head_dim, dtype=dtype, device=torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------- roofline
+
+
+def roofline(sim: Simulation, cfg: Config, hf, *, gpu: str = "h100") -> dict[str, dict[str, float]]:
+    """An estimate, not a measurement: each phase's time as the larger of its compute at the GPU's
+    dense bf16 peak and its collective bytes over the link each group uses (NVLink for groups inside
+    one 8-GPU node, InfiniBand NDR for groups that span nodes), overlap assumed perfect; the rollout
+    as memory-bound decode (every step reads the rollout weights and the live KV cache at HBM speed)."""
+    from rlhf.ops.hardware import GPUS, LINKS
+
+    spec = GPUS[gpu]
+    node, net = LINKS["nvlink4" if gpu != "a100" else "nvlink3"], LINKS["ib-ndr"]
+    out: dict[str, dict[str, float]] = {}
+    for ph in sim.peaks:
+        cross = sum(sim.comm_cross.get(ph, {}).values())
+        comm_s = (sum(sim.comm.get(ph, {}).values()) - cross) / node.bandwidth + cross / net.bandwidth
+        compute_s = sim.flops.get(ph, 0.0) / spec.bf16
+        out[ph] = {"compute_s": compute_s, "comm_s": comm_s, "estimate_s": max(compute_s, comm_s)}
+    if "rollout" in out:
+        rw, kv = sim.peaks["rollout"]["rollout weights"], sim.peaks["rollout"]["kv cache"]
+        decode = cfg.data.max_response_length * (rw + kv / 2) / spec.hbm  # the cache is half full on average
+        out["rollout"]["decode_s"] = decode
+        out["rollout"]["estimate_s"] = max(out["rollout"]["estimate_s"], decode)
+    out["_hardware"] = {"gpu": spec.name, "bf16_flops": spec.bf16, "hbm_bytes_s": spec.hbm,
+                        "link": f"{node.name} inside a node of 8, {net.name} across nodes"}
+    return out
+
+
+def format_simulation(sim: Simulation) -> str:
+    lay = sim.layout
+    lines = [f"[sim] {lay['model']}: rank {lay['rank']} of world {lay['world']} = dp {lay['dp']} x tp {lay['tp']} x "
+             f"pp {lay['pp']}, rollout.tp {lay['rollout_tp']}, device {lay['device']} (fake process group, fake "
+             f"tensors)", "[sim] peak memory per phase, by category (GiB):"]
+    for ph, d in sim.peaks.items():
+        parts = ", ".join(f"{k} {v / GIB:.3f}" for k, v in d.items() if k != "total" and v)
+        mark = "  <- peak" if ph == sim.peak_phase else ""
+        lines.append(f"[sim]   {ph:10s}{d['total'] / GIB:8.3f}{mark}   ({parts})")
+    lines.append("[sim] bytes per collective (this rank, per phase):")
+    for ph, d in sim.comm.items():
+        parts = ", ".join(f"{k} {v / GIB:.3f} GiB in {sim.calls[ph][k]} calls"
+                          + (f" ({sim.comm_cross[ph][k] / GIB:.3f} across nodes)" if sim.comm_cross[ph].get(k) else "")
+                          for k, v in sorted(d.items()))
+        lines.append(f"[sim]   {ph:10s}{parts or 'none'}")
+    if sim.roofline:
+        hw = sim.roofline["_hardware"]
+        lines.append(f"[sim] ESTIMATE (roofline, not a measurement) on {hw['gpu']} ({hw['bf16_flops'] / 1e12:.0f} "
+                     f"TFLOP/s bf16, {hw['hbm_bytes_s'] / 1e12:.2f} TB/s HBM), collectives over {hw['link']}:")
+        for ph, d in sim.roofline.items():
+            if ph != "_hardware":
+                extra = f", decode {d['decode_s']:.1f} s" if "decode_s" in d else ""
+                unit = "for one generation wave of the slots (decode-bound)" if ph == "rollout" else "per micro-batch"
+                lines.append(f"[sim]   {ph:10s}~{d['estimate_s']:.3f} s {unit} (compute {d['compute_s']:.3f} "
+                             f"s, collectives {d['comm_s']:.3f} s{extra})")
+    lines += [f"[sim] note: {n}" for n in sim.notes]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    from rlhf.config.load import load_config
+    from rlhf.models.loading import model_config
+
+    ap = argparse.ArgumentParser(description="Run one rank of a large world on a fake process group "
+                                             "(fake tensors) and report its memory and collectives.")
+    ap.add_argument("--config", help="yaml config file")
+    ap.add_argument("--world", type=int, default=8, help="ranks of the simulated job (default 8)")
+    ap.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the run's device (mixed precision)")
+    ap.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100", help="roofline hardware")
+    ap.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
+    args = ap.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        sim = simulate(cfg, world=args.world, rank=args.rank, device=args.device)
+        sim.roofline = roofline(sim, cfg, model_config(cfg.model.path), gpu=args.gpu)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(format_simulation(sim))
+    if args.json:
+        print(json.dumps(sim.to_json()))
+
+
+if __name__ == "__main__":
+    main()

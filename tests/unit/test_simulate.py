@@ -1,0 +1,92 @@
+"""rlhf.simulate: one rank of a 64-rank world on a fake process group, and the launch's layout errors."""
+
+import math
+
+import pytest
+import torch.distributed as dist
+
+from rlhf.config.load import load_config
+from rlhf.models.tiny import tiny_qwen2_config
+from rlhf.schema.config import ConfigError
+
+WORLD = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_sim")
+    # 8 heads / 4 kv heads so tp 2 and rollout.tp 4 divide; a config.json only (no weights needed)
+    tiny_qwen2_config(256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=128
+                      ).save_pretrained(d)
+    return d
+
+
+def _cfg(model_dir, *extra):
+    return load_config(None, [f"model.path={model_dir}", "data.train_files=unused.parquet", "data.train_batch_size=64",
+                              "actor.ppo_mini_batch_size=64", "data.max_prompt_length=16",
+                              "data.max_response_length=16", "rollout.n=2", "rollout.tp=4",
+                              "actor.ppo_micro_batch_size_per_gpu=2", "actor.log_prob_micro_batch_size_per_gpu=4",
+                              "actor.use_dynamic_bsz=false", *extra])
+
+
+def test_world_64_rank_holds_its_shards_and_sends_fsdp_traffic(model_dir):
+    from rlhf.simulate import simulate
+
+    assert not dist.is_initialized()
+    sim = simulate(_cfg(model_dir, "parallel.tp=2"), world=WORLD, rank=5, device="cpu")
+    assert not dist.is_initialized()  # the fake group is torn down
+    assert sim.layout["dp"] == 32 and sim.layout["tp"] == 2
+    # fp32 master shards: each parameter's tp piece, dim 0 padded to a multiple of dp = 32 (FSDP2), / 32
+    H, I, V, kv = 64, 128, 256, 4 * 8
+
+    def rows(n):
+        return math.ceil(n / 32) * 32
+
+    per_layer = sum(rows(o // 2) * H for o in (H, kv, kv, I, I))  # column parallel q k v gate up: out / tp
+    per_layer += rows(H) * (H // 2) + rows(H) * (I // 2)  # row parallel o, down: in / tp
+    per_layer += sum(rows(n // 2) for n in (H, kv, kv))  # q/k/v biases (column)
+    per_layer += 2 * rows(H)  # two RMSNorms (replicated over tp)
+    full = 4 * per_layer + rows(V // 2) * H + rows(H)  # tied embedding / lm_head (vocab rows over tp), final norm
+    params = sim.peaks["log-probs"]["parameters"]
+    assert params == 4 * full // 32
+    # AdamW: two fp32 moments of every trainable shard and a step count per tensor (50 of them), alive in
+    # every phase after the first step
+    assert sim.peaks["log-probs"]["optimizer"] == 2 * params + 50 * 4
+    # the KV cache at its default budget: one slot per sequence of this rollout replica (64 / 16 prompts x n=2),
+    # blocks of 16 tokens plus the scratch block, 4 kv heads over rollout.tp 4, fp32 on cpu
+    blocks = 8 * 32 // 16
+    assert sim.peaks["rollout"]["kv cache"] >= 4 * 2 * 1 * (blocks + 1) * 16 * 8 * 4
+    # FSDP2: one all-gather per unit (4 blocks + root) in the log-prob forward, again in the update's
+    # backward; one reduce-scatter per unit
+    assert sim.calls["log-probs"]["all_gather"] == 5
+    assert sim.calls["update"]["all_gather"] == 10 and sim.calls["update"]["reduce_scatter"] == 5
+    assert sim.comm["update"]["reduce_scatter"] == pytest.approx(sim.comm["update"]["all_gather"] / 2, rel=0.01)
+    assert sim.calls["rollout"]["all_gather"] > 0  # the reshard to the rollout layout
+    assert sim.peak_phase in sim.peaks and sim.peaks["update"]["activations"] > 0
+
+
+@pytest.mark.parametrize("overrides, world", [
+    (["parallel.tp=8", "rollout.tp=1"], 64),  # tp wider than the 4 kv heads
+    (["parallel.pp=8", "model.use_remove_padding=false", "rollout.tp=1"], 64),  # 8 stages of 4 layers
+    (["parallel.tp=2", "rollout.tp=1"], 63),  # a world that does not factor
+])
+def test_impossible_layout_fails_with_the_launch_error(model_dir, overrides, world, capsys):
+    from rlhf.models.loading import model_config
+    from rlhf.models.parallel import ParallelDims
+    from rlhf.models.parallelize import validate_layout
+    from rlhf.simulate import main
+
+    cfg = _cfg(model_dir, *overrides)
+    with pytest.raises(ConfigError) as launch:  # what RLTrainer.__init__ raises at this world
+        ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world)
+        validate_layout(cfg.parallel, model_config(str(model_dir)), world, rollout_tp=cfg.rollout.tp,
+                        train_batch_size=cfg.data.train_batch_size, mini_batch_size=cfg.actor.ppo_mini_batch_size,
+                        n=cfg.rollout.n, use_remove_padding=cfg.model.use_remove_padding)
+    args = ["--world", str(world), f"model.path={model_dir}", "data.train_files=unused.parquet",
+            "data.train_batch_size=64", "actor.ppo_mini_batch_size=64", "data.max_prompt_length=16",
+            "data.max_response_length=16", "rollout.n=2", "rollout.tp=4", *overrides]
+    with pytest.raises(SystemExit) as ex:
+        main(args)
+    assert ex.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: {launch.value}"
+    assert not dist.is_initialized()
