@@ -17,7 +17,8 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   pp > 1, where the pipeline schedule accumulates without sync) each rank holds the
   unsharded gradients of its stage between micro-batches (fp32 under mixed precision);
 * ``fsdp unsharded``: the all-gathered root (embeddings, LM head) and two decoder blocks
-  (current + prefetched), in the compute dtype; in the update also their gradients;
+  (current + prefetched), in the compute dtype; in the update also their gradients (the
+  whole stage under ``model.fsdp_unit: model``, auto for models up to 64 MiB);
 * ``load``: the loaded model (its pipeline stage) stays in host memory while TP / FSDP2
   shard it on the meta device; only this rank's shards reach the device
   (rlhf/models/shard_init.py). On CUDA it is listed as host memory; on a CPU plan the
@@ -297,6 +298,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     ``flash_attn``: whether flash-attn is installed (the CUDA decode kernel in fp16 / bf16; else the
     gather kernel and its buffers are counted). ``host_memory``: the machine's memory, to warn when
     the per-node host total at load exceeds it."""
+    from rlhf.models.fsdp import resolve_fsdp_unit
     from rlhf.models.parallel import ParallelDims
     from rlhf.models.parallelize import validate_layout
     from rlhf.rollout.engine import rollout_dtype
@@ -343,6 +345,12 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     root = (s.embed_params() + s.head_params()) / tp if pp == 1 else (s.embed_params() + s.hidden_size) / tp
     block = s.layer_params() / tp
     unsharded_frozen = (root + 2 * block) * cb
+    unsharded_update = unsharded_frozen + (0 if lora else (root + block) * cb)
+    if resolve_fsdp_unit(m.fsdp_unit, (stage + adapters) * mb) == "model":
+        # One FSDP2 unit: the whole stage is gathered, and in the update its gradients join it.
+        unsharded_frozen = (stage / tp) * cb
+        unsharded_update = unsharded_frozen + (0 if lora else unsharded_frozen)
+        notes.append("model.fsdp_unit: the whole model is one FSDP2 unit (all of it unsharded in a pass)")
     comp["fsdp unsharded"] = unsharded_frozen
     host: dict[str, float] = {}
     on_host = cuda or m.param_offload
@@ -455,7 +463,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
                       "logits (log-prob pass)": comp["logits (log-prob pass)"]},
         "update": {**persistent, "gradients": comp["gradients"],
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
-                   "fsdp unsharded (+grads)": unsharded_frozen + (0 if lora else (root + block) * cb),
+                   "fsdp unsharded (+grads)": unsharded_update,
                    "activations": acts + act_work, "logits (update)": comp["logits (update)"]},
     }
     if one_step_off:  # rollout ranks hold only the rollout state; training ranks send weights instead

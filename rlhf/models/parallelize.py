@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from rlhf.models.activation_checkpointing import apply_ac
-from rlhf.models.fsdp import apply_fsdp
+from rlhf.models.fsdp import apply_fsdp, resolve_fsdp_unit
 from rlhf.models.loading import decoder_layers
 from rlhf.models.parallel import ParallelDims, fsdp_mesh
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
@@ -61,6 +61,7 @@ class ParallelModel:
     pipeline: Optional[PipelineModel]
     pp_group: Optional[dist.ProcessGroup]
     tied_lm_head: Optional[nn.Parameter] = None
+    fsdp_unit: str = "block"  # as applied (rlhf.models.fsdp.resolve_fsdp_unit)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -116,6 +117,7 @@ def parallelize_model(
     activation_checkpointing: bool = False,
     pp_output: str = "logprobs",
     loss_parallel: bool = True,
+    fsdp_unit: str = "block",
 ) -> ParallelModel:
     """Put ``model`` into the training layout of ``mesh`` (see module docstring).
 
@@ -130,6 +132,8 @@ def parallelize_model(
         activation_checkpointing: recompute each decoder block in the backward.
         pp_output: what the last pipeline stage returns (``"logprobs"`` / ``"values"``).
         loss_parallel: keep LM-head logits vocab-sharded under TP (never gathered).
+        fsdp_unit: ``model.fsdp_unit`` (auto / block / model), resolved per pipeline stage
+            from its parameter bytes (:func:`rlhf.models.fsdp.resolve_fsdp_unit`).
 
     Returns:
         A :class:`ParallelModel`.
@@ -143,14 +147,16 @@ def parallelize_model(
         parts: list[nn.Module] = list(pipeline.stages)
     else:
         parts = [model]
+    units = []
     for part in parts:
+        units.append(resolve_fsdp_unit(fsdp_unit, sum(p.numel() * p.element_size() for p in part.parameters())))
         host = params_to_meta(part)  # TP and FSDP2 shard on meta; only this rank's shards reach the device
         if tp > 1:
             apply_tp(part, mesh["tp"], loss_parallel=loss_parallel)
         if activation_checkpointing:
             apply_ac(part, blocks=decoder_layers(part))
         apply_fsdp(part, fsdp_mesh(mesh), device=device, mixed_precision=mixed_precision, param_offload=param_offload,
-                   host=host)
+                   host=host, unit=units[-1])
     if pipeline is None:
         module: nn.Module = model
     else:
@@ -160,7 +166,7 @@ def parallelize_model(
         # Lets the rollout reshard find the stage group from the module alone.
         module.pp_group = mesh["pp"].get_group()
     return ParallelModel(module=module, pipeline=pipeline, pp_group=mesh["pp"].get_group() if pp > 1 else None,
-                         tied_lm_head=tied_lm_head)
+                         tied_lm_head=tied_lm_head, fsdp_unit="model" if set(units) == {"model"} else "block")
 
 
 # ---------------------------------------------------------------------- grad norm
