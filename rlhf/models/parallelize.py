@@ -226,13 +226,17 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, stage_ranks:
     """
     norm = global_grad_norm(params if norm_params is None else norm_params, stage_ranks=stage_ranks, group=group,
                             device=device)
-    # On the device, applied to every gradient (x1 when under the bound): no host sync.
+    # On the device, applied to every gradient (x1 when under the bound): no host sync. One
+    # multi-tensor multiply per device on the local shards, not a DTensor op (and its dispatch)
+    # per parameter; elementwise the same product, so the same bits.
     coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
-    on_device: dict[torch.device, torch.Tensor] = {}
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            dev = p.grad.device  # CPU under param_offload
-            p.grad.mul_(on_device.setdefault(dev, coef.to(dev)))
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # a view: scaled in place
+            by_device.setdefault(local.device, []).append(local)  # CPU under param_offload
+    for dev, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(dev))
     return norm
 
 
