@@ -78,9 +78,9 @@ def _update(rank: int, world: int, model_dir: str, out: str) -> None:
         worker.update_policy(local, mini_batch_rows=4, temperature=1.0, max_response_length=8)
         # After the update every parameter is this rank's shard again (none left gathered).
         assert all(isinstance(p, DTensor) for p in worker.model.parameters())
-        result[(no_sync, unit)] = {"held": held, "collectives": dict(counts), "params": {n: p.full_tensor().clone() for n, p in
-                                                    worker.model.named_parameters()},
-                           "model_bytes": sum(p.numel() * p.element_size() for p in worker.model.parameters())}
+        params = {n: p.full_tensor().clone() for n, p in worker.model.named_parameters()}
+        result[(no_sync, unit)] = {"held": held, "collectives": dict(counts), "params": params,
+                                   "model_bytes": sum(p.numel() * p.element_size() for p in worker.model.parameters())}
     torch.save(result, f"{out}.rank{rank}")
 
 
