@@ -17,7 +17,8 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   pp > 1, where the pipeline schedule accumulates without sync) each rank holds the
   unsharded gradients of its stage between micro-batches (fp32 under mixed precision);
 * ``fsdp unsharded``: the all-gathered root (embeddings, LM head) and two decoder blocks
-  (current + prefetched), in the compute dtype; in the update also their gradients;
+  (current + prefetched), in the compute dtype; in the update also their gradients (the
+  whole stage under ``model.fsdp_unit: model``, auto for models up to 64 MiB);
 * ``load``: the model is built on the meta device, TP / FSDP2 shard it there, and each
   rank reads only its slice of each weight from the safetensors files, in the checkpoint's
   dtype, upcasting it as it is placed (rlhf/models/shard_init.py): the host holds the
@@ -30,7 +31,8 @@ What is counted, per rank (the rank that holds the largest pipeline stage):
   to the unfused ones (all layers' with pp, whose exchange hands out views of one buffer);
   with ``rollout.compile`` on CUDA the sampler's weights and KV cache for the whole run;
 * trainer.mode one_step_off / fully_async: the training layout on half the world (fully_async: on
-  the ranks parallel.rollout_ranks leaves); the rollout ranks' own phase; on training ranks the partner's gathered rollout weights and the send buffer;
+  the ranks parallel.rollout_ranks leaves); the rollout ranks' own phase; on training ranks the
+  partner's gathered rollout weights and the send buffer;
 * KV cache ``[layers, slots, 2, kv_heads / rollout.tp, prompt + response, head_dim]``;
   slots = min(rollout.max_num_seqs, budget, sequences this rollout replica generates);
 * decode without flash-attn on CUDA (not installed, or an fp32 rollout): the gather kernel's
@@ -310,6 +312,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     ``flash_attn``: whether flash-attn is installed (the CUDA decode kernel in fp16 / bf16; else the
     gather kernel and its buffers are counted). ``host_memory``: the machine's memory, to warn when
     the per-node host total at load exceeds it."""
+    from rlhf.models.fsdp import resolve_fsdp_unit
     from rlhf.models.parallel import ParallelDims
     from rlhf.models.parallelize import validate_layout
     from rlhf.rollout.engine import rollout_dtype
@@ -366,6 +369,12 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     block_experts = s._experts_params(s.num_experts) - s.num_experts * s.hidden_size if s.sparse_layers else 0
     block = (s.layer_params() - block_experts * (1 - 1 / ep)) / tp
     unsharded_frozen = (root + 2 * block) * cb
+    unsharded_update = unsharded_frozen + (0 if lora else (root + block) * cb)
+    if resolve_fsdp_unit(m.fsdp_unit, (stage + adapters) * mb) == "model":
+        # One FSDP2 unit: the whole stage is gathered, and in the update its gradients join it.
+        unsharded_frozen = (stage / tp) * cb
+        unsharded_update = unsharded_frozen + (0 if lora else unsharded_frozen)
+        notes.append("model.fsdp_unit: the whole model is one FSDP2 unit (all of it unsharded in a pass)")
     comp["fsdp unsharded"] = unsharded_frozen
     host: dict[str, float] = {}
     on_host = cuda or m.param_offload
@@ -484,7 +493,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
                       "logits (log-prob pass)": comp["logits (log-prob pass)"]},
         "update": {**persistent, "gradients": comp["gradients"],
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
-                   "fsdp unsharded (+grads)": unsharded_frozen + (0 if lora else (root + block) * cb),
+                   "fsdp unsharded (+grads)": unsharded_update,
                    "activations": acts + act_work, "logits (update)": comp["logits (update)"],
                    "all-to-all buffers (ep)": comp["all-to-all buffers (ep)"]},
     }

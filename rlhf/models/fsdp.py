@@ -8,11 +8,12 @@ device and only this rank's shards are then placed (:mod:`rlhf.models.shard_init
 from __future__ import annotations
 
 import os
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rlhf.models.loading import decoder_layers, vision_tower
 from rlhf.models.shard_init import materialize_shards, params_to_meta
@@ -20,6 +21,49 @@ from rlhf.models.shard_init import materialize_shards, params_to_meta
 # Device types on which ``mixed_precision=True`` takes effect (bf16 compute, fp32 reduce).
 # CUDA only in runs; a test adds "cpu" to drive the mixed-precision path over gloo.
 MIXED_PRECISION_DEVICES = {"cuda"}
+
+# ``model.fsdp_unit: auto`` makes the whole model one FSDP2 unit up to this many bytes of
+# (unsharded, master-dtype) parameters. Below it a per-block all-gather / reduce-scatter moves
+# kilobytes and costs its latency and Python dispatch, not bandwidth (the 0.8M-parameter
+# quickstart: 5 all-gathers per forward, 5 more in backward, 5 reduce-scatters), while holding
+# the whole model unsharded costs at most this much memory per rank.
+FSDP_MODEL_UNIT_MAX_BYTES = 64 * 2**20
+FSDP_UNITS = ("auto", "block", "model")
+
+
+def resolve_fsdp_unit(unit: str, param_bytes: float) -> str:
+    """``model.fsdp_unit`` as applied to a model (or pipeline stage) of ``param_bytes`` bytes.
+
+    "block": one FSDP2 unit per decoder block plus the root (embeddings, norm, head): at most
+    the root and two blocks are unsharded at once. "model": one unit, the root: one all-gather
+    per forward and one reduce-scatter per backward; in the update the parameters stay gathered
+    from forward to backward (:func:`keep_unsharded`). "auto": "model" up to
+    ``FSDP_MODEL_UNIT_MAX_BYTES``, else "block". The maths is the same either way (all-gather
+    is a copy, the reduce-scatter sums the same gradients), so the choice only moves time and memory.
+    """
+    if unit not in FSDP_UNITS:
+        raise ValueError(f"model.fsdp_unit: unknown value {unit!r}; valid: {', '.join(FSDP_UNITS)}")
+    if unit == "auto":
+        return "model" if param_bytes <= FSDP_MODEL_UNIT_MAX_BYTES else "block"
+    return unit
+
+
+@contextmanager
+def keep_unsharded(module: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within the block, a whole-model FSDP2 unit is not resharded after forward: the backward
+    reuses the forward's all-gather instead of gathering again (every forward here is followed
+    by its backward, which reshards). On exit the module reshards after forward again, so a
+    no-grad pass (log-probs, values) never leaves full parameters behind, and it is resharded
+    even if the block raised between a forward and its backward."""
+    if not enabled or not isinstance(module, FSDPModule):
+        yield
+        return
+    module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        module.set_reshard_after_forward(True, recurse=False)
+        module.reshard()
 
 
 def mixed_precision_policy(enabled: bool, device: torch.device) -> Optional[MixedPrecisionPolicy]:
@@ -48,8 +92,10 @@ def set_offload_threads() -> int:
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.device,
                mixed_precision: bool = True, param_offload: bool = False,
                reshard_after_forward: bool = True, host: Optional[dict[str, torch.Tensor]] = None,
-               expert_mesh: Optional[DeviceMesh] = None, load_ranks_per_node: int = 0) -> torch.nn.Module:
-    """Shard each decoder block and the root over `dp_mesh`, then place this rank's shards.
+               expert_mesh: Optional[DeviceMesh] = None, load_ranks_per_node: int = 0,
+               unit: str = "block") -> torch.nn.Module:
+    """Shard each decoder block and the root over `dp_mesh` (``unit="model"``: the root only,
+    one unit holding every parameter; see :func:`resolve_fsdp_unit`), then place this rank's shards.
 
     ``host``: the host tensors of a model whose parameters :func:`params_to_meta` already
     moved to the meta device (``parallelize_model`` does so before TP); None = done here.
@@ -76,7 +122,11 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs a GPU
         if device.type == "cuda":  # the optimizer step runs on the host (foreach AdamW: rlhf.train.optim)
             set_offload_threads()
+    if unit not in ("block", "model"):
+        raise ValueError(f"apply_fsdp: unit must be 'block' or 'model' (resolve 'auto' first), got {unit!r}")
     for block in decoder_layers(model):
+        # Units that differ from their block whatever `unit` is: experts sharded over the ep mesh, and
+        # the fp32 router.
         experts = getattr(getattr(block, "mlp", None), "experts", None)
         if expert_mesh is not None and experts is not None:
             fully_shard(experts, **{**kwargs, "mesh": expert_mesh})
@@ -85,9 +135,10 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
             # is a discrete choice that bf16 logits flip (the rollout / trainer routing mismatch).
             fully_shard(block.mlp.gate, **{**kwargs, "mp_policy": MixedPrecisionPolicy(
                 param_dtype=torch.float32, reduce_dtype=torch.float32)})
-        fully_shard(block, **kwargs)
+        if unit == "block":
+            fully_shard(block, **kwargs)
     visual = vision_tower(model)
-    if visual is not None:
+    if visual is not None and unit == "block":
         # One unit: its all-gather / reduce-scatter run on every rank every micro-batch (a text-only
         # micro-batch feeds it a dummy image, rlhf.models.vlm.dummy_vision_loss), so ranks never diverge.
         fully_shard(visual, **kwargs)

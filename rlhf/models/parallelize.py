@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from rlhf.models.activation_checkpointing import apply_ac
 from rlhf.models.expert_parallel import apply_ep
-from rlhf.models.fsdp import apply_fsdp
+from rlhf.models.fsdp import apply_fsdp, resolve_fsdp_unit
 from rlhf.models.loading import decoder_layers
 from rlhf.models.parallel import ParallelDims, check_ep, expert_fsdp_mesh, fsdp_mesh
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
@@ -63,6 +63,7 @@ class ParallelModel:
     pipeline: Optional[PipelineModel]
     pp_group: Optional[dist.ProcessGroup]
     tied_lm_head: Optional[nn.Parameter] = None
+    fsdp_unit: str = "block"  # as applied (rlhf.models.fsdp.resolve_fsdp_unit)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -119,6 +120,7 @@ def parallelize_model(
     pp_output: str = "logprobs",
     loss_parallel: bool = True,
     load_ranks_per_node: int = 0,
+    fsdp_unit: str = "block",
 ) -> ParallelModel:
     """Put ``model`` into the training layout of ``mesh`` (see module docstring).
 
@@ -135,6 +137,8 @@ def parallelize_model(
         loss_parallel: keep LM-head logits vocab-sharded under TP (never gathered).
         load_ranks_per_node: local ranks that read and place their shards at once
             (``model.load_ranks_per_node``; 0 = auto).
+        fsdp_unit: ``model.fsdp_unit`` (auto / block / model), resolved per pipeline stage
+            from its parameter bytes (:func:`rlhf.models.fsdp.resolve_fsdp_unit`).
 
     Returns:
         A :class:`ParallelModel`.
@@ -152,7 +156,9 @@ def parallelize_model(
         parts: list[nn.Module] = list(pipeline.stages)
     else:
         parts = [model]
+    units = []
     for part in parts:
+        units.append(resolve_fsdp_unit(fsdp_unit, sum(p.numel() * p.element_size() for p in part.parameters())))
         host = params_to_meta(part)  # TP and FSDP2 shard on meta; only this rank's shards reach the device
         if tp > 1:
             apply_tp(part, mesh["tp"], loss_parallel=loss_parallel, experts=expert_mesh is None)
@@ -161,7 +167,7 @@ def parallelize_model(
         if activation_checkpointing:
             apply_ac(part, blocks=decoder_layers(part))
         apply_fsdp(part, fsdp_mesh(mesh), device=device, mixed_precision=mixed_precision, param_offload=param_offload,
-                   host=host, expert_mesh=expert_mesh, load_ranks_per_node=load_ranks_per_node)
+                   host=host, expert_mesh=expert_mesh, load_ranks_per_node=load_ranks_per_node, unit=units[-1])
     if pipeline is None:
         module: nn.Module = model
     else:
@@ -171,7 +177,7 @@ def parallelize_model(
         # Lets the rollout reshard find the stage group from the module alone.
         module.pp_group = mesh["pp"].get_group()
     return ParallelModel(module=module, pipeline=pipeline, pp_group=mesh["pp"].get_group() if pp > 1 else None,
-                         tied_lm_head=tied_lm_head)
+                         tied_lm_head=tied_lm_head, fsdp_unit="model" if set(units) == {"model"} else "block")
 
 
 # ---------------------------------------------------------------------- grad norm
@@ -231,13 +237,17 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, *, stage_ranks:
     """
     norm = global_grad_norm(params if norm_params is None else norm_params, stage_ranks=stage_ranks, group=group,
                             device=device)
-    # On the device, applied to every gradient (x1 when under the bound): no host sync.
+    # On the device, applied to every gradient (x1 when under the bound): no host sync. One
+    # multi-tensor multiply per device on the local shards, not a DTensor op (and its dispatch)
+    # per parameter; elementwise the same product, so the same bits.
     coef = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
-    on_device: dict[torch.device, torch.Tensor] = {}
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            dev = p.grad.device  # CPU under param_offload
-            p.grad.mul_(on_device.setdefault(dev, coef.to(dev)))
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # a view: scaled in place
+            by_device.setdefault(local.device, []).append(local)  # CPU under param_offload
+    for dev, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(dev))
     return norm
 
 

@@ -51,6 +51,11 @@ class ModelConfig:
         False, "Reduce-scatter gradients once per mini-batch instead of after every micro-batch (FSDP2 no-sync): "
                "fewer collectives, but each rank holds the unsharded fp32 gradients of its whole model between "
                "micro-batches (+4 bytes per parameter; the planner counts them). Actor and critic.")
+    fsdp_unit: Literal["auto", "block", "model"] = _f(
+        "auto", "FSDP2 units: block = one per decoder block plus the root (least memory); model = the whole model "
+                "as one unit (one all-gather per forward, one reduce-scatter per backward, no re-gather in the "
+                "update's backward; the full parameters are held from forward to backward); auto = model up to "
+                "64 MiB of parameters, else block. Same maths either way. Actor, critic, reference and SFT.")
 
 
 @dataclass

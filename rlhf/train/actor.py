@@ -34,7 +34,7 @@ from rlhf.algos.policy_loss import PolicyLossParams, get_policy_loss
 from rlhf.algos.policy_loss_cov import COV_LOSSES, select_cov_tokens
 from rlhf.data.batching import micro_batches_for_rank
 from rlhf.data.multimodal import collate_multi_modal
-from rlhf.models.fsdp import grad_scale
+from rlhf.models.fsdp import grad_scale, keep_unsharded
 from rlhf.models.loading import load_causal_lm, vision_tower
 from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
 from rlhf.models.lora import apply_lora
@@ -101,26 +101,29 @@ def run_ppo_epochs(worker, batch: RolloutBatch, *, mini_batch_rows: int, epochs:
     norm_params = [p for p in worker.parallel.norm_parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(1234)
     n_rows = len(batch)
-    for _ in range(epochs):
-        order = torch.randperm(n_rows, generator=gen) if shuffle else torch.arange(n_rows)
-        minis = [batch.select(order[rows]) for rows in split_rows(n_rows, mini_batch_rows)]
-        # Every mini-batch's global counts: one all-reduce and one host read per epoch.
-        counts = torch.stack([torch.stack([m.response_mask.sum(), (m.response_mask.sum(-1) > 0).sum()]).double()
-                              for m in minis]) if minis else torch.zeros(0, 2, dtype=torch.float64)
-        counts = all_reduce_sum(counts.to(worker.device), worker.dp_group).tolist()
-        for mini, (tokens, seqs) in zip(minis, counts):
-            norm = AggNorm(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
-            worker.optimizer.zero_grad(set_to_none=True)
-            step_loss = mini_step(mini, norm, metrics)
-            all_reduce_sum(step_loss, worker.dp_group)
-            grad_norm = clip_grad_norm_(params, grad_clip, stage_ranks=worker.stage_ranks, norm_params=norm_params,
-                                        device=worker.device, group=worker.mesh_group)
-            # The one host read per mini-batch: whether the step may be taken.
-            loss_value, norm_value = torch.stack([step_loss.double(), grad_norm.double()]).tolist()
-            if worker.nonfinite.ok(loss_value, norm_value, worker.optimizer):
-                worker.optimizer.step()
-                metrics.add(f"{prefix}/{loss_name}", loss_value)
-                metrics.add(f"{prefix}/grad_norm", norm_value)
+    # A whole-model FSDP2 unit keeps its forward all-gather for the backward (no pipeline schedule here).
+    whole = worker.pipeline is None and worker.parallel.fsdp_unit == "model"
+    with keep_unsharded(worker.parallel.module, whole):
+        for _ in range(epochs):
+            order = torch.randperm(n_rows, generator=gen) if shuffle else torch.arange(n_rows)
+            minis = [batch.select(order[rows]) for rows in split_rows(n_rows, mini_batch_rows)]
+            # Every mini-batch's global counts: one all-reduce and one host read per epoch.
+            counts = torch.stack([torch.stack([m.response_mask.sum(), (m.response_mask.sum(-1) > 0).sum()]).double()
+                                  for m in minis]) if minis else torch.zeros(0, 2, dtype=torch.float64)
+            counts = all_reduce_sum(counts.to(worker.device), worker.dp_group).tolist()
+            for mini, (tokens, seqs) in zip(minis, counts):
+                norm = AggNorm(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
+                worker.optimizer.zero_grad(set_to_none=True)
+                step_loss = mini_step(mini, norm, metrics)
+                all_reduce_sum(step_loss, worker.dp_group)
+                grad_norm = clip_grad_norm_(params, grad_clip, stage_ranks=worker.stage_ranks, norm_params=norm_params,
+                                            device=worker.device, group=worker.mesh_group)
+                # The one host read per mini-batch: whether the step may be taken.
+                loss_value, norm_value = torch.stack([step_loss.double(), grad_norm.double()]).tolist()
+                if worker.nonfinite.ok(loss_value, norm_value, worker.optimizer):
+                    worker.optimizer.step()
+                    metrics.add(f"{prefix}/{loss_name}", loss_value)
+                    metrics.add(f"{prefix}/grad_norm", norm_value)
     worker.optimizer.zero_grad(set_to_none=True)
     out = metrics.reduce(worker.dp_group)
     if worker.pipeline is not None:
@@ -208,7 +211,8 @@ class PolicyWorker:
         self.parallel: ParallelModel = parallelize_model(
             model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,
             param_offload=model_cfg.param_offload, load_ranks_per_node=model_cfg.load_ranks_per_node,
-            activation_checkpointing=trainable and model_cfg.enable_gradient_checkpointing)
+            activation_checkpointing=trainable and model_cfg.enable_gradient_checkpointing,
+            fsdp_unit=model_cfg.fsdp_unit)
         del model  # with pp, the other stages' layers are freed here
         adopt_layout(self, self.parallel, mesh)
         # (not under pp: the schedule splits rows into micro-batches the padding mask cannot follow)

@@ -131,7 +131,7 @@ class CriticWorker:
         self.parallel: ParallelModel = parallelize_model(
             model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,
             param_offload=model_cfg.param_offload, activation_checkpointing=model_cfg.enable_gradient_checkpointing,
-            pp_output="values")
+            pp_output="values", fsdp_unit=model_cfg.fsdp_unit)
         del model  # with pp, the other stages' layers are freed here
         adopt_layout(self, self.parallel, mesh)
         self.optimizer = build_optimizer(self.model.parameters(), lr=critic_cfg.lr,

@@ -217,7 +217,7 @@ def _build_model(cfg: SFTConfig, mesh, device: torch.device) -> torch.nn.Module:
             raise ConfigError(f"model.target_modules: {e}") from None
     return parallelize_model(model, mesh, cfg.parallel, device, mixed_precision=m.mixed_precision,
                              param_offload=m.param_offload, load_ranks_per_node=m.load_ranks_per_node,
-                             activation_checkpointing=m.enable_gradient_checkpointing).module
+                             activation_checkpointing=m.enable_gradient_checkpointing, fsdp_unit=m.fsdp_unit).module
 
 
 def run_sft(cfg: SFTConfig, *, dry_run: bool = False) -> dict:

@@ -4,7 +4,9 @@ By default FSDP2 reduce-scatters after every micro-batch, so no rank holds the u
 gradients of its model between micro-batches (before the fix: +4 bytes per parameter, the
 unsharded fp32 gradients of the whole model, from the first micro-batch to the last).
 ``model.unsharded_grad_accumulation`` restores the no-sync accumulation; both give the same
-update.
+update. ``model.fsdp_unit: model`` (the whole model as one FSDP2 unit, auto for small models)
+gives the same update with one all-gather and one reduce-scatter per micro-batch, not one per
+block in forward, again in backward, and per block in the reduce.
 """
 
 from __future__ import annotations
@@ -32,19 +34,34 @@ def held_unsharded_grad_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _count_fsdp_collectives() -> dict[str, int]:
+    """Counts FSDP2's all-gathers and reduce-scatters (wraps its default collective objects)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    for cls, key in ((coll.DefaultAllGather, "all_gather"), (coll.DefaultReduceScatter, "reduce_scatter")):
+        def counted(self, *args, _call=cls.__call__, _key=key, **kw):
+            counts[_key] += 1
+            return _call(self, *args, **kw)
+        cls.__call__ = counted
+    return counts
+
+
 def _update(rank: int, world: int, model_dir: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     from rlhf.schema.config import ActorConfig, ModelConfig
     from rlhf.train.actor import PolicyWorker
 
     result = {}
-    for no_sync in (False, True):
+    counts = _count_fsdp_collectives()
+    for no_sync, unit in ((False, "block"), (True, "block"), (False, "model")):
         mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
         torch.manual_seed(0)
         cfg = ActorConfig(lr=1e-3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, grad_clip=1e9,
                           weight_decay=0.0)
-        worker = PolicyWorker(ModelConfig(path=model_dir, unsharded_grad_accumulation=no_sync), mesh,
+        worker = PolicyWorker(ModelConfig(path=model_dir, unsharded_grad_accumulation=no_sync, fsdp_unit=unit), mesh,
                               torch.device("cpu"), actor_cfg=cfg, total_steps=1)
         held: list[int] = []
         forward = worker.forward_log_probs
@@ -57,10 +74,13 @@ def _update(rank: int, world: int, model_dir: str, out: str) -> None:
         batch = random_rollout_batch(4, 2, 6, 8, worker.hf_config.vocab_size)  # 8 rows: 4 per rank, 2 micro-batches
         local = batch.select(list(range(4 * rank, 4 * rank + 4)))
         local.old_log_probs = local.rollout_log_probs.clone()
+        counts.update(all_gather=0, reduce_scatter=0)
         worker.update_policy(local, mini_batch_rows=4, temperature=1.0, max_response_length=8)
-        result[no_sync] = {"held": held, "params": {n: p.full_tensor().clone() for n, p in
-                                                    worker.model.named_parameters()},
-                           "model_bytes": sum(p.numel() * p.element_size() for p in worker.model.parameters())}
+        # After the update every parameter is this rank's shard again (none left gathered).
+        assert all(isinstance(p, DTensor) for p in worker.model.parameters())
+        params = {n: p.full_tensor().clone() for n, p in worker.model.named_parameters()}
+        result[(no_sync, unit)] = {"held": held, "collectives": dict(counts), "params": params,
+                                   "model_bytes": sum(p.numel() * p.element_size() for p in worker.model.parameters())}
     torch.save(result, f"{out}.rank{rank}")
 
 
@@ -72,9 +92,16 @@ def test_sync_every_micro_batch_holds_no_unsharded_grads_and_updates_the_same(tm
     run_distributed(_update, 2, model_dir, str(tmp_path / "out"))
     for rank in range(2):
         res = torch.load(f"{tmp_path / 'out'}.rank{rank}", weights_only=False)
-        sync, no_sync = res[False], res[True]
+        sync, no_sync, whole = res[(False, "block")], res[(True, "block")], res[(False, "model")]
         assert len(sync["held"]) == 2 and sync["held"] == [0, 0], sync["held"]
         # The opt-in path does hold them: the whole model's unsharded gradients, fp32.
         assert no_sync["held"][0] == 0 and no_sync["held"][1] >= 0.9 * no_sync["model_bytes"], no_sync["held"]
         for n, p in sync["params"].items():
             torch.testing.assert_close(p, no_sync["params"][n], rtol=1e-5, atol=1e-6, msg=n)
+            # Same collectives' maths on fewer, larger tensors: bit for bit.
+            assert torch.equal(p, whole["params"][n]), n
+        assert whole["held"] == [0, 0], whole["held"]
+        # 2 micro-batches: per block and root, gather in forward and again in backward; the whole
+        # model: one gather per forward (kept for its backward) and one reduce-scatter per backward.
+        assert sync["collectives"] == {"all_gather": 12, "reduce_scatter": 6}, sync["collectives"]
+        assert whole["collectives"] == {"all_gather": 2, "reduce_scatter": 2}, whole["collectives"]

@@ -212,3 +212,21 @@ def test_tied_grads_on_the_host_are_summed_on_the_compute_device():
         total = tied_grad_sum(grads, (4, 3), torch.device("meta"))
     assert total.device.type == "meta" and total.shape == (4, 3)
     torch.testing.assert_close(tied_grad_sum(grads, (4, 3), torch.device("cpu")), torch.full((4, 3), 3.0))
+
+
+def test_clipping_scales_local_shards_with_one_foreach_mul_and_equals_the_per_parameter_loop(mesh, monkeypatch):
+    ps, ref = _mesh_params(mesh), _mesh_params(mesh)
+    for p, q in zip(ps, ref):
+        p.grad = p.detach() * 3.0
+        q.grad = q.detach() * 3.0
+    calls = []
+    real = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda ts, s: calls.append(len(ts)) or real(ts, s))
+    norm = parallelize.clip_grad_norm_(ps, 0.5, stage_ranks=1)
+    coef = (0.5 / (norm + 1e-6)).clamp(max=1.0)
+    for q in ref:
+        q.grad.mul_(coef)  # the per-parameter (DTensor) loop it replaces
+    assert calls == [4]  # one call for all four parameters' local shards
+    full = [[t.full_tensor() if hasattr(t, "full_tensor") else t for t in (p.grad, q.grad, q.detach() * 3.0)]
+            for p, q in zip(ps, ref)]
+    assert all(torch.equal(a, b) and not torch.equal(b, unscaled) for a, b, unscaled in full)

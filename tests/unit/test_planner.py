@@ -222,3 +222,19 @@ def test_decode_gather_buffers_without_flash_attn_and_host_per_node():
     one = plan_memory(s, _cfg(*offload, "model.load_ranks_per_node=1"), world_size=16, device="cuda")
     load = one.host["load (slice being placed)"]
     assert tight.host_per_node - one.host_per_node == pytest.approx(7 * load)  # only one rank's load slice at a time
+
+
+def test_fsdp_unit_auto_gathers_small_models_whole_and_large_ones_per_block():
+    from rlhf.models.fsdp import FSDP_MODEL_UNIT_MAX_BYTES, resolve_fsdp_unit
+
+    assert resolve_fsdp_unit("auto", FSDP_MODEL_UNIT_MAX_BYTES) == "model"
+    assert resolve_fsdp_unit("auto", FSDP_MODEL_UNIT_MAX_BYTES + 1) == "block"
+    assert resolve_fsdp_unit("block", 1) == "block" and resolve_fsdp_unit("model", 2**40) == "model"
+    with pytest.raises(ValueError, match="model.fsdp_unit"):
+        resolve_fsdp_unit("layer", 1)
+    s = ModelShape.from_config_dict(TINY)  # 364 fp32 parameters: auto = one unit
+    auto = plan_memory(s, _cfg(), world_size=2, device="cpu")
+    block = plan_memory(s, _cfg("model.fsdp_unit=block"), world_size=2, device="cpu")
+    assert auto.components["fsdp unsharded"] == 364 * 4  # the whole model, gathered
+    assert auto.phases["update"]["fsdp unsharded (+grads)"] == 2 * 364 * 4  # and its gradients
+    assert block.phases["update"]["fsdp unsharded (+grads)"] < 2 * 364 * 4  # root + one block's gradients
