@@ -64,8 +64,9 @@ def test_hang_and_crash_score_zero_are_counted_and_the_rest_is_scored(spec):
     assert (res.n_timeouts, res.n_errors) == (2, 1)
     assert restarts == 3
     assert again.scores.tolist() == [3.0, 5.0] and again.n_errors == again.n_timeouts == 0
-    # Two 1 s timeouts, possibly back to back on one worker, plus worker start-ups.
-    assert elapsed < 20, elapsed
+    # A liveness bound, not a speed claim: a hung call sleeps an hour, so without the timeout the test
+    # would take that long; two 1 s timeouts plus worker start-ups take seconds (34 s seen under load 25).
+    assert elapsed < 300, elapsed
 
 
 def test_submit_then_result_overlaps_and_keeps_tickets_apart(spec):

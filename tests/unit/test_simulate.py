@@ -33,7 +33,8 @@ def test_world_64_rank_holds_its_shards_and_sends_fsdp_traffic(model_dir):
     from rlhf.simulate import simulate
 
     assert not dist.is_initialized()
-    sim = simulate(_cfg(model_dir, "parallel.tp=2"), world=WORLD, rank=5, device="cpu")
+    # per-block FSDP2 units (a model this small would otherwise be one unit: model.fsdp_unit auto)
+    sim = simulate(_cfg(model_dir, "parallel.tp=2", "model.fsdp_unit=block"), world=WORLD, rank=5, device="cpu")
     assert not dist.is_initialized()  # the fake group is torn down
     assert sim.layout["dp"] == 32 and sim.layout["tp"] == 2
     # fp32 master shards: each parameter's tp piece, dim 0 padded to a multiple of dp = 32 (FSDP2), / 32
