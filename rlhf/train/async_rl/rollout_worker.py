@@ -32,6 +32,14 @@ from rlhf.train.async_rl.transfer import WeightReceiver, send_object
 from rlhf.train.prompts import load_data, make_loader, prompt_batch
 
 
+def rollout_inputs(cfg: Config):
+    """What a rollout rank reads before it generates: (tokenizer, HF model config, train prompts)."""
+    m = cfg.model
+    tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code,
+                               key="model.tokenizer_path" if m.tokenizer_path else "model.path")
+    return tokenizer, model_config(m.path, m.trust_remote_code), load_data(cfg, cfg.data.train_files, tokenizer)
+
+
 class RolloutWorker:
     """Build on the rollout ranks; `run()` until the training role's last batch is sent."""
 
@@ -39,10 +47,7 @@ class RolloutWorker:
         """``resume``: the checkpoint the training role resumes from (every rank agreed on it)."""
         self.cfg, self.roles, self.device = cfg, roles, roles.env.device
         m = cfg.model
-        self.tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code,
-                                        key="model.tokenizer_path" if m.tokenizer_path else "model.path")
-        self.hf_config = model_config(m.path, m.trust_remote_code)
-        self.data = load_data(cfg, cfg.data.train_files, self.tokenizer)
+        self.tokenizer, self.hf_config, self.data = rollout_inputs(cfg)
         self.loader, self.total_steps = make_loader(cfg, len(self.data))
         self.start = 0
         if resume is not None:

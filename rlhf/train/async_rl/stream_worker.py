@@ -22,15 +22,15 @@ from typing import Any, Optional
 
 import torch
 
-from rlhf.models.loading import load_tokenizer, model_config
 from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.rollout.sampler import RolloutOutput
 from rlhf.rollout.stream import STOP, StreamPrompt, StreamRun
 from rlhf.schema.config import Config
+from rlhf.train.async_rl.rollout_worker import rollout_inputs
 from rlhf.train.async_rl.split import StreamRoles
 from rlhf.train.async_rl.staleness import admission_bound
 from rlhf.train.async_rl.transfer import recv_object, recv_tensors, send_object
-from rlhf.train.prompts import load_data, make_loader, prompt_batch
+from rlhf.train.prompts import make_loader, prompt_batch
 
 END = "end"  # the last message a rollout rank sends the leader
 
@@ -54,10 +54,7 @@ class StreamWorker:
     def __init__(self, cfg: Config, roles: StreamRoles, resume: Optional[str]):
         self.cfg, self.roles, self.device = cfg, roles, roles.env.device
         m = cfg.model
-        self.tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code,
-                                        key="model.tokenizer_path" if m.tokenizer_path else "model.path")
-        self.hf_config = model_config(m.path, m.trust_remote_code)
-        self.data = load_data(cfg, cfg.data.train_files, self.tokenizer)
+        self.tokenizer, self.hf_config, self.data = rollout_inputs(cfg)
         # A fresh loader, replayed from the first batch: a resumed run may still owe prompts of
         # batches before the checkpoint's data position (staleness_threshold > 0).
         self.loader, self.total_steps = make_loader(cfg, len(self.data))
