@@ -384,6 +384,7 @@ def prefill(
     cos: Tensor,
     sin: Tensor,
     tp_group: Any = None,
+    embeds: Tensor | None = None,
 ) -> Tensor:
     """Forward of P packed prompts; stores their K/V in the cache; returns last-token logits.
 
@@ -398,7 +399,9 @@ def prefill(
         last_index: ``[P]`` index of each prompt's last token in the packed sequence.
         slots: ``[M]`` cache slots to fill; ``rows`` ``[M]`` the prompt each slot receives,
             so one prefill serves the ``n`` samples of a prompt.
-        cos, sin: rope tables from ``rope_tables``.
+        cos, sin: rope tables from ``rope_tables`` (rows indexed by ``positions``).
+        embeds: ``[Ttot, hidden]`` input embeddings instead of the token ids' (a VLM prompt's, image
+            features placed: ``rlhf.rollout.vision``).
     Returns:
         ``[P, V]`` float32 logits of the token after each prompt.
     """
@@ -407,7 +410,7 @@ def prefill(
     c, s = cos[:, positions, None], sin[:, positions, None]  # [K, Ttot, 1, R] per rope table
     index = cache.prefill_index(slots, 0, width)  # [M * 2Hkv * width] cache rows, shared by the layers
     masks = arch.Masks(None, width, input_ids.device)
-    x = arch.embed(spec.arch, w.embed, input_ids)  # [Ttot, hidden]
+    x = arch.embed(spec.arch, w.embed, input_ids) if embeds is None else embeds  # [Ttot, hidden]
     for layer, lw in enumerate(w.layers):
         la = spec.arch.layers[layer]
         qkv = _qkv(spec, lw, x, (total,), c[la.rope], s[la.rope])  # [Ttot, Hall, D]
@@ -434,6 +437,7 @@ def prefill_chunk(
     cos: Tensor,
     sin: Tensor,
     tp_group: Any = None,
+    embeds: Tensor | None = None,
 ) -> Tensor:
     """Chunked prefill: forward of tokens ``[start, start + c)`` of ONE prompt whose earlier
     positions are already in the cache of ``slots[0]``.
@@ -446,7 +450,8 @@ def prefill_chunk(
     ``enable_gqa`` falls back to the math kernel (fp32 ``[H, c, W]`` scores).
 
     Args:
-        input_ids: ``[c]`` the chunk's tokens.
+        input_ids: ``[c]`` the chunk's tokens; ``embeds`` ``[c, hidden]`` their embeddings when given.
+        cos, sin: rope tables, rows indexed by cache position (a VLM prompt's own rows).
     Returns:
         ``[1, V]`` float32 logits of the token after the chunk.
     """
@@ -458,7 +463,7 @@ def prefill_chunk(
     window = start + n
     g = h // hkv
     masks = arch.Masks(positions.repeat(g), window, input_ids.device)  # [G * c, W]: row (j, i) = query i of member j
-    x = arch.embed(spec.arch, w.embed, input_ids)  # [c, hidden]
+    x = arch.embed(spec.arch, w.embed, input_ids) if embeds is None else embeds  # [c, hidden]
     for layer, lw in enumerate(w.layers):
         la = spec.arch.layers[layer]
         qkv = _qkv(spec, lw, x, (n,), c[la.rope], s[la.rope]).transpose(0, 1)  # [Hall, c, D]
@@ -482,6 +487,7 @@ def decode(
     cos: Tensor,
     sin: Tensor,
     tp_group: Any = None,
+    rope_pos: Tensor | None = None,
 ) -> Tensor:
     """One decode step for slots ``[0, B)``: token ``tokens[b]`` at position ``pos[b]``.
 
@@ -492,12 +498,15 @@ def decode(
 
     Args:
         tokens, pos: ``[B]`` int64; ``window`` > max(pos).
+        rope_pos: ``[B]`` the rotary positions when they differ from the cache positions ``pos``
+            (a VLM's text positions after its images: ``pos + rope delta``).
     Returns:
         ``[B, V]`` float32 logits.
     """
     b = tokens.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    c, s = cos[:, pos, None], sin[:, pos, None]  # [K, B, 1, R]
+    rp = pos if rope_pos is None else rope_pos
+    c, s = cos[:, rp, None], sin[:, rp, None]  # [K, B, 1, R]
     index = cache.decode_index(pos)  # [B * 2Hkv]
     x = arch.embed(spec.arch, w.embed, tokens)  # [B, hidden]
     plan = cache.decode_plan(b, pos, window, x.dtype)  # the attention kernel's per-step data

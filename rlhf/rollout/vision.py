@@ -1,0 +1,174 @@
+"""Vision-language prompts on the built-in sampler (Qwen2-VL, Qwen2.5-VL).
+
+The sampler's functional decoder runs the *language model* of a Qwen-VL checkpoint: its weights
+``model.language_model.*`` are renamed to a text LM's ``model.*`` (:func:`split_vlm_weights`) and its
+``text_config`` is read as the text family it is (:func:`text_config`: Qwen2-VL / Qwen2.5-VL -> qwen2).
+What differs from a text prompt happens at prefill only:
+
+* the vision tower (transformers' own module, built from ``vision_config`` and loaded with the
+  rollout weights ``model.visual.*``) runs once per ``generate`` call on all the images of the call
+  (one batched forward), and each image's merged features replace the embeddings of its image tokens
+  (``embeds[ids == image_token_id] = features``, as transformers' ``masked_scatter``);
+* the rotary phases of the prompt come from the project's M-RoPE positions
+  (:func:`rlhf.models.mrope.mrope_position_ids`, ``[3, T]``): rotary frequency ``j`` reads the
+  temporal, height or width position by its ``mrope_section`` (HF's ``recomposition_frequencies``).
+
+Decoding then continues on text positions: a token at cache position ``p`` rotates by ``p + delta``
+(``delta = max position + 1 - prompt length``, transformers' ``rope_deltas``); with the three
+positions equal M-RoPE is plain RoPE, so the decode step only shifts its rope rows. The K/V cache
+keeps the cache positions, so attention, paging and prefix sharing are unchanged (a prompt's
+samples share its blocks: the key is the prompt, images included). Image / video placeholder ids
+are never sampled (their logits are masked before the draw; the recorded log-probs stay the
+policy's untruncated ones, like top-k / top-p).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from rlhf.models.mrope import MRopeSpec, mrope_position_ids
+
+# Qwen-VL families the sampler runs -> the text family of their language model
+VL_TEXT_FAMILY = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+_LM_PREFIX, _VISUAL_PREFIX = "model.language_model.", "model.visual."
+
+
+def is_vlm(config: Any) -> bool:
+    return getattr(config, "model_type", None) in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def check_vlm(config: Any) -> None:
+    """Refuse the VLM families the sampler does not run yet, in one actionable line."""
+    if config.model_type not in VL_TEXT_FAMILY:
+        raise NotImplementedError(
+            f"rollout sampler: vision-language model_type {config.model_type!r} is not supported yet "
+            f"(supported: {', '.join(VL_TEXT_FAMILY)}; Qwen3-VL's deepstack features are not placed by the sampler)")
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config, read as its text family (a copy; ``config`` is untouched)."""
+    check_vlm(config)
+    text = copy.copy(config.text_config)
+    text.model_type = VL_TEXT_FAMILY[config.model_type]
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+    return text
+
+
+def split_vlm_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """A Qwen-VL state dict -> (language model under text-LM names, vision tower under its own names).
+
+    ``model.language_model.X`` -> ``model.X``; ``model.visual.X`` -> ``X``; ``lm_head.weight`` kept.
+    Pops from ``weights`` (the caller's dict is handed over)."""
+    lm, visual = {}, {}
+    for name in list(weights):
+        t = weights.pop(name)
+        if name.startswith(_VISUAL_PREFIX):
+            visual[name[len(_VISUAL_PREFIX):]] = t
+        elif name.startswith(_LM_PREFIX):
+            lm["model." + name[len(_LM_PREFIX):]] = t
+        else:
+            lm[name] = t
+    if not visual:
+        raise ValueError("rollout weights of a vision-language model hold no vision tower (model.visual.*): "
+                         "the reshard must gather it too")
+    return lm, visual
+
+
+def build_vision_tower(config: Any, weights: dict[str, Tensor], device: torch.device, dtype: torch.dtype):
+    """transformers' vision tower of ``config`` holding ``weights`` (eval mode, ``dtype``, on ``device``)."""
+    if config.model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as cls
+    else:
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
+    vcfg = copy.copy(config.vision_config)
+    vcfg._attn_implementation = "sdpa"
+    with torch.device(device):  # built where it runs; its random init is overwritten just below
+        tower = cls._from_config(vcfg, dtype=dtype)
+    tower.load_state_dict(weights, strict=True)
+    return tower.eval()
+
+
+def mrope_selector(config: Any, half: int) -> Tensor:
+    """``[half]`` long: which position stream (0 t, 1 h, 2 w) rotary frequency ``j`` reads
+    (``mrope_section`` consecutive sections, Qwen2-VL / Qwen2.5-VL)."""
+    params = getattr(config.text_config, "rope_parameters", None) or {}
+    section = list(params.get("mrope_section") or [])
+    if sum(section) != half:
+        raise ValueError(f"rope_parameters.mrope_section {section} must sum to head_dim / 2 = {half}")
+    return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+
+
+def mrope_tables(pos: Tensor, inv_freq: Tensor, select: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and signed sin ``[T, R]`` of positions ``pos [3, T]`` (``rlhf.models.decoder.rope_tables``'s
+    layout: fp32, ``sin[:R/2]`` negated, then cast). ``inv_freq [R/2]``, ``select [R/2]`` (:func:`mrope_selector`)."""
+    freqs = pos.float()[:, :, None] * inv_freq.float()[None, None, :]  # [3, T, R/2]
+    freqs = freqs.gather(0, select.to(pos.device)[None, None, :].expand(1, pos.shape[1], -1))[0]  # [T, R/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    sin[..., : freqs.shape[-1]].neg_()
+    return cos.to(dtype), sin.to(dtype)
+
+
+@dataclass
+class PromptInputs:
+    """Prefill inputs of one prompt: its embeddings (image features placed), rope rows, text delta."""
+
+    embeds: Tensor  # [T, hidden]
+    cos: Tensor  # [T, R]
+    sin: Tensor  # [T, R]
+    delta: int  # decode rope position = cache position + delta
+
+
+class VisionPrompts:
+    """The multimodal prompts of one ``generate`` call: what prefill and decode need beyond token ids."""
+
+    def __init__(self, sampler: Any, prompts: list[list[int]], multi_modal: list[Optional[dict]]):
+        cfg, dev = sampler.vlm_config, sampler.device
+        if len(multi_modal) != len(prompts):
+            raise ValueError(f"generate: {len(multi_modal)} multi_modal entries for {len(prompts)} prompts")
+        self.sampler = sampler
+        self.inv_freq = sampler._inv_freq[0]
+        self.select = mrope_selector(cfg, self.inv_freq.shape[0])
+        spec = MRopeSpec.from_config(cfg)
+        with_images = [i for i, mm in enumerate(multi_modal) if mm is not None and mm["image_grid_thw"].numel()]
+        features: list[Tensor] = []
+        if with_images:  # one tower forward for every image of the call
+            pixels = torch.cat([multi_modal[i]["pixel_values"] for i in with_images]).to(dev, sampler.dtype)
+            grids = torch.cat([multi_modal[i]["image_grid_thw"] for i in with_images]).to(dev)
+            out = sampler.vision_tower(pixels, grid_thw=grids)
+            merged = out.pooler_output if hasattr(out, "pooler_output") else out
+            features = list(merged.split((grids.prod(-1) // spec.spatial_merge_size ** 2).tolist()))
+        self.inputs: list[PromptInputs] = []
+        k = 0
+        for i, ids in enumerate(prompts):
+            ids_t = torch.tensor(ids, dtype=torch.long)
+            mm = multi_modal[i]
+            grid = mm["image_grid_thw"] if mm is not None and mm["image_grid_thw"].numel() else None
+            pos, delta = mrope_position_ids(ids_t[None], None, grid, spec)  # [3, 1, T], [1]
+            embeds = sampler.embed(ids_t.to(dev))
+            if grid is not None:
+                n_img = grid.shape[0]
+                feats = torch.cat(features[k:k + n_img]).to(embeds.dtype)
+                k += n_img
+                where = (ids_t == spec.image_token_id).to(dev)
+                embeds[where] = feats
+            cos, sin = mrope_tables(pos[:, 0].to(dev), self.inv_freq.to(dev), self.select, sampler.dtype)
+            self.inputs.append(PromptInputs(embeds, cos, sin, int(delta[0])))
+        self.deltas = torch.tensor([p.delta for p in self.inputs], dtype=torch.int64, device=dev)  # per prompt
+
+    def unit(self, prompt: int, tokens: list[int]) -> PromptInputs:
+        """Inputs of ``tokens`` = prompt ``prompt`` + tokens generated after it (a recomputed sequence)."""
+        p = self.inputs[prompt]
+        extra = len(tokens) - p.embeds.shape[0]
+        if extra == 0:
+            return p
+        s, dev = self.sampler, p.embeds.device
+        gen = torch.tensor(tokens[p.embeds.shape[0]:], dtype=torch.long, device=dev)
+        rope = torch.arange(p.embeds.shape[0], len(tokens), device=dev) + p.delta
+        return PromptInputs(torch.cat((p.embeds, s.embed(gen))), torch.cat((p.cos, s.cos[0, rope])),
+                            torch.cat((p.sin, s.sin[0, rope])), p.delta)
