@@ -107,7 +107,10 @@ class DecoderSpec:
 def check_supported(config: Any, max_seq_len: int | None = None) -> DecoderSpec:
     """Everything about an HF config the sampler refuses, found before any weight is loaded (model type,
     activation, rope type, a sliding window shorter than ``max_seq_len``); raises NotImplementedError.
-    The checks are the sampler's own, so an architecture added to it is accepted here too."""
+    The checks are the sampler's own, so an architecture added to it is accepted here too. A supported
+    Qwen-VL is checked on its language model (``arch.VL_TEXT_FAMILY``)."""
+    if getattr(config, "model_type", None) in arch.VL_TEXT_FAMILY:
+        config = arch.vl_text_config(config)
     spec = DecoderSpec.from_config(config)
     rope_inv_freq(config, spec.head_dim)
     if max_seq_len is not None:

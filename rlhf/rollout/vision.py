@@ -31,10 +31,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from rlhf.models.arch import VL_TEXT_FAMILY, check_model_type, vl_text_config
 from rlhf.models.mrope import MRopeSpec, mrope_position_ids
 
-# Qwen-VL families the sampler runs -> the text family of their language model
-VL_TEXT_FAMILY = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
 _LM_PREFIX, _VISUAL_PREFIX = "model.language_model.", "model.visual."
 
 
@@ -42,21 +41,11 @@ def is_vlm(config: Any) -> bool:
     return getattr(config, "model_type", None) in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
-def check_vlm(config: Any) -> None:
-    """Refuse the VLM families the sampler does not run yet, in one actionable line."""
-    if config.model_type not in VL_TEXT_FAMILY:
-        raise NotImplementedError(
-            f"rollout sampler: vision-language model_type {config.model_type!r} is not supported yet "
-            f"(supported: {', '.join(VL_TEXT_FAMILY)}; Qwen3-VL's deepstack features are not placed by the sampler)")
-
-
 def text_config(config: Any) -> Any:
-    """The language model's config, read as its text family (a copy; ``config`` is untouched)."""
-    check_vlm(config)
-    text = copy.copy(config.text_config)
-    text.model_type = VL_TEXT_FAMILY[config.model_type]
-    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
-    return text
+    """The language model's config, read as its text family; an unsupported VLM refused in one line."""
+    if config.model_type not in VL_TEXT_FAMILY:
+        check_model_type(config)  # raises, naming what is missing
+    return vl_text_config(config)
 
 
 def split_vlm_weights(weights: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
