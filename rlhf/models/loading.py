@@ -104,6 +104,13 @@ def model_config(path: str, trust_remote_code: bool = False, key: str = "model.p
     return AutoConfig.from_pretrained(str(check_model_dir(path, key)), trust_remote_code=trust_remote_code)
 
 
+def language_config(config):
+    """The config of the language model: a Qwen-VL's ``text_config`` (sizes, heads, layers), else ``config``."""
+    from rlhf.models.mrope import is_vlm_config
+
+    return config.text_config if is_vlm_config(config) else config
+
+
 def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_len: int | None = None,
                           key: str = "model.path") -> None:
     """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
@@ -113,7 +120,7 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
         check_supported(config, max_seq_len)
     except NotImplementedError as e:
         raise ConfigError(f"{key}: {e}") from None
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = getattr(language_config(config), "max_position_embeddings", None)
     if max_seq_len is not None and isinstance(limit, int) and max_seq_len > limit:
         raise ConfigError(f"data.max_response_length: prompt + response = {max_seq_len} tokens exceeds the "
                           f"model's max_position_embeddings ({limit}, {key}); lower data.max_prompt_length + "
