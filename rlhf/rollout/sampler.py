@@ -85,7 +85,9 @@ class Sampler:
     """KV-cache generation engine over a plain HF-named weight dict (see module docstring).
 
     Args:
-        model_config: HF config of a llama / mistral / qwen2 / qwen3 causal LM.
+        model_config: HF config of a causal LM of ``rlhf.models.arch.SUPPORTED_MODEL_TYPES``, or of a
+            Qwen2-VL / Qwen2.5-VL (its language model decodes, its vision tower runs at prefill:
+            ``rlhf.rollout.vision``; ``generate(multi_modal=...)`` takes the images).
         weights: HF state-dict names -> tensors (``lm_head.weight`` optional when tied).
         pad_token_id: fills ``response_ids`` after each response.
         device, dtype: where / in which precision to run (dtype defaults to the weights').

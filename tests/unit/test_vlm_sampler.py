@@ -84,7 +84,7 @@ def test_sampler_greedy_equals_hf_generate_and_log_probs_equal_the_trainer(case)
     assert out2.stats["prefill_calls"] > 3
 
 
-def test_sampler_never_draws_a_banned_placeholder_and_reports_the_policy_log_prob(case):
+def test_sampler_never_draws_a_banned_placeholder(case):
     model, _, prompts, mms, ref = case
     s = _sampler(model)
     first = ref[0][0]
@@ -93,3 +93,13 @@ def test_sampler_never_draws_a_banned_placeholder_and_reports_the_policy_log_pro
     assert out.response_ids[0, 0].item() != first
     assert s.vlm_config.image_token_id in s.__class__(model.config, dict(model.state_dict()), pad_token_id=0,
                                                       max_num_seqs=1).banned_ids.tolist()
+
+
+def test_start_up_check_accepts_qwen2_5_vl_and_refuses_qwen3_vl_in_one_line():
+    from rlhf.models.decoder import check_supported
+    from rlhf.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
+
+    tok = build_vlm_tokenizer()
+    assert check_supported(tiny_vlm_config(tok, "qwen2_5_vl"), 128).model_type == "qwen2"
+    with pytest.raises(NotImplementedError, match="qwen3_vl.*deepstack"):
+        check_supported(tiny_vlm_config(tok, "qwen3_vl"))
