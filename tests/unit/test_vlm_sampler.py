@@ -82,6 +82,10 @@ def test_sampler_greedy_equals_hf_generate_and_log_probs_equal_the_trainer(case)
     out2 = _sampler(model, prefill_tokens=8).generate(prompts, _params(n=2), multi_modal=mms)
     assert out2.response_ids.tolist() == [r for r in _padded(ref) for _ in range(2)]
     assert out2.stats["prefill_calls"] > 3
+    # static decode shapes (all slots, bucketed windows: what a CUDA graph captures, rope rows from rope_buf)
+    static = _sampler(model)
+    static.static_shapes = True
+    assert static.generate(prompts, _params(), multi_modal=mms).response_ids.tolist() == _padded(ref)
 
 
 def test_sampler_never_draws_a_banned_placeholder(case):
