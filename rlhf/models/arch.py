@@ -85,7 +85,7 @@ class ArchSpec:
 
 # Vision-language families whose language model the sampler runs -> its text family (the vision tower
 # runs beside it at prefill: rlhf.rollout.vision)
-VL_TEXT_FAMILY = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+VL_TEXT_FAMILY = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 
 def vl_text_config(config: Any) -> Any:
@@ -104,9 +104,8 @@ def check_model_type(config: Any) -> str:
         hint = " (Gemma 3 multimodal checkpoints: only the text model, gemma3_text)" if model_type == "gemma3" else ""
         if model_type in VL_TEXT_FAMILY:
             hint = f" (a {model_type} config goes to the sampler whole: its text_config is read there)"
-        if model_type == "qwen3_vl":
-            hint = (" (vision-language: the trainer's forwards run Qwen3-VL, the built-in sampler does not yet: "
-                    f"its deepstack features are not placed; supported VLMs: {', '.join(VL_TEXT_FAMILY)})")
+        if getattr(config, "vision_config", None) is not None:
+            hint = f" (vision-language: the sampler runs {', '.join(VL_TEXT_FAMILY)})"
         raise NotImplementedError(
             f"rollout sampler: model_type {model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}{hint}"

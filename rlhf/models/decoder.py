@@ -388,6 +388,7 @@ def prefill(
     sin: Tensor,
     tp_group: Any = None,
     embeds: Tensor | None = None,
+    deepstack: Tensor | None = None,
 ) -> Tensor:
     """Forward of P packed prompts; stores their K/V in the cache; returns last-token logits.
 
@@ -405,6 +406,8 @@ def prefill(
         cos, sin: rope tables from ``rope_tables`` (rows indexed by ``positions``).
         embeds: ``[Ttot, hidden]`` input embeddings instead of the token ids' (a VLM prompt's, image
             features placed: ``rlhf.rollout.vision``).
+        deepstack: ``[L, Ttot, hidden]`` Qwen3-VL's deepstack features, added to the output of layer
+            ``l < L`` (zeros off the image tokens).
     Returns:
         ``[P, V]`` float32 logits of the token after each prompt.
     """
@@ -427,6 +430,8 @@ def prefill(
             a = a.index_select(0, grid_index)  # [Ttot, H*D]
         x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group)
+        if deepstack is not None and layer < deepstack.shape[0]:
+            x = x + deepstack[layer]
     return _logits(spec, w, x.index_select(0, last_index))
 
 
@@ -441,6 +446,7 @@ def prefill_chunk(
     sin: Tensor,
     tp_group: Any = None,
     embeds: Tensor | None = None,
+    deepstack: Tensor | None = None,
 ) -> Tensor:
     """Chunked prefill: forward of tokens ``[start, start + c)`` of ONE prompt whose earlier
     positions are already in the cache of ``slots[0]``.
@@ -453,7 +459,8 @@ def prefill_chunk(
     ``enable_gqa`` falls back to the math kernel (fp32 ``[H, c, W]`` scores).
 
     Args:
-        input_ids: ``[c]`` the chunk's tokens; ``embeds`` ``[c, hidden]`` their embeddings when given.
+        input_ids: ``[c]`` the chunk's tokens; ``embeds`` ``[c, hidden]`` their embeddings when given,
+            ``deepstack`` ``[L, c, hidden]`` their deepstack features (as ``prefill``).
         cos, sin: rope tables, rows indexed by cache position (a VLM prompt's own rows).
     Returns:
         ``[1, V]`` float32 logits of the token after the chunk.
@@ -477,6 +484,8 @@ def prefill_chunk(
         x = _residual_linear(x, a.reshape(h, n, d).transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group,
                              lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group)
+        if deepstack is not None and layer < deepstack.shape[0]:
+            x = x + deepstack[layer]
     return _logits(spec, w, x[-1:])
 
 

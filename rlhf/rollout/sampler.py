@@ -86,7 +86,7 @@ class Sampler:
 
     Args:
         model_config: HF config of a causal LM of ``rlhf.models.arch.SUPPORTED_MODEL_TYPES``, or of a
-            Qwen2-VL / Qwen2.5-VL (its language model decodes, its vision tower runs at prefill:
+            Qwen2-VL / Qwen2.5-VL / Qwen3-VL (its language model decodes, its vision tower runs at prefill:
             ``rlhf.rollout.vision``; ``generate(multi_modal=...)`` takes the images).
         weights: HF state-dict names -> tensors (``lm_head.weight`` optional when tied).
         pad_token_id: fills ``response_ids`` after each response.

@@ -294,9 +294,10 @@ class GenerateRun:
         self.stats["prefill_padded_tokens"] += width * len(chunk)
         if mm is not None:  # the prompts' own rope rows (M-RoPE) and embeddings (image features placed)
             cos, sin = torch.cat([u.cos for u in mm])[None], torch.cat([u.sin for u in mm])[None]
+            deep = None if mm[0].deepstack is None else torch.cat([u.deepstack for u in mm], dim=1)
             return decoder.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
                                    width, ends - 1, slot_ids, rows, cos, sin, s.tp_group,
-                                   torch.cat([u.embeds for u in mm]))
+                                   torch.cat([u.embeds for u in mm]), deep)
         return decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
                                slot_ids, rows, s.cos, s.sin, s.tp_group)
 
@@ -311,7 +312,8 @@ class GenerateRun:
         cos, sin = (s.cos, s.sin) if mm is None else (mm.cos[None], mm.sin[None])
         for i in range(0, len(tokens), c):
             out = decoder.prefill_chunk(s.spec, s.weights, self.cache, ids[i:i + c], start + i, slot_ids,
-                                        cos, sin, s.tp_group, None if mm is None else mm.embeds[i:i + c])
+                                        cos, sin, s.tp_group, None if mm is None else mm.embeds[i:i + c],
+                                        None if mm is None or mm.deepstack is None else mm.deepstack[:, i:i + c])
             self.stats["prefill_calls"] += 1
         self.stats["prefill_padded_tokens"] += len(tokens)
         return out

@@ -1,8 +1,9 @@
-"""Vision-language prompts on the built-in sampler (Qwen2-VL, Qwen2.5-VL).
+"""Vision-language prompts on the built-in sampler (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
 The sampler's functional decoder runs the *language model* of a Qwen-VL checkpoint: its weights
 ``model.language_model.*`` are renamed to a text LM's ``model.*`` (:func:`split_vlm_weights`) and its
-``text_config`` is read as the text family it is (:func:`text_config`: Qwen2-VL / Qwen2.5-VL -> qwen2).
+``text_config`` is read as the text family it is (:func:`text_config`: Qwen2-VL / Qwen2.5-VL -> qwen2,
+Qwen3-VL -> qwen3).
 What differs from a text prompt happens at prefill only:
 
 * the vision tower (transformers' own module, built from ``vision_config`` and loaded with the
@@ -11,7 +12,10 @@ What differs from a text prompt happens at prefill only:
   (``embeds[ids == image_token_id] = features``, as transformers' ``masked_scatter``);
 * the rotary phases of the prompt come from the project's M-RoPE positions
   (:func:`rlhf.models.mrope.mrope_position_ids`, ``[3, T]``): rotary frequency ``j`` reads the
-  temporal, height or width position by its ``mrope_section`` (HF's ``recomposition_frequencies``).
+  temporal, height or width position by its ``mrope_section`` (HF's ``recomposition_frequencies``:
+  consecutive sections for Qwen2 / 2.5-VL, interleaved ``t h w t h w ...`` for Qwen3-VL);
+* Qwen3-VL's deepstack features (one per ``deepstack_visual_indexes`` layer of the tower) are added
+  to the image tokens' hidden states after the first decoder layers, as transformers does.
 
 Decoding then continues on text positions: a token at cache position ``p`` rotates by ``p + delta``
 (``delta = max position + 1 - prompt length``, transformers' ``rope_deltas``); with the three
@@ -72,6 +76,8 @@ def build_vision_tower(config: Any, weights: dict[str, Tensor], device: torch.de
     """transformers' vision tower of ``config`` holding ``weights`` (eval mode, ``dtype``, on ``device``)."""
     if config.model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as cls
+    elif config.model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as cls
     else:
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
     vcfg = copy.copy(config.vision_config)
@@ -83,13 +89,20 @@ def build_vision_tower(config: Any, weights: dict[str, Tensor], device: torch.de
 
 
 def mrope_selector(config: Any, half: int) -> Tensor:
-    """``[half]`` long: which position stream (0 t, 1 h, 2 w) rotary frequency ``j`` reads
-    (``mrope_section`` consecutive sections, Qwen2-VL / Qwen2.5-VL)."""
+    """``[half]`` long: which position stream (0 t, 1 h, 2 w) rotary frequency ``j`` reads:
+    ``mrope_section`` consecutive sections (Qwen2-VL / Qwen2.5-VL), or interleaved (Qwen3-VL: h on
+    ``j % 3 == 1`` below ``3 * section[1]``, w on ``j % 3 == 2`` below ``3 * section[2]``, t elsewhere)."""
     params = getattr(config.text_config, "rope_parameters", None) or {}
     section = list(params.get("mrope_section") or [])
     if sum(section) != half:
         raise ValueError(f"rope_parameters.mrope_section {section} must sum to head_dim / 2 = {half}")
-    return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    if config.model_type != "qwen3_vl":
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    j = torch.arange(half)
+    sel = torch.zeros(half, dtype=torch.long)
+    sel[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    sel[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return sel
 
 
 def mrope_tables(pos: Tensor, inv_freq: Tensor, select: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -111,6 +124,7 @@ class PromptInputs:
     cos: Tensor  # [T, R]
     sin: Tensor  # [T, R]
     delta: int  # decode rope position = cache position + delta
+    deepstack: Optional[Tensor] = None  # [L, T, hidden] Qwen3-VL: added after layer l (zeros off images)
 
 
 class VisionPrompts:
@@ -126,12 +140,17 @@ class VisionPrompts:
         spec = MRopeSpec.from_config(cfg)
         with_images = [i for i, mm in enumerate(multi_modal) if mm is not None and mm["image_grid_thw"].numel()]
         features: list[Tensor] = []
+        n_deep = len(getattr(cfg.vision_config, "deepstack_visual_indexes", None) or []) \
+            if cfg.model_type == "qwen3_vl" else 0
+        deep: list[list[Tensor]] = []  # per deepstack layer, per image
         if with_images:  # one tower forward for every image of the call
             pixels = torch.cat([multi_modal[i]["pixel_values"] for i in with_images]).to(dev, sampler.dtype)
             grids = torch.cat([multi_modal[i]["image_grid_thw"] for i in with_images]).to(dev)
             out = sampler.vision_tower(pixels, grid_thw=grids)
             merged = out.pooler_output if hasattr(out, "pooler_output") else out
-            features = list(merged.split((grids.prod(-1) // spec.spatial_merge_size ** 2).tolist()))
+            sizes = (grids.prod(-1) // spec.spatial_merge_size ** 2).tolist()
+            features = list(merged.split(sizes))
+            deep = [list(f.split(sizes)) for f in (getattr(out, "deepstack_features", None) or [])][:n_deep]
         self.inputs: list[PromptInputs] = []
         k = 0
         for i, ids in enumerate(prompts):
@@ -140,14 +159,16 @@ class VisionPrompts:
             grid = mm["image_grid_thw"] if mm is not None and mm["image_grid_thw"].numel() else None
             pos, delta = mrope_position_ids(ids_t[None], None, grid, spec)  # [3, 1, T], [1]
             embeds = sampler.embed(ids_t.to(dev))
+            stack = embeds.new_zeros((n_deep, len(ids), embeds.shape[-1])) if n_deep else None
             if grid is not None:
                 n_img = grid.shape[0]
-                feats = torch.cat(features[k:k + n_img]).to(embeds.dtype)
-                k += n_img
                 where = (ids_t == spec.image_token_id).to(dev)
-                embeds[where] = feats
+                embeds[where] = torch.cat(features[k:k + n_img]).to(embeds.dtype)
+                for layer in range(n_deep):
+                    stack[layer, where] = torch.cat(deep[layer][k:k + n_img]).to(embeds.dtype)
+                k += n_img
             cos, sin = mrope_tables(pos[:, 0].to(dev), self.inv_freq.to(dev), self.select, sampler.dtype)
-            self.inputs.append(PromptInputs(embeds, cos, sin, int(delta[0])))
+            self.inputs.append(PromptInputs(embeds, cos, sin, int(delta[0]), stack))
         self.deltas = torch.tensor([p.delta for p in self.inputs], dtype=torch.int64, device=dev)  # per prompt
 
     def unit(self, prompt: int, tokens: list[int]) -> PromptInputs:
@@ -159,5 +180,7 @@ class VisionPrompts:
         s, dev = self.sampler, p.embeds.device
         gen = torch.tensor(tokens[p.embeds.shape[0]:], dtype=torch.long, device=dev)
         rope = torch.arange(p.embeds.shape[0], len(tokens), device=dev) + p.delta
+        deep = None if p.deepstack is None else \
+            torch.cat((p.deepstack, p.deepstack.new_zeros((p.deepstack.shape[0], extra, p.deepstack.shape[2]))), 1)
         return PromptInputs(torch.cat((p.embeds, s.embed(gen))), torch.cat((p.cos, s.cos[0, rope])),
-                            torch.cat((p.sin, s.sin[0, rope])), p.delta)
+                            torch.cat((p.sin, s.sin[0, rope])), p.delta, deep)

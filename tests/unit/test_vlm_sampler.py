@@ -1,4 +1,4 @@
-"""The built-in sampler on a tiny random Qwen2.5-VL / Qwen2-VL: greedy tokens equal transformers'
+"""The built-in sampler on a tiny random Qwen2.5-VL / Qwen2-VL / Qwen3-VL (deepstack, interleaved M-RoPE): greedy tokens equal transformers'
 ``generate``, the sampler's log-probs equal the trainer's forward (images, M-RoPE), chunked prefill
 gives the same tokens, and placeholder ids are never drawn."""
 
@@ -19,7 +19,7 @@ from rlhf.rollout.sampling import SamplingParams  # noqa: E402
 R = 6
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def case(request):
     model, proc = build_tiny_vlm(request.param)
     g = torch.Generator().manual_seed(0)
@@ -99,11 +99,10 @@ def test_sampler_never_draws_a_banned_placeholder(case):
                                                       max_num_seqs=1).banned_ids.tolist()
 
 
-def test_start_up_check_accepts_qwen2_5_vl_and_refuses_qwen3_vl_in_one_line():
+def test_start_up_check_reads_the_language_model_of_a_vlm():
     from rlhf.models.decoder import check_supported
     from rlhf.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
 
     tok = build_vlm_tokenizer()
     assert check_supported(tiny_vlm_config(tok, "qwen2_5_vl"), 128).model_type == "qwen2"
-    with pytest.raises(NotImplementedError, match="qwen3_vl.*deepstack"):
-        check_supported(tiny_vlm_config(tok, "qwen3_vl"))
+    assert check_supported(tiny_vlm_config(tok, "qwen3_vl"), 128).qk_norm
