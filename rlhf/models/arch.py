@@ -104,7 +104,7 @@ def check_model_type(config: Any) -> str:
         hint = " (Gemma 3 multimodal checkpoints: only the text model, gemma3_text)" if model_type == "gemma3" else ""
         if model_type in VL_TEXT_FAMILY:
             hint = f" (a {model_type} config goes to the sampler whole: its text_config is read there)"
-        if getattr(config, "vision_config", None) is not None:
+        elif not hint and getattr(config, "vision_config", None) is not None:
             hint = f" (vision-language: the sampler runs {', '.join(VL_TEXT_FAMILY)})"
         raise NotImplementedError(
             f"rollout sampler: model_type {model_type!r} is not supported; "
