@@ -66,8 +66,8 @@ class GenerateRun:
                  on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None,
                  turns: Optional[TurnHandler] = None, vision: Any = None):
         """``vision``: a VLM call's ``rlhf.rollout.vision.VisionPrompts`` (prefill embeddings, M-RoPE rows,
-        decode rope deltas). ``on_finished(rows, token_ids)``: called as sequences finish (output rows, their tokens), so
-        their rewards can be computed while the others still decode. ``turns``: the multi-turn handler."""
+        decode rope deltas). ``on_finished(rows, token_ids)``: called as sequences finish (output rows,
+        their tokens), so their rewards can be computed while the others still decode. ``turns``: the multi-turn handler."""
         self.s, self.params, self.prompts = s, params, prompts
         self.vision = vision
         self.unit_prompt: list[int] = []  # prompt of each prefill unit of the current admission

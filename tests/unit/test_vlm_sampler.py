@@ -1,6 +1,7 @@
-"""The built-in sampler on a tiny random Qwen2.5-VL / Qwen2-VL / Qwen3-VL (deepstack, interleaved M-RoPE): greedy tokens equal transformers'
-``generate``, the sampler's log-probs equal the trainer's forward (images, M-RoPE), chunked prefill
-gives the same tokens, and placeholder ids are never drawn."""
+"""The built-in sampler on a tiny random Qwen2.5-VL / Qwen2-VL / Qwen3-VL (deepstack, interleaved
+M-RoPE): greedy tokens equal transformers' ``generate``, the sampler's log-probs equal the trainer's
+forward (images, M-RoPE), chunked prefill and static decode shapes give the same tokens, and
+placeholder ids are never drawn."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def case(request):
     with torch.no_grad():
         for ids, mm, tt in zip(prompts, mms, types):  # mm_token_type_ids: transformers' M-RoPE needs them
             model.model.rope_deltas = None
-            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            out = model.generate(input_ids=torch.tensor([ids]),
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  **(mm or {}), mm_token_type_ids=tt, max_new_tokens=R, do_sample=False,
                                  suppress_tokens=ban)
             ref.append(out[0, len(ids):].tolist())
