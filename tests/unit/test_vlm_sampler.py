@@ -108,3 +108,16 @@ def test_start_up_check_reads_the_language_model_of_a_vlm():
     tok = build_vlm_tokenizer()
     assert check_supported(tiny_vlm_config(tok, "qwen2_5_vl"), 128).model_type == "qwen2"
     assert check_supported(tiny_vlm_config(tok, "qwen3_vl"), 128).qk_norm
+
+
+def test_start_up_refuses_what_the_vlm_rollout_does_not_run(tmp_path):
+    from rlhf.models.loading import check_rollout_support
+    from rlhf.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
+    from rlhf.schema.config import ConfigError
+
+    tiny_vlm_config(build_vlm_tokenizer(), "qwen2_5_vl").save_pretrained(tmp_path)
+    check_rollout_support(str(tmp_path), max_seq_len=128)  # accepted: no refusal of the model itself
+    with pytest.raises(ConfigError, match="^rollout.tp: a vision-language model"):
+        check_rollout_support(str(tmp_path), rollout_tp=2)
+    with pytest.raises(ConfigError, match="^rollout.multi_turn.enable"):
+        check_rollout_support(str(tmp_path), multi_turn=True)
