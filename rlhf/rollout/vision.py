@@ -118,13 +118,27 @@ def mrope_tables(pos: Tensor, inv_freq: Tensor, select: Tensor, dtype: torch.dty
 
 @dataclass
 class PromptInputs:
-    """Prefill inputs of one prompt: its embeddings (image features placed), rope rows, text delta."""
+    """Prefill inputs of one unit (a prompt, + generated tokens when recomputed): its embeddings (image
+    features placed), rope rows and text delta."""
 
     embeds: Tensor  # [T, hidden]
     cos: Tensor  # [T, R]
     sin: Tensor  # [T, R]
     delta: int  # decode rope position = cache position + delta
     deepstack: Optional[Tensor] = None  # [L, T, hidden] Qwen3-VL: added after layer l (zeros off images)
+
+
+@dataclass
+class _Prompt:
+    """What a prompt keeps for the whole call: its image tokens' features only (the dense embeddings are
+    built per admission, so a call holds no ``[T, hidden]`` copy of every prompt), and its rope rows."""
+
+    where: Optional[Tensor]  # [n] positions of the image tokens
+    feats: Optional[Tensor]  # [n, hidden]
+    deep: Optional[Tensor]  # [L, n, hidden] Qwen3-VL deepstack features of the image tokens
+    cos: Tensor  # [T, R]
+    sin: Tensor  # [T, R]
+    delta: int
 
 
 class VisionPrompts:
@@ -135,12 +149,12 @@ class VisionPrompts:
         if len(multi_modal) != len(prompts):
             raise ValueError(f"generate: {len(multi_modal)} multi_modal entries for {len(prompts)} prompts")
         self.sampler = sampler
-        self.inv_freq = sampler._inv_freq[0]
-        self.select = mrope_selector(cfg, self.inv_freq.shape[0])
+        inv_freq = sampler._inv_freq[0].to(dev)
+        select = mrope_selector(cfg, inv_freq.shape[0])
         spec = MRopeSpec.from_config(cfg)
         with_images = [i for i, mm in enumerate(multi_modal) if mm is not None and mm["image_grid_thw"].numel()]
         features: list[Tensor] = []
-        n_deep = len(getattr(cfg.vision_config, "deepstack_visual_indexes", None) or []) \
+        self.n_deep = len(getattr(cfg.vision_config, "deepstack_visual_indexes", None) or []) \
             if cfg.model_type == "qwen3_vl" else 0
         deep: list[list[Tensor]] = []  # per deepstack layer, per image
         if with_images:  # one tower forward for every image of the call
@@ -150,37 +164,41 @@ class VisionPrompts:
             merged = out.pooler_output if hasattr(out, "pooler_output") else out
             sizes = (grids.prod(-1) // spec.spatial_merge_size ** 2).tolist()
             features = list(merged.split(sizes))
-            deep = [list(f.split(sizes)) for f in (getattr(out, "deepstack_features", None) or [])][:n_deep]
-        self.inputs: list[PromptInputs] = []
+            deep = [list(f.split(sizes)) for f in (getattr(out, "deepstack_features", None) or [])][:self.n_deep]
+        self.prompts: list[_Prompt] = []
         k = 0
         for i, ids in enumerate(prompts):
             ids_t = torch.tensor(ids, dtype=torch.long)
             mm = multi_modal[i]
             grid = mm["image_grid_thw"] if mm is not None and mm["image_grid_thw"].numel() else None
             pos, delta = mrope_position_ids(ids_t[None], None, grid, spec)  # [3, 1, T], [1]
-            embeds = sampler.embed(ids_t.to(dev))
-            stack = embeds.new_zeros((n_deep, len(ids), embeds.shape[-1])) if n_deep else None
+            where = feats = stack = None
             if grid is not None:
                 n_img = grid.shape[0]
-                where = (ids_t == spec.image_token_id).to(dev)
-                embeds[where] = torch.cat(features[k:k + n_img]).to(embeds.dtype)
-                for layer in range(n_deep):
-                    stack[layer, where] = torch.cat(deep[layer][k:k + n_img]).to(embeds.dtype)
+                where = torch.nonzero(ids_t == spec.image_token_id).flatten().to(dev)
+                feats = torch.cat(features[k:k + n_img]).to(sampler.dtype)
+                if self.n_deep:
+                    stack = torch.stack([torch.cat(d[k:k + n_img]) for d in deep]).to(sampler.dtype)
                 k += n_img
-            cos, sin = mrope_tables(pos[:, 0].to(dev), self.inv_freq.to(dev), self.select, sampler.dtype)
-            self.inputs.append(PromptInputs(embeds, cos, sin, int(delta[0]), stack))
-        self.deltas = torch.tensor([p.delta for p in self.inputs], dtype=torch.int64, device=dev)  # per prompt
+            cos, sin = mrope_tables(pos[:, 0].to(dev), inv_freq, select, sampler.dtype)
+            self.prompts.append(_Prompt(where, feats, stack, cos, sin, int(delta[0])))
+        self.deltas = torch.tensor([p.delta for p in self.prompts], dtype=torch.int64, device=dev)  # per prompt
 
     def unit(self, prompt: int, tokens: list[int]) -> PromptInputs:
-        """Inputs of ``tokens`` = prompt ``prompt`` + tokens generated after it (a recomputed sequence)."""
-        p = self.inputs[prompt]
-        extra = len(tokens) - p.embeds.shape[0]
-        if extra == 0:
-            return p
-        s, dev = self.sampler, p.embeds.device
-        gen = torch.tensor(tokens[p.embeds.shape[0]:], dtype=torch.long, device=dev)
-        rope = torch.arange(p.embeds.shape[0], len(tokens), device=dev) + p.delta
-        deep = None if p.deepstack is None else \
-            torch.cat((p.deepstack, p.deepstack.new_zeros((p.deepstack.shape[0], extra, p.deepstack.shape[2]))), 1)
-        return PromptInputs(torch.cat((p.embeds, s.embed(gen))), torch.cat((p.cos, s.cos[0, rope])),
-                            torch.cat((p.sin, s.sin[0, rope])), p.delta, deep)
+        """Inputs of ``tokens`` = prompt ``prompt`` (+ tokens generated after it: a recomputed sequence)."""
+        p, s = self.prompts[prompt], self.sampler
+        dev = p.cos.device
+        embeds = s.embed(torch.tensor(tokens, dtype=torch.long, device=dev))  # [T, hidden]
+        if p.where is not None:
+            embeds[p.where] = p.feats
+        deep = None
+        if self.n_deep:
+            deep = embeds.new_zeros((self.n_deep, len(tokens), embeds.shape[-1]))
+            if p.where is not None:
+                deep[:, p.where] = p.deep
+        n = p.cos.shape[0]
+        if len(tokens) == n:
+            return PromptInputs(embeds, p.cos, p.sin, p.delta, deep)
+        rope = torch.arange(n, len(tokens), device=dev) + p.delta  # generated tokens: text positions
+        return PromptInputs(embeds, torch.cat((p.cos, s.cos[0, rope])), torch.cat((p.sin, s.sin[0, rope])), p.delta,
+                            deep)

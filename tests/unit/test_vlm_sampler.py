@@ -1,7 +1,7 @@
 """The built-in sampler on a tiny random Qwen2.5-VL / Qwen2-VL / Qwen3-VL (deepstack, interleaved
 M-RoPE): greedy tokens equal transformers' ``generate``, the sampler's log-probs equal the trainer's
-forward (images, M-RoPE), chunked prefill and static decode shapes give the same tokens, and
-placeholder ids are never drawn."""
+forward (images, M-RoPE), chunked prefill, preemption / recompute and static decode shapes give the
+same tokens, and placeholder ids are never drawn."""
 
 from __future__ import annotations
 
@@ -84,6 +84,16 @@ def test_sampler_greedy_equals_hf_generate_and_log_probs_equal_the_trainer(case)
     out2 = _sampler(model, prefill_tokens=8).generate(prompts, _params(n=2), multi_modal=mms)
     assert out2.response_ids.tolist() == [r for r in _padded(ref) for _ in range(2)]
     assert out2.stats["prefill_calls"] > 3
+    # a cache too small for all three to grow: the latest is preempted and recomputed (images, positions
+    # and the generated tokens' text positions rebuilt), same tokens
+    # (no stop token, so every row grows R tokens)
+    no_stop = SamplingParams(n=1, temperature=0.0, max_new_tokens=R)
+    roomy = _sampler(model).generate(prompts, no_stop, multi_modal=mms)
+    assert [row[:len(r)] for row, r in zip(roomy.response_ids.tolist(), ref)] == ref
+    tight = _sampler(model, kv_cache_tokens=72, block_size=4, slot_regions=False, max_seq_len=40)
+    out3 = tight.generate(prompts, no_stop, multi_modal=mms)
+    assert out3.stats["preemptions"] > 0 and out3.stats["recomputed_tokens"] > 0
+    assert torch.equal(out3.response_ids, roomy.response_ids)
     # static decode shapes (all slots, bucketed windows: what a CUDA graph captures, rope rows from rope_buf)
     static = _sampler(model)
     static.static_shapes = True
