@@ -83,13 +83,29 @@ class ArchSpec:
     moe: MoESpec | None  # Qwen3-MoE routed MLP
 
 
+# Vision-language families whose language model the sampler runs -> its text family (the vision tower
+# runs beside it at prefill: rlhf.rollout.vision)
+VL_TEXT_FAMILY = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+
+
+def vl_text_config(config: Any) -> Any:
+    """A supported Qwen-VL config's language model config, read as its text family (a copy)."""
+    import copy
+
+    text = copy.copy(config.text_config)
+    text.model_type = VL_TEXT_FAMILY[config.model_type]
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    return text
+
+
 def check_model_type(config: Any) -> str:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         hint = " (Gemma 3 multimodal checkpoints: only the text model, gemma3_text)" if model_type == "gemma3" else ""
-        if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-            hint = (" (vision-language: the trainer's forwards run it, with images; the built-in sampler does not "
-                    "yet: issue 37)")
+        if model_type in VL_TEXT_FAMILY:
+            hint = f" (a {model_type} config goes to the sampler whole: its text_config is read there)"
+        elif not hint and getattr(config, "vision_config", None) is not None:
+            hint = f" (vision-language: the sampler runs {', '.join(VL_TEXT_FAMILY)})"
         raise NotImplementedError(
             f"rollout sampler: model_type {model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}{hint}"

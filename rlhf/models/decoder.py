@@ -107,7 +107,10 @@ class DecoderSpec:
 def check_supported(config: Any, max_seq_len: int | None = None) -> DecoderSpec:
     """Everything about an HF config the sampler refuses, found before any weight is loaded (model type,
     activation, rope type, a sliding window shorter than ``max_seq_len``); raises NotImplementedError.
-    The checks are the sampler's own, so an architecture added to it is accepted here too."""
+    The checks are the sampler's own, so an architecture added to it is accepted here too. A supported
+    Qwen-VL is checked on its language model (``arch.VL_TEXT_FAMILY``)."""
+    if getattr(config, "model_type", None) in arch.VL_TEXT_FAMILY:
+        config = arch.vl_text_config(config)
     spec = DecoderSpec.from_config(config)
     rope_inv_freq(config, spec.head_dim)
     if max_seq_len is not None:
@@ -384,6 +387,8 @@ def prefill(
     cos: Tensor,
     sin: Tensor,
     tp_group: Any = None,
+    embeds: Tensor | None = None,
+    deepstack: Tensor | None = None,
 ) -> Tensor:
     """Forward of P packed prompts; stores their K/V in the cache; returns last-token logits.
 
@@ -398,7 +403,11 @@ def prefill(
         last_index: ``[P]`` index of each prompt's last token in the packed sequence.
         slots: ``[M]`` cache slots to fill; ``rows`` ``[M]`` the prompt each slot receives,
             so one prefill serves the ``n`` samples of a prompt.
-        cos, sin: rope tables from ``rope_tables``.
+        cos, sin: rope tables from ``rope_tables`` (rows indexed by ``positions``).
+        embeds: ``[Ttot, hidden]`` input embeddings instead of the token ids' (a VLM prompt's, image
+            features placed: ``rlhf.rollout.vision``).
+        deepstack: ``[L, Ttot, hidden]`` Qwen3-VL's deepstack features, added to the output of layer
+            ``l < L`` (zeros off the image tokens).
     Returns:
         ``[P, V]`` float32 logits of the token after each prompt.
     """
@@ -407,7 +416,7 @@ def prefill(
     c, s = cos[:, positions, None], sin[:, positions, None]  # [K, Ttot, 1, R] per rope table
     index = cache.prefill_index(slots, 0, width)  # [M * 2Hkv * width] cache rows, shared by the layers
     masks = arch.Masks(None, width, input_ids.device)
-    x = arch.embed(spec.arch, w.embed, input_ids)  # [Ttot, hidden]
+    x = arch.embed(spec.arch, w.embed, input_ids) if embeds is None else embeds  # [Ttot, hidden]
     for layer, lw in enumerate(w.layers):
         la = spec.arch.layers[layer]
         qkv = _qkv(spec, lw, x, (total,), c[la.rope], s[la.rope])  # [Ttot, Hall, D]
@@ -421,6 +430,8 @@ def prefill(
             a = a.index_select(0, grid_index)  # [Ttot, H*D]
         x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group)
+        if deepstack is not None and layer < deepstack.shape[0]:
+            x = x + deepstack[layer]
     return _logits(spec, w, x.index_select(0, last_index))
 
 
@@ -434,6 +445,8 @@ def prefill_chunk(
     cos: Tensor,
     sin: Tensor,
     tp_group: Any = None,
+    embeds: Tensor | None = None,
+    deepstack: Tensor | None = None,
 ) -> Tensor:
     """Chunked prefill: forward of tokens ``[start, start + c)`` of ONE prompt whose earlier
     positions are already in the cache of ``slots[0]``.
@@ -446,7 +459,9 @@ def prefill_chunk(
     ``enable_gqa`` falls back to the math kernel (fp32 ``[H, c, W]`` scores).
 
     Args:
-        input_ids: ``[c]`` the chunk's tokens.
+        input_ids: ``[c]`` the chunk's tokens; ``embeds`` ``[c, hidden]`` their embeddings when given,
+            ``deepstack`` ``[L, c, hidden]`` their deepstack features (as ``prefill``).
+        cos, sin: rope tables, rows indexed by cache position (a VLM prompt's own rows).
     Returns:
         ``[1, V]`` float32 logits of the token after the chunk.
     """
@@ -458,7 +473,7 @@ def prefill_chunk(
     window = start + n
     g = h // hkv
     masks = arch.Masks(positions.repeat(g), window, input_ids.device)  # [G * c, W]: row (j, i) = query i of member j
-    x = arch.embed(spec.arch, w.embed, input_ids)  # [c, hidden]
+    x = arch.embed(spec.arch, w.embed, input_ids) if embeds is None else embeds  # [c, hidden]
     for layer, lw in enumerate(w.layers):
         la = spec.arch.layers[layer]
         qkv = _qkv(spec, lw, x, (n,), c[la.rope], s[la.rope]).transpose(0, 1)  # [Hall, c, D]
@@ -469,6 +484,8 @@ def prefill_chunk(
         x = _residual_linear(x, a.reshape(h, n, d).transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group,
                              lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group)
+        if deepstack is not None and layer < deepstack.shape[0]:
+            x = x + deepstack[layer]
     return _logits(spec, w, x[-1:])
 
 
@@ -482,6 +499,7 @@ def decode(
     cos: Tensor,
     sin: Tensor,
     tp_group: Any = None,
+    rope_pos: Tensor | None = None,
 ) -> Tensor:
     """One decode step for slots ``[0, B)``: token ``tokens[b]`` at position ``pos[b]``.
 
@@ -492,12 +510,15 @@ def decode(
 
     Args:
         tokens, pos: ``[B]`` int64; ``window`` > max(pos).
+        rope_pos: ``[B]`` the rotary positions when they differ from the cache positions ``pos``
+            (a VLM's text positions after its images: ``pos + rope delta``).
     Returns:
         ``[B, V]`` float32 logits.
     """
     b = tokens.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    c, s = cos[:, pos, None], sin[:, pos, None]  # [K, B, 1, R]
+    rp = pos if rope_pos is None else rope_pos
+    c, s = cos[:, rp, None], sin[:, rp, None]  # [K, B, 1, R]
     index = cache.decode_index(pos)  # [B * 2Hkv]
     x = arch.embed(spec.arch, w.embed, tokens)  # [B, hidden]
     plan = cache.decode_plan(b, pos, window, x.dtype)  # the attention kernel's per-step data

@@ -164,16 +164,32 @@ def model_config(path: str, trust_remote_code: bool = False, key: str = "model.p
     return AutoConfig.from_pretrained(str(check_model_dir(path, key)), trust_remote_code=trust_remote_code)
 
 
+def language_config(config):
+    """The config of the language model: a Qwen-VL's ``text_config`` (sizes, heads, layers), else ``config``."""
+    from rlhf.models.mrope import is_vlm_config
+
+    return config.text_config if is_vlm_config(config) else config
+
+
 def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_len: int | None = None,
-                          key: str = "model.path") -> None:
+                          key: str = "model.path", *, rollout_tp: int = 1, multi_turn: bool = False) -> None:
     """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
-    traceback from the sampler after the model has loaded)."""
+    traceback from the sampler after the model has loaded); a vision-language model also with
+    ``rollout.tp`` > 1 or multi-turn rollouts, which its sampler path does not run yet."""
     config = model_config(path, trust_remote_code, key)
     try:
         check_supported(config, max_seq_len)
     except NotImplementedError as e:
         raise ConfigError(f"{key}: {e}") from None
-    limit = getattr(config, "max_position_embeddings", None)
+    from rlhf.models.mrope import is_vlm_config
+
+    if is_vlm_config(config) and rollout_tp > 1:
+        raise ConfigError(f"rollout.tp: a vision-language model ({config.model_type}, {key}) rolls out with "
+                          f"rollout.tp=1 only (got {rollout_tp})")
+    if is_vlm_config(config) and multi_turn:
+        raise ConfigError(f"rollout.multi_turn.enable: multi-turn rollouts of a vision-language model "
+                          f"({config.model_type}, {key}) are not supported yet")
+    limit = getattr(language_config(config), "max_position_embeddings", None)
     if max_seq_len is not None and isinstance(limit, int) and max_seq_len > limit:
         raise ConfigError(f"data.max_response_length: prompt + response = {max_seq_len} tokens exceeds the "
                           f"model's max_position_embeddings ({limit}, {key}); lower data.max_prompt_length + "

@@ -237,7 +237,8 @@ class RolloutEngine:
             if hasattr(turns, "set_prompts"):  # per-sample tool kwargs of the rows (rlhf.agent.loop)
                 turns.set_prompts(prompts.keys, prompts.extra_infos, n)
             out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys,
-                                   on_finished=_rows_to_samples(on_finished, 0, n), turns=turns)
+                                   on_finished=_rows_to_samples(on_finished, 0, n), turns=turns,
+                                   multi_modal=prompts.multi_modal or None)
             mine = prompts
         else:
             start, end = chunk_bounds(len(prompts.prompt_ids), lay.dp)[lay.dp_rank]
@@ -247,7 +248,8 @@ class RolloutEngine:
                     turns.set_prompts(prompts.keys[start:end], prompts.extra_infos[start:end], n)
                 out = sampler.generate(prompts.prompt_ids[start:end], params, step=step,
                                        prompt_keys=prompts.keys[start:end],
-                                       on_finished=_rows_to_samples(on_finished, start, n), turns=turns)
+                                       on_finished=_rows_to_samples(on_finished, start, n), turns=turns,
+                                       multi_modal=prompts.multi_modal[start:end] if prompts.multi_modal else None)
             stats_local = dict(out.stats) if out is not None else {}
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
             # global over the rollout replicas (one rank each in lay.dp_group), like every logged metric

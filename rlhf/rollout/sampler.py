@@ -26,6 +26,7 @@ from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per
 from rlhf.rollout.sampling import SamplingParams
 from rlhf.rollout.scheduler import GenerateRun
 from rlhf.rollout.turns import TurnHandler
+from rlhf.rollout import vision
 
 
 @dataclass
@@ -84,7 +85,9 @@ class Sampler:
     """KV-cache generation engine over a plain HF-named weight dict (see module docstring).
 
     Args:
-        model_config: HF config of a llama / mistral / qwen2 / qwen3 causal LM.
+        model_config: HF config of a causal LM of ``rlhf.models.arch.SUPPORTED_MODEL_TYPES``, or of a
+            Qwen2-VL / Qwen2.5-VL / Qwen3-VL (its language model decodes, its vision tower runs at prefill:
+            ``rlhf.rollout.vision``; ``generate(multi_modal=...)`` takes the images).
         weights: HF state-dict names -> tensors (``lm_head.weight`` optional when tied).
         pad_token_id: fills ``response_ids`` after each response.
         device, dtype: where / in which precision to run (dtype defaults to the weights').
@@ -161,6 +164,17 @@ class Sampler:
             raise ValueError(f"use_cuda_graph=True needs a CUDA device, got device={self.device}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        # a Qwen-VL: its language model runs in the decoder, its vision tower at prefill (rlhf.rollout.vision)
+        self.vlm_config = model_config if vision.is_vlm(model_config) else None
+        self.vision_tower = None
+        self.banned_ids: Tensor | None = None
+        if self.vlm_config is not None:
+            model_config = vision.text_config(model_config)
+            if tp_group is not None and dist.get_world_size(tp_group) > 1:
+                raise NotImplementedError("rollout sampler: vision-language models run with rollout.tp=1 only")
+            weights = self._split_vlm(weights, dtype, consume_weights)
+            ids = [getattr(self.vlm_config, k, None) for k in ("image_token_id", "video_token_id")]
+            self.banned_ids = torch.tensor([i for i in ids if i is not None], dtype=torch.int64, device=self.device)
         self.config = model_config
         self.spec = decoder.DecoderSpec.from_config(model_config)
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -218,11 +232,27 @@ class Sampler:
         weights are dropped before the new ones are prepared.
         """
         kw = dict(device=self.device, dtype=self.dtype, consume=consume)
+        if self.vlm_config is not None:
+            weights = self._split_vlm(weights, self.dtype, consume)
         if self.reload_in_place:
             decoder.prepare_weights(self.spec, weights, into=self.weights, **kw)
             return
         self.weights = None
         self.weights = decoder.prepare_weights(self.spec, weights, **kw)
+
+    def _split_vlm(self, weights: Mapping[str, Tensor], dtype: torch.dtype | None, consume: bool) -> dict:
+        """A Qwen-VL's rollout weights -> the language model's (returned); the vision tower is (re)built."""
+        taken = weights if consume else dict(weights)
+        lm, visual = vision.split_vlm_weights(taken)
+        dtype = dtype or next(iter(lm.values())).dtype
+        self.vision_tower = vision.build_vision_tower(self.vlm_config, visual, self.device, dtype)
+        return lm
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Input embeddings of token ids ``[T]`` -> ``[T, hidden]``."""
+        from rlhf.models import arch
+
+        return arch.embed(self.spec.arch, self.weights.embed, ids)
 
     def _allocate(self, max_seq_len: int) -> None:
         self.spec.check_seq_len(max_seq_len)
@@ -248,6 +278,9 @@ class Sampler:
         # decode inputs live at fixed addresses (CUDA graphs read them in place)
         self.token_buf = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
         self.pos_buf = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
+        # rotary positions of a VLM's decode step (cache position + rope delta)
+        self.rope_buf = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device) \
+            if self.vlm_config is not None else None
         self._graphs = {}
 
     def _ensure_capacity(self, need: int) -> None:
@@ -272,6 +305,7 @@ class Sampler:
         prompt_keys: list[int] | None = None,
         on_finished: Callable[[list[int], list[list[int]]], None] | None = None,
         turns: TurnHandler | None = None,
+        multi_modal: list[dict | None] | None = None,
     ) -> RolloutOutput:
         """Generate ``params.n`` responses per prompt (see ``RolloutOutput`` for the layout).
 
@@ -281,6 +315,8 @@ class Sampler:
         ``on_finished(rows, token_ids)`` is called as sequences finish (output rows, their tokens).
         ``turns``: multi-turn handler (``rlhf.rollout.turns``); a sequence whose turn ends may wait
         for an observation that is appended to it, and ``max_new_tokens`` bounds the whole trajectory.
+        ``multi_modal``: a VLM's per-prompt images (``{"pixel_values", "image_grid_thw"}`` or None for a
+        text prompt), as the data path keeps them (``rlhf.data.multimodal``).
         """
         params.validate(self.spec.vocab_size)
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -291,19 +327,33 @@ class Sampler:
             raise ValueError(f"generate: {len(prompt_keys)} prompt_keys for {len(prompts)} prompts")
         max_new = params.max_new_tokens
         self._ensure_capacity(max(len(p) for p in prompts) + max_new)
-        return RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys, on_finished, turns).execute())
+        vis = None
+        if self.vlm_config is not None:
+            if turns is not None:
+                raise NotImplementedError("rollout sampler: multi-turn rollouts of a vision-language model are "
+                                          "not supported yet (issue 37)")
+            vis = vision.VisionPrompts(self, prompts, multi_modal or [None] * len(prompts))
+        elif multi_modal and any(m is not None for m in multi_modal):
+            raise ValueError(f"generate: images given but model_type {self.config.model_type!r} is a text LM")
+        return RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys, on_finished, turns,
+                                           vis).execute())
 
     # ------------------------------------------------------------------ decode forward
 
-    def decode_logits(self, live: int, window: int) -> Tensor:
-        """Logits ``[live, V]`` of one decode step of slots ``[0, live)`` (inputs in token/pos_buf)."""
+    def decode_logits(self, live: int, window: int, rope_pos: Tensor | None = None) -> Tensor:
+        """Logits ``[live, V]`` of one decode step of slots ``[0, live)`` (inputs in token/pos_buf);
+        ``rope_pos`` ``[live]``: a VLM's rotary positions."""
+        if rope_pos is not None:
+            self.rope_buf[:live].copy_(rope_pos)
+        rope = self.rope_buf
         if not self.static_shapes:
             return decoder.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
-                                  window, self.cos, self.sin, self.tp_group)
+                                  window, self.cos, self.sin, self.tp_group,
+                                  None if rope is None else rope[:live])
         window = min(self.max_seq_len, max(64, 1 << (window - 1).bit_length()))
         if not self.use_cuda_graph:
             return decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
-                                  window, self.cos, self.sin, self.tp_group)[:live]
+                                  window, self.cos, self.sin, self.tp_group, rope)[:live]
         key = graph_key(self.decode_attention, window, self.cache.contiguous)
         if key not in self._graphs:
             self._capture(window, key)
@@ -317,7 +367,8 @@ class Sampler:
         The warm-up runs write the K/V of each slot's current token at its current position,
         the same values the replay writes, so capturing in the middle of a run is harmless.
         """
-        args = (self.spec, self.weights, self.cache, self.token_buf, self.pos_buf, window, self.cos, self.sin, self.tp_group)
+        args = (self.spec, self.weights, self.cache, self.token_buf, self.pos_buf, window, self.cos, self.sin,
+                self.tp_group, self.rope_buf)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -64,10 +64,13 @@ class GenerateRun:
 
     def __init__(self, s: Any, prompts: list[list[int]], params: SamplingParams, step: int, keys: list[int],
                  on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None,
-                 turns: Optional[TurnHandler] = None):
-        """``on_finished(rows, token_ids)``: called as sequences finish (output rows, their tokens), so
-        their rewards can be computed while the others still decode. ``turns``: the multi-turn handler."""
+                 turns: Optional[TurnHandler] = None, vision: Any = None):
+        """``vision``: a VLM call's ``rlhf.rollout.vision.VisionPrompts`` (prefill embeddings, M-RoPE rows,
+        decode rope deltas). ``on_finished(rows, token_ids)``: called as sequences finish (output rows,
+        their tokens), so their rewards can be computed while the others still decode. ``turns``: the multi-turn handler."""
         self.s, self.params, self.prompts = s, params, prompts
+        self.vision = vision
+        self.unit_prompt: list[int] = []  # prompt of each prefill unit of the current admission
         self.on_finished = on_finished
         self.lot = None if turns is None else ParkingLot(turns, s.spec.vocab_size, params.max_new_tokens)
         dev = s.device
@@ -181,6 +184,7 @@ class GenerateRun:
         # prefill units: a fresh prompt once for all its admitted samples; a resumed sequence alone
         unit_of: dict[tuple[int, int], int] = {}
         units: list[list[int]] = []
+        self.unit_prompt = []
         slot_unit = []
         for q in seqs:
             g = self.resume_gen[q]
@@ -189,6 +193,7 @@ class GenerateRun:
                 unit_of[key] = len(units)
                 tokens = self.prompts[q // n] + (self.out_ids[q, :g].tolist() if g else [])
                 units.append(tokens)
+                self.unit_prompt.append(q // n)
             slot_unit.append(unit_of[key])
         logits = torch.empty((len(units), s.spec.vocab_size), dtype=torch.float32, device=dev)
         slot_unit_t = torch.tensor(slot_unit, dtype=torch.int64, device=dev)
@@ -276,8 +281,9 @@ class GenerateRun:
         lens = [len(units[i]) for i in chunk]
         width, total = max(lens), sum(lens)
         self.stats["prefill_tokens"] += total
+        mm = None if self.vision is None else [self.vision.unit(self.unit_prompt[i], units[i]) for i in chunk]
         if len(chunk) == 1 and total > s.prefill_tokens:  # one long prefix: chunked prefill
-            return self._extend(units[chunk[0]], 0, slot_ids)
+            return self._extend(units[chunk[0]], 0, slot_ids, None if mm is None else mm[0])
         lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
         ids = torch.tensor([t for i in chunk for t in units[i]], dtype=torch.int64, device=dev)
         ends = lengths.cumsum(0)
@@ -286,19 +292,28 @@ class GenerateRun:
         grid_index = None if width * len(chunk) == total else row_of * width + positions
         self.stats["prefill_calls"] += 1
         self.stats["prefill_padded_tokens"] += width * len(chunk)
+        if mm is not None:  # the prompts' own rope rows (M-RoPE) and embeddings (image features placed)
+            cos, sin = torch.cat([u.cos for u in mm])[None], torch.cat([u.sin for u in mm])[None]
+            deep = None if mm[0].deepstack is None else torch.cat([u.deepstack for u in mm], dim=1)
+            return decoder.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
+                                   width, ends - 1, slot_ids, rows, cos, sin, s.tp_group,
+                                   torch.cat([u.embeds for u in mm]), deep)
         return decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
                                slot_ids, rows, s.cos, s.sin, s.tp_group)
 
-    def _extend(self, tokens: list[int], start: int, slot_ids: Tensor) -> Tensor:
+    def _extend(self, tokens: list[int], start: int, slot_ids: Tensor, mm: Any = None) -> Tensor:
         """Prefill ``tokens`` at positions ``[start, start + len)`` onto the cached positions
         ``[0, start)`` of ``slot_ids[0]`` (K/V written to every slot in ``slot_ids``), in chunks of
-        ``prefill_tokens``; logits ``[1, V]`` after the last token."""
+        ``prefill_tokens``; logits ``[1, V]`` after the last token. ``mm``: a VLM prompt's inputs
+        (``rlhf.rollout.vision.PromptInputs``, positions from 0; ``start`` must then be 0)."""
         s = self.s
         ids = torch.tensor(tokens, dtype=torch.int64, device=s.device)
         c = s.prefill_tokens
+        cos, sin = (s.cos, s.sin) if mm is None else (mm.cos[None], mm.sin[None])
         for i in range(0, len(tokens), c):
             out = decoder.prefill_chunk(s.spec, s.weights, self.cache, ids[i:i + c], start + i, slot_ids,
-                                        s.cos, s.sin, s.tp_group)
+                                        cos, sin, s.tp_group, None if mm is None else mm.embeds[i:i + c],
+                                        None if mm is None or mm.deepstack is None else mm.deepstack[:, i:i + c])
             self.stats["prefill_calls"] += 1
         self.stats["prefill_padded_tokens"] += len(tokens)
         return out
@@ -413,7 +428,11 @@ class GenerateRun:
         s, b = self.s, self.live
         need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
         window = min(self.cache.max_seq_len, need)
-        logits = s.decode_logits(b, window)
+        rope = None
+        if self.vision is not None:  # text positions after the images: cache position + the prompt's delta
+            sl = self.slots
+            rope = sl.pos[:b] + self.vision.deltas[sl.seq[:b] // self.n]
+        logits = s.decode_logits(b, window, rope)
         self.stats["decode_steps"] += 1  # advances every live slot's host position by one
         self.stats["slot_steps"] += b
         self._sample_and_retire(0, b, logits)
@@ -424,7 +443,13 @@ class GenerateRun:
         sl, p = self.slots, self.params
         gen, seq = sl.gen[a:b], sl.seq[a:b]
         u = None if sl.u is None else sl.u[a:b].gather(1, gen[:, None]).squeeze(1)
-        tok, logp = sample_next(logits, p, u)
+        banned = self.s.banned_ids
+        if banned is None or not banned.numel():
+            tok, logp = sample_next(logits, p, u)
+        else:  # never draw an image / video placeholder; the log-prob stays the untruncated policy's
+            tok, _ = sample_next(logits.index_fill(1, banned, float("-inf")), p, u)
+            scaled = logits if p.greedy or p.temperature == 1.0 else logits / p.temperature
+            logp = torch.log_softmax(scaled, dim=-1).gather(1, tok[:, None]).squeeze(1)
         self.out_ids.index_put_((seq, gen), tok)
         self.out_logp.index_put_((seq, gen), logp)
         stopped: Tensor | None = None

@@ -29,7 +29,7 @@ from rlhf.train.checkpoint import (ModelOptimState, check_output_dir, export_hf,
                                    load_rank_state, save_checkpoint)
 from rlhf.algos.dynamic_sampling import select_informative_groups
 from rlhf.algos.rollout_correction import rollout_is_weights
-from rlhf.models.loading import check_rollout_support, load_tokenizer, model_config
+from rlhf.models.loading import check_rollout_support, language_config, load_tokenizer, model_config
 from rlhf.models.lora import reference_context
 from rlhf.models.parallel import ParallelDims, all_gather_object, all_reduce_sum, init_distributed, make_global_whiten
 from rlhf.models.parallelize import validate_layout
@@ -73,7 +73,8 @@ class RLTrainer:
         self.out_dir = Path(cfg.trainer.output_dir)
         check_output_dir(cfg.trainer.output_dir)
         check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
-                              cfg.data.max_prompt_length + cfg.data.max_response_length)
+                              cfg.data.max_prompt_length + cfg.data.max_response_length,
+                              rollout_tp=cfg.rollout.tp, multi_turn=cfg.rollout.multi_turn.enable)
         check_startup(cfg)  # the same checks a one-process --dry-run makes (rlhf/config/checks.py)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
                                         key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
@@ -83,14 +84,15 @@ class RLTrainer:
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
-        validate_layout(cfg.parallel, model_config(cfg.model.path, cfg.model.trust_remote_code), self.env.world_size,
+        lm_config = language_config(model_config(cfg.model.path, cfg.model.trust_remote_code))
+        validate_layout(cfg.parallel, lm_config, self.env.world_size,
                         rollout_tp=cfg.rollout.tp, train_batch_size=cfg.data.train_batch_size,
                         mini_batch_size=cfg.actor.ppo_mini_batch_size, n=cfg.rollout.n,
                         use_remove_padding=cfg.model.use_remove_padding)
         if dry_run:
             return
         # Watchdog, phase memory, profiler, MFU: started before the models load, which can hang too.
-        self.ops = StepOps(cfg, self.env, model_config(cfg.model.path, cfg.model.trust_remote_code), self.out_dir)
+        self.ops = StepOps(cfg, self.env, lm_config, self.out_dir)  # MFU: the language model's FLOPs
         self.actor = PolicyWorker(cfg.model, self.mesh, self.device, trainable=True, actor_cfg=cfg.actor,
                                   total_steps=self.total_steps, parallel_cfg=cfg.parallel)
         self.actor.nonfinite.max_consecutive = cfg.trainer.max_nan_steps

@@ -1,5 +1,6 @@
 """A vision-language actor update on 2 gloo ranks, one of which holds only text prompts, equals the
-same batch on 1 rank (padding-free, vision tower trained); on 1 rank the padded path with a frozen
+same batch on 1 rank (padding-free, vision tower trained), and the updated weights resharded into the
+sampler (tower included) give the same greedy rollouts; on 1 rank the padded path with a frozen
 tower gives the same log-probs and leaves the tower's weights as they were.
 
 The text-only rank runs the vision tower on a dummy image every micro-batch
@@ -73,6 +74,17 @@ def _update(rank: int, world: int, model_dir: str, out: str) -> None:
         result[packed] = {"log_probs": lp, "response_mask": local.response_mask, "params": {n: p.full_tensor().clone() if hasattr(p, "full_tensor")
                                                       else p.detach().clone() for n, p in
                                                       worker.model.named_parameters()}}
+        if packed:  # the updated weights resharded (vision tower included) into the sampler: greedy rollouts
+            from rlhf.rollout.reshard import gather_rollout_weights
+            from rlhf.rollout.sampler import Sampler
+            from rlhf.rollout.sampling import SamplingParams
+
+            weights, _ = gather_rollout_weights(worker.model)
+            P = local.input_ids.shape[1] - R
+            prompts = [row[m.bool()].tolist() for row, m in zip(local.input_ids[:, :P], local.attention_mask[:, :P])]
+            gen = Sampler(worker.hf_config, weights, pad_token_id=0).generate(
+                prompts, SamplingParams(temperature=0.0, max_new_tokens=4), multi_modal=local.multi_modal)
+            result[packed]["rollout"] = gen.response_ids
     torch.save(result, f"{out}.w{world}.rank{rank}")
 
 
@@ -94,6 +106,8 @@ def test_vlm_update_with_a_text_only_rank_equals_one_rank(tmp_path):
     torch.testing.assert_close(one[False]["log_probs"][real], one[True]["log_probs"][real], rtol=0, atol=1e-5)
     for n, p in one[True]["params"].items():
         torch.testing.assert_close(two[0][True]["params"][n], p, rtol=1e-5, atol=1e-6, msg=n)
+    # rollouts after the update: the text-only rank and the image rank sample what 1 rank does
+    assert torch.equal(torch.cat([two[0][True]["rollout"], two[1][True]["rollout"]]), one[True]["rollout"])
     for packed in (True, False):
         moved = {n for n, p in one[packed]["params"].items() if not torch.equal(p, init[n].detach())}
         moved_visual = [n for n in moved if n.startswith("model.visual.")]

@@ -1,0 +1,133 @@
+"""The built-in sampler on a tiny random Qwen2.5-VL / Qwen2-VL / Qwen3-VL (deepstack, interleaved
+M-RoPE): greedy tokens equal transformers' ``generate``, the sampler's log-probs equal the trainer's
+forward (images, M-RoPE), chunked prefill, preemption / recompute and static decode shapes give the
+same tokens, and placeholder ids are never drawn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+from rlhf.data.multimodal import QWEN_IMAGE_TEXT as IMG  # noqa: E402
+from rlhf.models.logprobs import forward_log_probs  # noqa: E402
+from rlhf.models.tiny_vlm import build_tiny_vlm  # noqa: E402
+from rlhf.rollout.sampler import Sampler  # noqa: E402
+from rlhf.rollout.sampling import SamplingParams  # noqa: E402
+
+R = 6
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def case(request):
+    model, proc = build_tiny_vlm(request.param)
+    g = torch.Generator().manual_seed(0)
+    img = lambda h, w: Image.fromarray((torch.rand(h, w, 3, generator=g) * 255).byte().numpy())  # noqa: E731
+    rows = [(f"<|user|>what {IMG} is 2+2?<|assistant|>", [img(20, 28)]), ("<|user|>hi<|assistant|>", None),
+            (f"{IMG}{IMG}x<|assistant|>", [img(32, 32), img(40, 16)])]
+    prompts, mms, types = [], [], []
+    for text, images in rows:
+        out = proc(text=[text], images=images, return_tensors="pt", return_mm_token_type_ids=True)
+        prompts.append(out["input_ids"][0].tolist())
+        mms.append({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+                   if images else None)
+        types.append(out["mm_token_type_ids"])
+    # transformers' greedy continuation of each prompt alone (no padding; it stops at EOS),
+    # placeholders suppressed as the sampler does (this random model's argmax is the video token at times)
+    ban = [model.config.image_token_id, model.config.video_token_id]
+    ref = []
+    with torch.no_grad():
+        for ids, mm, tt in zip(prompts, mms, types):  # mm_token_type_ids: transformers' M-RoPE needs them
+            model.model.rope_deltas = None
+            out = model.generate(input_ids=torch.tensor([ids]),
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 **(mm or {}), mm_token_type_ids=tt, max_new_tokens=R, do_sample=False,
+                                 suppress_tokens=ban)
+            ref.append(out[0, len(ids):].tolist())
+    return model, proc, prompts, mms, ref
+
+
+def _padded(rows: list[list[int]]) -> list[list[int]]:
+    return [r + [0] * (R - len(r)) for r in rows]
+
+
+def _params(n: int = 1, max_new: int = R) -> SamplingParams:
+    return SamplingParams(n=n, temperature=0.0, max_new_tokens=max_new, stop_token_ids=[1])  # the tiny EOS
+
+
+def _sampler(model, **kw) -> Sampler:
+    return Sampler(model.config, dict(model.state_dict()), pad_token_id=0, max_num_seqs=8, **kw)
+
+
+def test_sampler_greedy_equals_hf_generate_and_log_probs_equal_the_trainer(case):
+    model, _, prompts, mms, ref = case
+    out = _sampler(model).generate(prompts, _params(), multi_modal=mms)
+    assert out.response_ids.tolist() == _padded(ref)
+    # the trainer's log-probs of the same sequences (padded forward with the images and M-RoPE)
+    P = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), P + R, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        am[i, P - len(p):P + len(ref[i])] = 1
+    ids[:, P:] = out.response_ids
+    mm_rows = [m for m in mms if m is not None]
+    mm = {"pixel_values": torch.cat([m["pixel_values"] for m in mm_rows]),
+          "image_grid_thw": torch.cat([m["image_grid_thw"] for m in mm_rows])}
+    with torch.no_grad():
+        trainer, _ = forward_log_probs(model, ids, am, response_length=R, multi_modal=mm)
+    m = am[:, P:].bool()
+    torch.testing.assert_close(out.log_probs[m], trainer[m], atol=1e-5, rtol=0)
+    # chunked prefill (prefill_tokens below a prompt: the image prompts go in chunks) and n=2: same tokens
+    out2 = _sampler(model, prefill_tokens=8).generate(prompts, _params(n=2), multi_modal=mms)
+    assert out2.response_ids.tolist() == [r for r in _padded(ref) for _ in range(2)]
+    assert out2.stats["prefill_calls"] > 3
+    # a cache too small for all three to grow: the latest is preempted and recomputed (images, positions
+    # and the generated tokens' text positions rebuilt), same tokens
+    # (no stop token, so every row grows R tokens)
+    no_stop = SamplingParams(n=1, temperature=0.0, max_new_tokens=R)
+    roomy = _sampler(model).generate(prompts, no_stop, multi_modal=mms)
+    assert [row[:len(r)] for row, r in zip(roomy.response_ids.tolist(), ref)] == ref
+    tight = _sampler(model, kv_cache_tokens=72, block_size=4, slot_regions=False, max_seq_len=40)
+    out3 = tight.generate(prompts, no_stop, multi_modal=mms)
+    assert out3.stats["preemptions"] > 0 and out3.stats["recomputed_tokens"] > 0
+    assert torch.equal(out3.response_ids, roomy.response_ids)
+    # static decode shapes (all slots, bucketed windows: what a CUDA graph captures, rope rows from rope_buf)
+    static = _sampler(model)
+    static.static_shapes = True
+    assert static.generate(prompts, _params(), multi_modal=mms).response_ids.tolist() == _padded(ref)
+
+
+def test_sampler_never_draws_a_banned_placeholder(case):
+    model, _, prompts, mms, ref = case
+    s = _sampler(model)
+    first = ref[0][0]
+    s.banned_ids = torch.tensor([first])  # the greedy token itself: masking must move the draw
+    out = s.generate(prompts[:1], _params(max_new=2), multi_modal=mms[:1])
+    assert out.response_ids[0, 0].item() != first
+    assert s.vlm_config.image_token_id in s.__class__(model.config, dict(model.state_dict()), pad_token_id=0,
+                                                      max_num_seqs=1).banned_ids.tolist()
+
+
+def test_start_up_check_reads_the_language_model_of_a_vlm():
+    from rlhf.models.decoder import check_supported
+    from rlhf.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
+
+    tok = build_vlm_tokenizer()
+    assert check_supported(tiny_vlm_config(tok, "qwen2_5_vl"), 128).model_type == "qwen2"
+    assert check_supported(tiny_vlm_config(tok, "qwen3_vl"), 128).qk_norm
+
+
+def test_start_up_refuses_what_the_vlm_rollout_does_not_run(tmp_path):
+    from rlhf.models.loading import check_rollout_support
+    from rlhf.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
+    from rlhf.schema.config import ConfigError
+
+    tiny_vlm_config(build_vlm_tokenizer(), "qwen2_5_vl").save_pretrained(tmp_path)
+    check_rollout_support(str(tmp_path), max_seq_len=128)  # accepted: no refusal of the model itself
+    with pytest.raises(ConfigError, match="^rollout.tp: a vision-language model"):
+        check_rollout_support(str(tmp_path), rollout_tp=2)
+    with pytest.raises(ConfigError, match="^rollout.multi_turn.enable"):
+        check_rollout_support(str(tmp_path), multi_turn=True)
