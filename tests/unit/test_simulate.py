@@ -14,6 +14,10 @@ WORLD = 64
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    # The simulation builds its own (fake) default group, as `python -m rlhf.simulate` does in a fresh
+    # process; the 1-process gloo group an earlier test module of this pytest process left behind goes.
+    if dist.is_initialized():
+        dist.destroy_process_group()
     d = tmp_path_factory.mktemp("tiny_sim")
     # 8 heads / 4 kv heads so tp 2 and rollout.tp 4 divide; a config.json only (no weights needed)
     tiny_qwen2_config(256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=128
