@@ -1,7 +1,17 @@
 """Prompt data: verl-schema datasets, the resumable batch order, the synthetic task."""
 
-from rlhf.data.dataset import DataError, DatasetStats, PromptDataset, PromptExample, load_prompt_dataset
-from rlhf.data.loader import PromptLoader, shard
+import importlib
+
+# Every name is imported on first use (PEP 562), so that importing one light submodule
+# (`rlhf.data.answers`, which reward workers use) does not pull in torch and pyarrow through
+# `dataset`: a reward or tool worker is a fresh interpreter and must start in well under a second.
+# `synthetic` is lazy for one more reason: importing it here would make `python -m
+# rlhf.data.synthetic` warn (the module would already be in sys.modules).
+_WHERE = {
+    "DataError": "dataset", "DatasetStats": "dataset", "PromptDataset": "dataset", "PromptExample": "dataset",
+    "load_prompt_dataset": "dataset", "PromptLoader": "loader", "shard": "loader",
+    "make_addition_task": "synthetic", "build_char_tokenizer": "char_tokenizer",
+}
 
 __all__ = [
     "DataError",
@@ -17,14 +27,6 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Lazy: importing `synthetic` here eagerly makes `python -m rlhf.data.synthetic` warn
-    # (the module would already be in sys.modules), and the tokenizer pulls in transformers.
-    if name == "make_addition_task":
-        from rlhf.data.synthetic import make_addition_task
-
-        return make_addition_task
-    if name == "build_char_tokenizer":
-        from rlhf.data.char_tokenizer import build_char_tokenizer
-
-        return build_char_tokenizer
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"rlhf.data.{_WHERE[name]}"), name)
     raise AttributeError(f"module 'rlhf.data' has no attribute '{name}'")

@@ -107,9 +107,11 @@ def hbm_bandwidth(device: torch.device) -> float | None:
     return spec.hbm if spec is not None else None
 
 
-# Shapes like a decoder's projections and LM head (hidden 768, MLP 2048, vocab 32000) and a
-# square one: the CPU roof is the best a matmul of model-like shape reaches.
-_ROOF_SHAPES = ((512, 768, 2048), (256, 768, 32000), (1024, 1024, 1024))
+# Shapes like a decoder's projections and LM head (hidden 768, MLP 2048, a vocab slice) and a
+# square one: the CPU roof is the best a matmul of model-like shape reaches. Kept small because
+# every rank of every trainer pays for it at start-up: the earlier shapes (up to 256x768x32000)
+# took 2.5 s on one thread and reached a lower roof (45 vs 96 GFLOP/s, 2026-11-26, load 2).
+_ROOF_SHAPES = ((128, 768, 2048), (64, 768, 8192), (512, 512, 512))
 
 
 def measured_matmul_flops(dtype: torch.dtype = torch.float32, repeats: int = 3) -> float:

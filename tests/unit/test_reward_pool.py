@@ -161,3 +161,17 @@ def test_after_a_step_without_any_reward_a_hanging_batch_costs_one_timeout(spec)
         mixed = pool.score(*batch(["ab", "abc", "hang", "hang", "hang", "abcd"]))
     assert fast < 6, fast  # without fail_fast: 8 timeouts of 1 s on 2 workers, >= 4 s plus restarts
     assert mixed.n_timeouts == 3 and mixed.scores.tolist() == [2.0, 3.0, 0.0, 0.0, 0.0, 4.0]
+
+
+def test_worker_interpreters_import_neither_torch_nor_pyarrow():
+    # Every trainer starts reward.num_workers (+ tool) interpreters per rank; one that imports torch
+    # costs ~1.5 s of CPU each (a regression once made `rlhf.rewards` pull torch in through `rlhf.data`).
+    import subprocess
+    import sys
+
+    code = ("import sys, rlhf.rewards.worker, rlhf.agent.tool_worker\n"
+            "from rlhf.rewards.registry import get_reward_fn\n"
+            "[get_reward_fn(s) for s in ('gsm8k', 'math_dapo')]\n"
+            "print(sorted(m for m in ('torch', 'pyarrow', 'numpy', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
