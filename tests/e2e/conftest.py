@@ -54,6 +54,23 @@ def run_script(script: str, args: list[str], *, nproc: int = 1, timeout: int = 3
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or ROOT)
 
 
+def run_script_many(script: str, cases: list[list[str]], *, timeout: int = 600) -> list:
+    """``run_script(script, args)`` for each args list of ``cases`` (1 process each), in one interpreter
+    (tests/e2e/_entry_driver.py): same return codes and output, one import of torch instead of one per case."""
+    import json
+    import tempfile
+    from types import SimpleNamespace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, results = Path(tmp) / "cases.json", Path(tmp) / "results.json"
+        spec.write_text(json.dumps({"script": str(ROOT / script), "cases": [[str(a) for a in c] for c in cases]}))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "e2e" / "_entry_driver.py"), str(spec), str(results)],
+                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        assert r.returncode == 0 and results.exists(), r.stderr[-3000:]
+        return [SimpleNamespace(**row) for row in json.loads(results.read_text())]
+
+
 def grpo_args(assets: Path, out: Path, **over) -> list[str]:
     base = {
         "model.path": assets / "model", "data.train_files": assets / "data" / "train.parquet",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.e2e.conftest import grpo_args, run_script
+from tests.e2e.conftest import grpo_args, run_script, run_script_many
 
 
 def _error_line(r) -> str:
@@ -17,7 +17,7 @@ def _error_line(r) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("override, expect", [
+ONE_LINE_ERRORS = [
     ({"model.path": "/no/such/model"}, "model.path: model directory not found: /no/such/model"),
     ({"reward.reward_fn": "gsm8kk"}, "reward.reward_fn: unknown reward function 'gsm8kk'"),
     ({"algorithm.adv_estimator": "grp0"}, "algorithm.adv_estimator"),
@@ -43,49 +43,60 @@ def _error_line(r) -> str:
     ({"actor.lr": "[1,"}, "override 'actor.lr=[1,': the value '[1,' is not valid yaml"),
     ({"data.train_batch_size": 128, "actor.ppo_mini_batch_size": 128},
      "data.train_batch_size (128) is larger than the 64 training prompts of data.train_files"),
-])
-def test_one_line_errors(tiny_assets, tmp_path, override, expect):
-    r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **override))
-    assert expect in _error_line(r)
+]
 
 
-def test_malformed_rows_skipped_and_counted(tiny_assets, tmp_path):
+@pytest.fixture(scope="module")
+def dry_runs(tiny_assets, tmp_path_factory):
+    """Every dry run of this module in one interpreter (tests/e2e/_entry_driver.py): {name: result}."""
+    d = tmp_path_factory.mktemp("user_errors")
     good = {"prompt": [{"role": "user", "content": "1+2="}], "reward_model": {"ground_truth": "3"},
             "data_source": "synthetic/addition"}
     rows = [json.dumps(good)] * 8 + ['{"prompt": 5}', "not json", json.dumps({"prompt": "2+2="})]
-    f = tmp_path / "mixed.jsonl"
-    f.write_text("\n".join(rows) + "\n")
-    r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **{"data.train_files": f}))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "8/11 rows loaded; 3 malformed" in r.stdout
+    (d / "mixed.jsonl").write_text("\n".join(rows) + "\n")
     # a line that is not UTF-8 is one more malformed row, not a crash without the file's name
-    f.write_bytes(f.read_bytes() + b'{"prompt": "caf\xe9"}\n')
-    r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **{"data.train_files": f}))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "8/12 rows loaded; 4 malformed" in r.stdout and "line 12: not UTF-8" in r.stdout
-    f.write_text('{"prompt": 5}\nnot json\n')
-    line = _error_line(run_script("train_grpo.py",
-                                  ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o", **{"data.train_files": f})))
-    assert "none of its 2 rows is usable" in line and "mixed.jsonl" in line
+    (d / "mixed_utf8.jsonl").write_bytes((d / "mixed.jsonl").read_bytes() + b'{"prompt": "caf\xe9"}\n')
+    (d / "unusable.jsonl").write_text('{"prompt": 5}\nnot json\n')
+    (d / "list.yaml").write_text("- model\n- data\n")
+    (d / "a_file").write_text("not a directory")
+    cases = {f"error{i}": grpo_args(tiny_assets, d / "o", **override) for i, (override, _) in enumerate(ONE_LINE_ERRORS)}
+    cases.update({name: grpo_args(tiny_assets, d / "o", **{"data.train_files": d / f"{name}.jsonl"})
+                  for name in ("mixed", "mixed_utf8", "unusable")})
+    cases["ok"] = grpo_args(tiny_assets, d / "o")
+    cases["listed"] = ["--config", str(d / "list.yaml")] + grpo_args(tiny_assets, d / "o")
+    cases["taken"] = grpo_args(tiny_assets, d / "a_file")
+    cases["under_taken"] = grpo_args(tiny_assets, d / "a_file" / "run")
+    results = run_script_many("train_grpo.py", [["--dry-run"] + args for args in cases.values()])
+    return d, dict(zip(cases, results))
 
 
-def test_dry_run_ok(tiny_assets, tmp_path):
-    r = run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, tmp_path / "o"))
+@pytest.mark.parametrize("case", range(len(ONE_LINE_ERRORS)), ids=lambda i: str(ONE_LINE_ERRORS[i][1])[:40])
+def test_one_line_errors(dry_runs, case):
+    assert ONE_LINE_ERRORS[case][1] in _error_line(dry_runs[1][f"error{case}"])
+
+
+def test_malformed_rows_skipped_and_counted(dry_runs):
+    _, r = dry_runs
+    assert r["mixed"].returncode == 0, r["mixed"].stderr[-2000:]
+    assert "8/11 rows loaded; 3 malformed" in r["mixed"].stdout
+    assert r["mixed_utf8"].returncode == 0, r["mixed_utf8"].stderr[-2000:]
+    assert "8/12 rows loaded; 4 malformed" in r["mixed_utf8"].stdout and "line 12: not UTF-8" in r["mixed_utf8"].stdout
+    line = _error_line(r["unusable"])
+    assert "none of its 2 rows is usable" in line and "unusable.jsonl" in line
+
+
+def test_dry_run_ok(dry_runs):
+    r = dry_runs[1]["ok"]
     assert r.returncode == 0, r.stderr[-2000:]
     assert "dry run OK" in r.stdout
 
 
-def test_bad_config_file_and_output_dir_are_one_line(tiny_assets, tmp_path):
-    listed = tmp_path / "list.yaml"
-    listed.write_text("- model\n- data\n")
-    line = _error_line(run_script("train_grpo.py", ["--dry-run", "--config", str(listed)]
-                                  + grpo_args(tiny_assets, tmp_path / "o")))
-    assert f"config file {listed}: the top level must be a mapping" in line
-    taken = tmp_path / "a_file"
-    taken.write_text("not a directory")
-    line = _error_line(run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, taken)))
-    assert f"trainer.output_dir: {taken} exists and is not a directory" in line
-    line = _error_line(run_script("train_grpo.py", ["--dry-run"] + grpo_args(tiny_assets, taken / "run")))
+def test_bad_config_file_and_output_dir_are_one_line(dry_runs):
+    d, r = dry_runs
+    assert f"config file {d / 'list.yaml'}: the top level must be a mapping" in _error_line(r["listed"])
+    taken = d / "a_file"
+    assert f"trainer.output_dir: {taken} exists and is not a directory" in _error_line(r["taken"])
+    line = _error_line(r["under_taken"])
     assert f"trainer.output_dir: {taken / 'run'} cannot be created: {taken} is not a directory" in line
     assert taken.read_text() == "not a directory"
 
