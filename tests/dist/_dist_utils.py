@@ -13,6 +13,11 @@ in a temporary directory (no port to collide on), and a process-group timeout so
 a collective mismatch fails the test instead of hanging it. An exception or failed
 assert in any worker fails the call with that worker's traceback.
 
+On CPU the workers are forked from a forkserver that imported torch, transformers and the
+trainer once per test session: a spawned interpreter pays ~5 s of CPU for those imports, per
+rank and per call, which was a large share of the multi-process tier's time. Each worker takes
+the caller's current environment and working directory, as a spawned one would.
+
 Backend switch: with ``RLHF_DIST_DEVICE=cuda`` the same tests run on nccl, one GPU per
 rank (``tests/gpu/test_dist_nccl.py`` does this); tests that place tensors or build meshes
 use :func:`dist_device` / :func:`dist_device_type` instead of naming "cpu", and a call
@@ -49,6 +54,11 @@ def dist_device() -> torch.device:
     return torch.device("cpu")
 
 
+# Imported once by the forkserver, then shared by every worker it forks.
+_PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "transformers", "rlhf.train.trainer",
+            "tests.dist._dist_utils"]
+
+
 def _worker(
     rank: int,
     fn: Callable[..., None],
@@ -56,7 +66,13 @@ def _worker(
     store_path: str,
     args: tuple[Any, ...],
     timeout_s: float,
+    env: dict[str, str],
+    cwd: str,
 ) -> None:
+    # A forked worker starts with the forkserver's environment, taken when the server started.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["RANK"] = str(rank)
@@ -96,10 +112,15 @@ def run_distributed(
         import pytest
 
         pytest.skip(f"needs {world_size} GPUs for {world_size} nccl ranks; {torch.cuda.device_count()} visible")
+    # CUDA state must not be inherited through a fork: the nccl switch keeps fresh interpreters.
+    method = "spawn" if dist_device_type() == "cuda" else os.environ.get("RLHF_TEST_START_METHOD", "forkserver")
+    if method == "forkserver":
+        mp.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
+        mp.start_processes(
             _worker,
-            args=(fn, world_size, os.path.join(tmp, "store"), args, timeout_s),
+            args=(fn, world_size, os.path.join(tmp, "store"), args, timeout_s, dict(os.environ), os.getcwd()),
             nprocs=world_size,
             join=True,
+            start_method=method,
         )

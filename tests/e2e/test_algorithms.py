@@ -1,4 +1,7 @@
-"""Every algorithm selectable from yaml runs end to end (tiny random model, 2 steps)."""
+"""Every algorithm selectable from yaml runs end to end (tiny random model, 2 steps).
+
+All runs share one interpreter (tests/e2e/_entry_driver.py): 26 separate ones cost ~5 s each just
+importing torch and transformers."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import math
 import pytest
 
 from rlhf.ops.metrics import read_metrics
-from tests.e2e.conftest import grpo_args, run_script
+from tests.e2e.conftest import PARITY_REWARD, grpo_args, run_script_many
 
 
 CASES = {
@@ -50,12 +53,21 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def runs(tiny_assets, tmp_path_factory):
+    d = tmp_path_factory.mktemp("algorithms")
+    (d / "parity_reward.py").write_text(PARITY_REWARD)
+    args = [grpo_args(tiny_assets, d / name, **{"reward.reward_fn": f"{d / 'parity_reward.py'}:parity",
+                                                "data.val_files": "", **over}) for name, over in CASES.items()]
+    return d, dict(zip(CASES, run_script_many("train_grpo.py", args, timeout=1800)))
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_algorithm_runs(name, tiny_assets, tmp_path, parity_reward):
-    over = {"reward.reward_fn": parity_reward, "data.val_files": "", **CASES[name]}
-    r = run_script("train_grpo.py", grpo_args(tiny_assets, tmp_path / "out", **over), nproc=1)
+def test_algorithm_runs(name, runs):
+    d, results = runs
+    r = results[name]
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [m for m in read_metrics(tmp_path / "out" / "metrics.jsonl") if "actor/loss" in m]
+    rows = [m for m in read_metrics(d / name / "metrics.jsonl") if "actor/loss" in m]
     assert [m["step"] for m in rows] == [1, 2]
     for m in rows:
         assert math.isfinite(m["actor/loss"]) and m["actor/grad_norm"] > 0

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
+
 from rlhf.ops.metrics import read_metrics
 from tests.e2e.conftest import grpo_args, run_script, train_steps
 
@@ -12,12 +16,18 @@ def a_val0(run) -> float:
     return next(m["val/acc"] for m in read_metrics(run / "metrics.jsonl") if m["step"] == 0 and "val/acc" in m)
 
 
-def test_resume_continues_same_step_and_data(tiny_assets, tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    # 10 prompts per epoch of 8 -> 8 batches/epoch... use 4 steps so the data order matters.
-    r = run_script("train_grpo.py", grpo_args(tiny_assets, full, **{"trainer.total_training_steps": 4,
-                                                                   "checkpoint.save_freq": 2}), nproc=2)
+@pytest.fixture(scope="module")
+def full(tiny_assets, tmp_path_factory):
+    """An uninterrupted 4-step run with a checkpoint every 2 steps (both tests compare with it)."""
+    out = tmp_path_factory.mktemp("resume") / "full"
+    r = run_script("train_grpo.py", grpo_args(tiny_assets, out, **{"trainer.total_training_steps": 4,
+                                                                  "checkpoint.save_freq": 2}), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_resume_continues_same_step_and_data(tiny_assets, tmp_path, full):
+    part = tmp_path / "part"
     # Same config, stopped after 3 steps: a checkpoint is saved at the stop (issue 33), off the save_freq grid ...
     r = run_script("train_grpo.py", grpo_args(tiny_assets, part, **{"trainer.total_training_steps": 4,
                                                                    "checkpoint.save_freq": 2,
@@ -56,14 +66,12 @@ def test_resume_continues_same_step_and_data(tiny_assets, tmp_path):
     assert a[3]["data/batch_fingerprint"] != a[4]["data/batch_fingerprint"]
 
 
-def test_a_damaged_latest_checkpoint_resumes_from_the_previous_one(tiny_assets, tmp_path):
+def test_a_damaged_latest_checkpoint_resumes_from_the_previous_one(tiny_assets, tmp_path, full):
     """issue 33: a flipped byte in the latest checkpoint's shards; resume=auto passes it over with a
     warning naming it, resumes from the previous complete one and redoes the same steps."""
     out = tmp_path / "run"
-    args = grpo_args(tiny_assets, out, **{"trainer.total_training_steps": 4, "checkpoint.save_freq": 2,
-                                          "data.val_files": ""})
-    r = run_script("train_grpo.py", args, nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.copytree(full, out)  # the finished 4-step run, moved: checkpoints hold no absolute path
+    args = grpo_args(tiny_assets, out, **{"trainer.total_training_steps": 4, "checkpoint.save_freq": 2})
     first = train_steps(out / "metrics.jsonl")
     latest, previous = out / "checkpoints" / "global_step_4", out / "checkpoints" / "global_step_2"
     shard = sorted((latest / "model_optim").glob("*.distcp"))[0]
