@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.update_fixed_costs import count_fsdp_collectives
 from tests.dist._batches import random_rollout_batch
 from tests.dist._dist_utils import run_distributed
 
@@ -34,19 +35,6 @@ def held_unsharded_grad_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _count_fsdp_collectives() -> dict[str, int]:
-    """Counts FSDP2's all-gathers and reduce-scatters (wraps its default collective objects)."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
-
-    counts = {"all_gather": 0, "reduce_scatter": 0}
-    for cls, key in ((coll.DefaultAllGather, "all_gather"), (coll.DefaultReduceScatter, "reduce_scatter")):
-        def counted(self, *args, _call=cls.__call__, _key=key, **kw):
-            counts[_key] += 1
-            return _call(self, *args, **kw)
-        cls.__call__ = counted
-    return counts
-
-
 def _update(rank: int, world: int, model_dir: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -55,7 +43,7 @@ def _update(rank: int, world: int, model_dir: str, out: str) -> None:
     from rlhf.train.actor import PolicyWorker
 
     result = {}
-    counts = _count_fsdp_collectives()
+    counts = count_fsdp_collectives()
     for no_sync, unit in ((False, "block"), (True, "block"), (False, "model")):
         mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
         torch.manual_seed(0)
