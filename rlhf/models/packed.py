@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlhf.data.packing import PackedBatch, unpad
-from rlhf.models.prefix_grouping import GroupedRow, group_by_prompt, should_group
+from rlhf.models.prefix_grouping import GroupedRow, group_by_prompt, shared_prompt_tokens, should_group
 from rlhf.models.ulysses import SpShard, gather_token_values, shard_packed
 from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention, varlen_kernel
 from rlhf.models.vocab_parallel import log_probs_from_logits
@@ -130,9 +130,10 @@ def _grouped_row(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
             raise NotImplementedError("model.prefix_grouping: not supported with parallel.sp > 1 or a vision-language "
                                       "model; set model.prefix_grouping=false")
         return None, None
-    row = group_by_prompt(input_ids, attention_mask, R)
-    if not should_group(mode, row):
+    if mode == "auto" and not should_group(mode, shared_prompt_tokens(input_ids, attention_mask, R),
+                                           int(attention_mask.sum())):
         return None, None
+    row = group_by_prompt(input_ids, attention_mask, R)
     return row, response_positions(input_ids, attention_mask, None, R, inverse=row.inverse)
 
 

@@ -53,7 +53,7 @@ class ModelConfig:
                "micro-batches (+4 bytes per parameter; the planner counts them). Actor and critic.")
     prefix_grouping: Union[bool, Literal["auto"]] = _f(
         "auto", "Padding-free passes: rows sharing a prompt (a GRPO group) forward it once and their responses attend "
-                "to its K/V (exact). auto = per micro-batch when that removes >= 40% and >= 256 of its tokens "
+                "to its K/V (exact). auto = per micro-batch when that removes >= 15% and >= 64 of its tokens "
                 "(rlhf.models.prefix_grouping); off with sp, tp, VLM or MoE models. Actor, reference and critic.")
     fsdp_unit: Literal["auto", "block", "model"] = _f(
         "auto", "FSDP2 units: block = one per decoder block plus the root (least memory); model = the whole model "

@@ -17,7 +17,7 @@ import transformers
 
 import rlhf.models.varlen_attention as va
 from rlhf.models.packed import packed_forward_log_probs, packed_forward_values
-from rlhf.models.prefix_grouping import group_by_prompt, resolve_mode, should_group
+from rlhf.models.prefix_grouping import group_by_prompt, resolve_mode, shared_prompt_tokens, should_group
 from rlhf.models.tiny import tiny_qwen2_config
 from rlhf.schema.config import ConfigError
 from tests._archs import tiny_model
@@ -80,9 +80,13 @@ def _qwen2(**kw):
     return transformers.Qwen2ForCausalLM(cfg).float()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "phi3"])  # + soft-capping / sliding windows / partial rotary
+# + activation checkpointing (the backward recomputes with the same plan) / soft-capping / sliding windows / partial rotary
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2-checkpointed", "gemma2", "phi3"])
 def test_log_probs_entropy_and_grads_equal_ungrouped(kind):
-    model = _qwen2() if kind == "qwen2" else tiny_model(kind)
+    model = _qwen2() if kind.startswith("qwen2") else tiny_model(kind)
+    if kind == "qwen2-checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     ids, mask = grpo_rows(model.config.vocab_size)
     _assert_same(model, ids, mask)
 
@@ -156,11 +160,13 @@ def test_worker_passes_with_micro_batch_cuts_and_dynamic_batching(mesh, tmp_path
 
 def test_auto_rule_and_unsupported_layouts():
     ids, mask = grpo_rows(48)
-    short = group_by_prompt(ids, mask, R)  # ~20 shared tokens: auto stays off
-    assert not should_group("auto", short) and should_group(True, short) and not should_group(False, short)
-    long_ids = torch.cat([torch.randint(3, 48, (1, 200)).expand(ids.shape[0], -1), ids], 1)
-    long_mask = torch.cat([torch.ones(ids.shape[0], 200, dtype=torch.long), mask], 1)
-    assert should_group("auto", group_by_prompt(long_ids, long_mask, R))
+    saved = shared_prompt_tokens(ids, mask, R)
+    assert saved == group_by_prompt(ids, mask, R).saved == 32  # < 64 tokens: auto stays off
+    assert not should_group("auto", saved, int(mask.sum())) and should_group(True, 0, 1) and not should_group(False, 9, 9)
+    assert should_group("auto", 64, 400) and not should_group("auto", 64, 500)  # >= 64 tokens and >= 15%
+    long_ids = torch.cat([torch.randint(3, 48, (1, 20)).expand(ids.shape[0], -1), ids], 1)
+    long_mask = torch.cat([torch.ones(ids.shape[0], 20, dtype=torch.long), mask], 1)
+    assert shared_prompt_tokens(long_ids, long_mask, R) == 32 + 20 * (ids.shape[0] - 4)
     assert resolve_mode("auto", use_remove_padding=True, sp=2) is False
     assert resolve_mode("auto", use_remove_padding=True) == "auto"
     for kw, word in ((dict(use_remove_padding=False), "use_remove_padding"), (dict(sp=2), "parallel.sp"),
