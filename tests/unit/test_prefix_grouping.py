@@ -173,3 +173,17 @@ def test_auto_rule_and_unsupported_layouts():
                      (dict(tp=2), "parallel.tp"), (dict(vlm=True), "vision-language"), (dict(moe=True), "MoE")):
         with pytest.raises(ConfigError, match=word):
             resolve_mode(True, **{"use_remove_padding": True, **kw})
+
+
+def test_config_key():
+    from rlhf.config.load import load_config
+
+    base = ["model.path=m", "data.train_files=t.parquet"]
+    for value, want in (("auto", "auto"), ("true", True), ("false", False)):
+        cfg = load_config(None, base + ["model.use_remove_padding=true", f"model.prefix_grouping={value}"])
+        assert cfg.model.prefix_grouping == want
+    assert load_config(None, base).model.prefix_grouping == "auto"
+    with pytest.raises(ConfigError, match="model.prefix_grouping"):
+        load_config(None, base + ["model.prefix_grouping=yes please"])
+    with pytest.raises(ConfigError, match="model.prefix_grouping.*use_remove_padding"):
+        load_config(None, base + ["model.prefix_grouping=true"])
