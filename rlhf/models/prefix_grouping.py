@@ -274,11 +274,13 @@ def prefix_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     cap = {"softcap": softcap} if softcap is not None else {}
     kernel = varlen_kernel(query.device, query.dtype)
     prompt_plan, buckets, resp_inverse = plan.sdpa_plan() if kernel is None else (None, [], None)
-    out_p, _ = varlen_attention_forward(module, query[:, :, :Tp], key[:, :, :Tp], value[:, :, :Tp], None,
-                                        scaling=scaling, dropout=dropout, sliding_window=sliding_window,
-                                        cu_seq_lens_q=plan.prompt_cu, cu_seq_lens_k=plan.prompt_cu,
-                                        max_length_q=plan.prompt_max, max_length_k=plan.prompt_max,
-                                        varlen_plan=prompt_plan, **cap)  # [1, Tp, H, D]
+    out_p = query.new_zeros(1, 0, query.shape[1], value.shape[-1])  # no prompt tokens at all (all empty)
+    if Tp > 0:
+        out_p, _ = varlen_attention_forward(module, query[:, :, :Tp], key[:, :, :Tp], value[:, :, :Tp], None,
+                                            scaling=scaling, dropout=dropout, sliding_window=sliding_window,
+                                            cu_seq_lens_q=plan.prompt_cu, cu_seq_lens_k=plan.prompt_cu,
+                                            max_length_q=plan.prompt_max, max_length_k=plan.prompt_max,
+                                            varlen_plan=prompt_plan, **cap)  # [1, Tp, H, D]
     if query.shape[2] == Tp:
         return out_p
     q = query[0, :, Tp:]  # [H, Tr, D]
