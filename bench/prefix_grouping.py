@@ -80,7 +80,8 @@ def main(argv=None) -> dict:
     N = a.groups * a.n
     actor = ActorConfig(lr=1e-5, ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=a.micro, weight_decay=0.0)
     worker = PolicyWorker(ModelConfig(path=str(path), use_remove_padding=True, mixed_precision=False,
-                                      prefix_grouping=True), mesh, torch.device("cpu"), actor_cfg=actor, total_steps=100)
+                                      prefix_grouping=True), mesh, torch.device("cpu"), actor_cfg=actor,
+                          total_steps=100)
     batch = grpo_batch(a.groups, a.n, a.prompt, a.response, worker.hf_config.vocab_size)
     times = {k: {False: [], True: []} for k in ("logprob", "update")}
     lps = {}

@@ -207,7 +207,8 @@ class PolicyWorker:
         check_features(model_cfg, mesh, self.lora, self.hf_config)
         self.prefix_grouping = resolve_mode(
             model_cfg.prefix_grouping, use_remove_padding=model_cfg.use_remove_padding, sp=_size(mesh, "sp"),
-            tp=_size(mesh, "tp"), pp=_size(mesh, "pp"), vlm=self.is_vlm, moe=bool(getattr(self.hf_config, "num_experts", 0)))
+            tp=_size(mesh, "tp"), pp=_size(mesh, "pp"), vlm=self.is_vlm,
+            moe=bool(getattr(self.hf_config, "num_experts", 0)))
         if self.lora:
             # Only the adapters are trainable (and so sharded with gradients / optimizer state).
             model = apply_lora(model, lora_rank=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,

@@ -129,7 +129,8 @@ class CriticWorker:
             key="critic.model_path" if critic_cfg.model_path else "model.path")
         self.hf_config = model.config
         self.prefix_grouping = resolve_mode(
-            model_cfg.prefix_grouping, use_remove_padding=model_cfg.use_remove_padding, sp=mesh["sp"].size() if "sp" in (mesh.mesh_dim_names or ()) else 1,
+            model_cfg.prefix_grouping, use_remove_padding=model_cfg.use_remove_padding,
+            sp=mesh["sp"].size() if "sp" in (mesh.mesh_dim_names or ()) else 1,
             tp=mesh["tp"].size(), pp=mesh["pp"].size(), moe=bool(getattr(model.config, "num_experts", 0)))
         value_head(model).register_forward_hook(_head_output_not_a_view)
         self.parallel: ParallelModel = parallelize_model(

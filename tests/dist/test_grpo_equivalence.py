@@ -104,7 +104,8 @@ def _features_worker(rank: int, world: int, model_dir: str, out: str, packed: bo
                       kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, weight_decay=0.0,
                       use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=20, log_prob_max_token_len_per_gpu=20)
     worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=packed, mixed_precision=False,
-                                      prefix_grouping=grouped and packed), mesh, dist_device(), actor_cfg=cfg, total_steps=1)
+                                      prefix_grouping=grouped and packed), mesh, dist_device(), actor_cfg=cfg,
+                          total_steps=1)
     assert worker.prefix_grouping is (grouped and packed)
     batch = make_global_batch(worker.hf_config.vocab_size, shared_prompts=grouped)
     prompts = minibatch_major_shard(list(range(N_PROMPTS)), rank, world, cfg.ppo_mini_batch_size)

@@ -80,7 +80,8 @@ def _qwen2(**kw):
     return transformers.Qwen2ForCausalLM(cfg).float()
 
 
-# + activation checkpointing (the backward recomputes with the same plan) / soft-capping / sliding windows / partial rotary
+# + activation checkpointing (the backward recomputes with the same plan), soft-capping, sliding windows,
+# partial rotary
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2-checkpointed", "gemma2", "phi3"])
 def test_log_probs_entropy_and_grads_equal_ungrouped(kind):
     model = _qwen2() if kind.startswith("qwen2") else tiny_model(kind)
@@ -138,7 +139,8 @@ def test_worker_passes_with_micro_batch_cuts_and_dynamic_batching(mesh, tmp_path
                          truncated=torch.zeros(N, dtype=torch.bool), old_log_probs=-torch.rand(N, R, generator=g),
                          ref_log_probs=-torch.rand(N, R, generator=g), advantages=torch.randn(N, R, generator=g))
     cfg = ActorConfig(lr=1.0, ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=3, grad_clip=1e9, weight_decay=0.0,
-                      use_kl_loss=True, entropy_coeff=0.01, ppo_max_token_len_per_gpu=40, log_prob_max_token_len_per_gpu=40)
+                      use_kl_loss=True, entropy_coeff=0.01, ppo_max_token_len_per_gpu=40,
+                      log_prob_max_token_len_per_gpu=40)
     workers = [PolicyWorker(ModelConfig(path=str(path), use_remove_padding=True, mixed_precision=False,
                                         prefix_grouping=grouping), mesh, torch.device("cpu"), actor_cfg=cfg)
                for grouping in (False, True)]
@@ -162,7 +164,8 @@ def test_auto_rule_and_unsupported_layouts():
     ids, mask = grpo_rows(48)
     saved = shared_prompt_tokens(ids, mask, R)
     assert saved == group_by_prompt(ids, mask, R).saved == 32  # < 64 tokens: auto stays off
-    assert not should_group("auto", saved, int(mask.sum())) and should_group(True, 0, 1) and not should_group(False, 9, 9)
+    assert not should_group("auto", saved, int(mask.sum()))
+    assert should_group(True, 0, 1) and not should_group(False, 9, 9)
     assert should_group("auto", 64, 400) and not should_group("auto", 64, 500)  # >= 64 tokens and >= 15%
     long_ids = torch.cat([torch.randint(3, 48, (1, 20)).expand(ids.shape[0], -1), ids], 1)
     long_mask = torch.cat([torch.ones(ids.shape[0], 20, dtype=torch.long), mask], 1)
