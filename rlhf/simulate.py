@@ -150,6 +150,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     if cfg.model.use_remove_padding:
         notes.append("padding-free micro-batches simulated as full-length padded rows (the same shapes)")
     cfg.model.use_remove_padding = False
+    cfg.model.prefix_grouping = False  # a padding-free layout too
     if dist.is_initialized():
         raise RuntimeError("rlhf.simulate needs a process without a process group")
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())

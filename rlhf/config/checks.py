@@ -94,6 +94,8 @@ def validate(cfg: Config) -> None:
     need(cfg.reward.timeout_s > 0, "reward.timeout_s", f"must be > 0 seconds, got {cfg.reward.timeout_s}")
     need(cfg.reward.max_failed_steps >= 0, "reward.max_failed_steps",
          f"must be >= 0 (0 = never stop), got {cfg.reward.max_failed_steps}")
+    need(cfg.model.prefix_grouping is not True or cfg.model.use_remove_padding, "model.prefix_grouping",
+         "true needs model.use_remove_padding=true (it regroups the padding-free row); set it to auto or false")
     if cfg.model.lora_rank < 0:
         raise ConfigError("config key 'model.lora_rank': must be >= 0")
     vk = cfg.trainer.val_kwargs

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlhf.data.packing import PackedBatch, unpad
+from rlhf.models.prefix_grouping import GroupedRow, group_by_prompt, shared_prompt_tokens, should_group
 from rlhf.models.ulysses import SpShard, gather_token_values, shard_packed
 from rlhf.models.varlen_attention import build_varlen_plan, enable_varlen_attention, varlen_kernel
 from rlhf.models.vocab_parallel import log_probs_from_logits
@@ -52,12 +53,15 @@ class ResponsePositions:
 
 
 def response_positions(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: PackedBatch, response_length: int
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: Optional[PackedBatch], response_length: int,
+    inverse: Optional[torch.Tensor] = None,
 ) -> ResponsePositions:
     """Map response tokens ``(b, t)`` to the packed positions whose output predicts them.
 
     A pair is kept when the response token ``P+t`` is real and the position before it,
     ``P+t-1``, is real too (true for every real response token of a rollout batch).
+    ``inverse`` ``[B*L]`` (packed row of each padded position, -1 at pads) replaces ``packed``
+    for other packed layouts (a prefix-grouped row: :mod:`rlhf.models.prefix_grouping`).
     """
     B, L = input_ids.shape
     R = int(response_length)
@@ -65,8 +69,9 @@ def response_positions(
         raise ValueError(f"response_length must be in [1, L-1] = [1, {L - 1}] (a prompt token is needed); got {R}")
     P = L - R
     device = input_ids.device
-    inverse = torch.full((B * L,), -1, dtype=torch.int64, device=device)
-    inverse[packed.indices] = torch.arange(packed.total, device=device)
+    if inverse is None:
+        inverse = torch.full((B * L,), -1, dtype=torch.int64, device=device)
+        inverse[packed.indices] = torch.arange(packed.total, device=device)
     src = torch.arange(B, device=device)[:, None] * L + (P - 1) + torch.arange(R, device=device)[None, :]  # [B, R]
     rows = inverse[src]  # [B, R]
     keep = (rows >= 0) & attention_mask[:, P:].bool()  # [B, R]
@@ -83,7 +88,8 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
     return False
 
 
-def _packed_call(model: nn.Module, packed: PackedBatch, shard: Optional[SpShard] = None, **extra) -> object:
+def _packed_call(model: nn.Module, packed: PackedBatch | GroupedRow, shard: Optional[SpShard] = None,
+                 **extra) -> object:
     """Run ``model`` on a packed row (or, under ``parallel.sp``, on this rank's ``shard`` of it)
     through its own top-level ``forward`` (so FSDP2 root hooks and peft wrappers run as usual).
 
@@ -96,7 +102,7 @@ def _packed_call(model: nn.Module, packed: PackedBatch, shard: Optional[SpShard]
         ids, pos, kwargs = shard.input_ids, shard.position_ids, dict(shard.attention_kwargs)
     # The SDPA fallback needs a plan; build it once per forward, not once per layer (each
     # build reads cu_seqlens on the host: a device sync per layer on a GPU without flash-attn).
-    if varlen_kernel(ids.device) is None:
+    if "cu_seq_lens_q" in kwargs and varlen_kernel(ids.device) is None:
         kwargs["varlen_plan"] = build_varlen_plan(kwargs["cu_seq_lens_q"])
     enable_varlen_attention(model)
     if "position_ids" in extra:  # a vision-language model's [4, 1, total] M-RoPE positions
@@ -114,6 +120,23 @@ def _local_positions(pos: ResponsePositions, shard: Optional[SpShard]) -> Respon
     return ResponsePositions(rows=pos.rows[keep] - shard.start, flat=pos.flat[keep], labels=pos.labels[keep])
 
 
+def _grouped_row(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int,
+                 mode: bool | str, sp_group: Optional[dist.ProcessGroup], multi_modal: Optional[dict],
+                 ) -> tuple[Optional[GroupedRow], Optional[ResponsePositions]]:
+    """The prefix-grouped row and its response positions when ``mode`` asks for it (and, under
+    ``"auto"``, when it pays); ``(None, None)`` for the plain packed row."""
+    if mode is False or mode == "false" or sp_group is not None or multi_modal is not None:
+        if mode is True and (sp_group is not None or multi_modal is not None):
+            raise NotImplementedError("model.prefix_grouping: not supported with parallel.sp > 1 or a vision-language "
+                                      "model; set model.prefix_grouping=false")
+        return None, None
+    if mode == "auto" and not should_group(mode, shared_prompt_tokens(input_ids, attention_mask, R),
+                                           int(attention_mask.sum())):
+        return None, None
+    row = group_by_prompt(input_ids, attention_mask, R)
+    return row, response_positions(input_ids, attention_mask, None, R, inverse=row.inverse)
+
+
 def packed_forward_log_probs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -124,6 +147,7 @@ def packed_forward_log_probs(
     compute_entropy: bool = False,
     sp_group: Optional[dist.ProcessGroup] = None,
     multi_modal: Optional[dict] = None,
+    prefix_grouping: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the response, padding-free.
 
@@ -139,6 +163,8 @@ def packed_forward_log_probs(
         multi_modal: a vision-language model's images of these rows
             (:func:`rlhf.data.multimodal.collate_multi_modal`): the vision tower runs on them and
             the packed row gets M-RoPE positions (:func:`rlhf.models.vlm.packed_inputs`).
+        prefix_grouping: True / False / ``"auto"`` (``model.prefix_grouping``): rows sharing a prompt
+            forward it once (:mod:`rlhf.models.prefix_grouping`; not with ``sp_group`` / ``multi_modal``).
 
     Returns:
         ``log_probs [B, R]`` float32 and ``entropy [B, R]`` float32 (or None); 0 at pad
@@ -146,9 +172,12 @@ def packed_forward_log_probs(
     """
     B, L = input_ids.shape
     R = int(response_length)
-    packed = unpad(input_ids, attention_mask)
-    shard = shard_packed(packed, sp_group) if sp_group is not None else None
-    pos = _local_positions(response_positions(input_ids, attention_mask, packed, R), shard)
+    packed, pos = _grouped_row(model, input_ids, attention_mask, R, prefix_grouping, sp_group, multi_modal)
+    shard = None
+    if packed is None:
+        packed = unpad(input_ids, attention_mask)
+        shard = shard_packed(packed, sp_group) if sp_group is not None else None
+        pos = _local_positions(response_positions(input_ids, attention_mask, packed, R), shard)
     mm: dict = {}
     if multi_modal is not None:
         from rlhf.models.vlm import packed_inputs
@@ -208,7 +237,8 @@ def packed_forward_hidden(
 
 
 def packed_forward_values(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                          response_length: int, sp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                          response_length: int, sp_group: Optional[dist.ProcessGroup] = None,
+                          prefix_grouping: bool | str = False) -> torch.Tensor:
     """Padding-free values ``[B, R]`` (fp32) of a token-classification critic; 0 at pad response tokens.
 
     The real tokens are packed into one row (:func:`rlhf.data.packing.unpad`, varlen
@@ -220,9 +250,12 @@ def packed_forward_values(model: torch.nn.Module, input_ids: torch.Tensor, atten
     sp rank reads the values of its token slice and the ``[B, R]`` scalars are summed.
     """
     B, R = input_ids.shape[0], int(response_length)
-    packed = unpad(input_ids, attention_mask)
-    shard = shard_packed(packed, sp_group) if sp_group is not None else None
-    pos = _local_positions(response_positions(input_ids, attention_mask, packed, R), shard)
+    packed, pos = _grouped_row(model, input_ids, attention_mask, R, prefix_grouping, sp_group, None)
+    shard = None
+    if packed is None:
+        packed = unpad(input_ids, attention_mask)
+        shard = shard_packed(packed, sp_group) if sp_group is not None else None
+        pos = _local_positions(response_positions(input_ids, attention_mask, packed, R), shard)
     out = _packed_call(model, packed, shard)
     v = out.logits[0, :, 0].index_select(0, pos.rows).float()  # [N]
     return gather_token_values(v.new_zeros(B * R).index_put((pos.flat,), v), sp_group).view(B, R)

@@ -271,32 +271,31 @@ def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """flash-attn's ``flash_attn_varlen_func`` semantics in plain PyTorch, one SDPA per sequence
     (``softcap > 0``: tanh-capped logits, the explicit form of ``rlhf.models.softcap_attention``).
 
-    ``q [total, H, D]``, ``k / v [total, Hkv, D]`` (``H % Hkv == 0``); sequence ``i`` is rows
-    ``cu_seqlens[i]:cu_seqlens[i+1]``; ``window_size = (left, right)``, -1 = unbounded (with
-    ``causal`` a query sees keys ``q - left .. q``). Returns ``[total, H, D]``. A reference
-    for tests, not a fast path.
+    ``q [total_q, H, D]``, ``k / v [total_k, Hkv, D]`` (``H % Hkv == 0``); sequence ``i`` is rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q and ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` of k / v;
+    the causal mask is aligned bottom-right as flash-attn's (query ``j`` of ``Lq`` is at key position
+    ``Lk - Lq + j``); ``window_size = (left, right)``, -1 = unbounded (with ``causal`` a query sees
+    keys ``q - left .. q``). Returns ``[total_q, H, D]``. A reference for tests, not a fast path.
     """
     if dropout_p:
         raise NotImplementedError("reference_varlen_attention: dropout is not supported")
     out = torch.empty_like(q)
-    bounds = cu_seqlens_q.tolist()
-    if cu_seqlens_k.tolist() != bounds:
-        raise ValueError("reference_varlen_attention: self-attention only (cu_seqlens_k must equal cu_seqlens_q)")
+    bounds, kbounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     left, right = window_size
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        L = end - start
+    for start, end, kstart, kend in zip(bounds[:-1], bounds[1:], kbounds[:-1], kbounds[1:]):
+        L, Lk = end - start, kend - kstart
         if L == 0:
             continue
-        pos = torch.arange(L, device=q.device)
-        dist_ = pos[:, None] - pos[None, :]  # query - key
-        allowed = torch.ones(L, L, dtype=torch.bool, device=q.device)
+        dist_ = (torch.arange(L, device=q.device)[:, None] + Lk - L) - torch.arange(Lk, device=q.device)[None, :]
+        allowed = torch.ones(L, Lk, dtype=torch.bool, device=q.device)
         if causal:
             allowed &= dist_ >= 0
         if left >= 0:
             allowed &= dist_ <= left
         if right >= 0:
             allowed &= -dist_ <= right
-        qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, L, D]
+        qs = q[start:end].transpose(0, 1)[None]  # [1, heads, L, D]
+        ks, vs = (x[kstart:kend].transpose(0, 1)[None] for x in (k, v))
         if softcap > 0:
             scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
             o = softcap_attention(qs, ks, vs, allowed, scale=scale, softcap=softcap)
@@ -384,6 +383,7 @@ def varlen_attention_forward(
     varlen_plan: VarlenPlan | None = None,
     varlen_bucket_ratio: float = DEFAULT_BUCKET_RATIO,
     ulysses_group: Any = None,
+    prefix_plan: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``AttentionInterface`` function for packed sequences.
@@ -403,6 +403,8 @@ def varlen_attention_forward(
         varlen_bucket_ratio: bucketing ratio for the SDPA path.
         ulysses_group: the sp process group when the packed row is split over sequence-
             parallel ranks (:mod:`rlhf.models.ulysses`); q/k/v then hold this rank's tokens.
+        prefix_plan: a prefix-grouped row (:mod:`rlhf.models.prefix_grouping`): shared prompts
+            once, responses attending to their prompt's keys.
 
     Returns:
         ``(attn_output [1, total, H, D], None)``.
@@ -410,6 +412,8 @@ def varlen_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("varlen attention does not support attention sinks")
     softcap = kwargs.pop("softcap", None)
+    if prefix_plan is not None:  # the plan knows its attention (no import back from prefix_grouping)
+        return prefix_plan.attend(module, query, key, value, scaling, dropout, sliding_window, softcap), None
     if ulysses_group is not None and cu_seq_lens_q is not None:
         from rlhf.models.ulysses import ulysses_attention
 

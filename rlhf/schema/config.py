@@ -51,6 +51,10 @@ class ModelConfig:
         False, "Reduce-scatter gradients once per mini-batch instead of after every micro-batch (FSDP2 no-sync): "
                "fewer collectives, but each rank holds the unsharded fp32 gradients of its whole model between "
                "micro-batches (+4 bytes per parameter; the planner counts them). Actor and critic.")
+    prefix_grouping: Union[bool, Literal["auto"]] = _f(
+        "auto", "Padding-free passes: rows sharing a prompt (a GRPO group) forward it once and their responses attend "
+                "to its K/V (exact). auto = per micro-batch when that removes >= 15% and >= 64 of its tokens "
+                "(rlhf.models.prefix_grouping); off with sp, tp, VLM or MoE models. Actor, reference and critic.")
     fsdp_unit: Literal["auto", "block", "model"] = _f(
         "auto", "FSDP2 units: block = one per decoder block plus the root (least memory); model = the whole model "
                 "as one unit (one all-gather per forward, one reduce-scatter per backward, no re-gather in the "

@@ -42,6 +42,7 @@ from rlhf.models.mrope import is_vlm_config
 from rlhf.models.moe import MoESpec
 from rlhf.models.moe_stats import RouterStats
 from rlhf.models.packed import packed_forward_log_probs
+from rlhf.models.prefix_grouping import resolve_mode
 from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
 from rlhf.models.router_replay import RouterReplay
@@ -204,6 +205,10 @@ class PolicyWorker:
         self.hf_config = model.config
         self.is_vlm = is_vlm_config(model.config)
         check_features(model_cfg, mesh, self.lora, self.hf_config)
+        self.prefix_grouping = resolve_mode(
+            model_cfg.prefix_grouping, use_remove_padding=model_cfg.use_remove_padding, sp=_size(mesh, "sp"),
+            tp=_size(mesh, "tp"), pp=_size(mesh, "pp"), vlm=self.is_vlm,
+            moe=bool(getattr(self.hf_config, "num_experts", 0)))
         if self.lora:
             # Only the adapters are trainable (and so sharded with gradients / optimizer state).
             model = apply_lora(model, lora_rank=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
@@ -259,7 +264,8 @@ class PolicyWorker:
         if self.cfg.use_remove_padding:
             return packed_forward_log_probs(self.model, input_ids, attention_mask, response_length=R,
                                             temperature=temperature, compute_entropy=compute_entropy,
-                                            sp_group=self.sp_group, multi_modal=mm)
+                                            sp_group=self.sp_group, multi_modal=mm,
+                                            prefix_grouping=self.prefix_grouping)
         extra = padded_inputs(self.model, input_ids, attention_mask, mm) if mm is not None else \
             {"position_ids": position_ids_from_mask(attention_mask)}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=R + 1,
@@ -551,6 +557,10 @@ def loss_params(cfg: ActorConfig) -> PolicyLossParams:
                             dro_beta=cfg.dro_beta if cfg.dro_beta > 0 else None, tau_pos=cfg.tau_pos,
                             tau_neg=cfg.tau_neg, rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold,
                             loss_type=cfg.rollout_correction_loss_type)
+
+
+def _size(mesh: DeviceMesh, dim: str) -> int:
+    return mesh[dim].size() if dim in (mesh.mesh_dim_names or ()) else 1
 
 
 def sp_size(group) -> int:

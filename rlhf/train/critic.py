@@ -43,6 +43,7 @@ from rlhf.models.loading import DTYPES, check_model_dir, training_attn_implement
 from rlhf.models.logprobs import position_ids_from_mask
 from rlhf.models.packed import packed_forward_values
 from rlhf.models.parallelize import ParallelModel, parallelize_model
+from rlhf.models.prefix_grouping import resolve_mode
 from rlhf.models.value_head import _HEAD_NAMES, value_head
 from rlhf.schema.batch import RolloutBatch, split_rows
 from rlhf.schema.config import ConfigError, CriticConfig, ModelConfig, ParallelConfig
@@ -127,6 +128,10 @@ class CriticWorker:
             attn_implementation=model_cfg.attn_implementation, trust_remote_code=model_cfg.trust_remote_code,
             key="critic.model_path" if critic_cfg.model_path else "model.path")
         self.hf_config = model.config
+        self.prefix_grouping = resolve_mode(
+            model_cfg.prefix_grouping, use_remove_padding=model_cfg.use_remove_padding,
+            sp=mesh["sp"].size() if "sp" in (mesh.mesh_dim_names or ()) else 1,
+            tp=mesh["tp"].size(), pp=mesh["pp"].size(), moe=bool(getattr(model.config, "num_experts", 0)))
         value_head(model).register_forward_hook(_head_output_not_a_view)
         self.parallel: ParallelModel = parallelize_model(
             model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,
@@ -149,7 +154,7 @@ class CriticWorker:
         R = response_length
         if self.model_cfg.use_remove_padding:
             return packed_forward_values(self.model, input_ids, attention_mask, response_length=R,
-                                         sp_group=self.sp_group)
+                                         sp_group=self.sp_group, prefix_grouping=self.prefix_grouping)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         logits = out.logits  # [B, L, 1]; the replicated head gives a full tensor under TP

@@ -48,9 +48,15 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def make_global_batch(vocab: int):
-    """A deterministic batch of N = 32 rows with uneven response lengths (CPU tensors)."""
-    return random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab, holes=True)  # multi-turn masks
+def make_global_batch(vocab: int, shared_prompts: bool = False):
+    """A deterministic batch of N = 32 rows with uneven response lengths (CPU tensors); ``shared_prompts``:
+    the samples of a prompt share its tokens (a GRPO group)."""
+    batch = random_rollout_batch(N_PROMPTS, N_SAMPLES, P, R, vocab, holes=True)  # multi-turn masks
+    if shared_prompts:
+        first = torch.arange(N_PROMPTS).repeat_interleave(N_SAMPLES) * N_SAMPLES
+        batch.input_ids[:, :P] = batch.input_ids[first, :P]
+        batch.attention_mask[:, :P] = batch.attention_mask[first, :P]
+    return batch
 
 
 def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:
@@ -82,8 +88,10 @@ def _update_worker(rank: int, world: int, model_dir: str, out: str) -> None:
         torch.save(results, out)
 
 
-def _features_worker(rank: int, world: int, model_dir: str, out: str, packed: bool, dynamic: bool) -> None:
-    """One update with padding-free passes and/or token-budget micro-batches."""
+def _features_worker(rank: int, world: int, model_dir: str, out: str, packed: bool, dynamic: bool,
+                     grouped: bool = False) -> None:
+    """One update with padding-free passes and/or token-budget micro-batches; ``grouped``: the samples
+    of a prompt share it and the padding-free passes forward it once (``model.prefix_grouping``)."""
     from rlhf.models.parallel import ParallelDims
     from rlhf.schema.batch import minibatch_major_shard
     from rlhf.train.actor import PolicyWorker
@@ -95,9 +103,11 @@ def _features_worker(rank: int, world: int, model_dir: str, out: str, packed: bo
     cfg = ActorConfig(lr=1e-3, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4, use_kl_loss=True,
                       kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, weight_decay=0.0,
                       use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=20, log_prob_max_token_len_per_gpu=20)
-    worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=packed, mixed_precision=False), mesh,
-                          dist_device(), actor_cfg=cfg, total_steps=1)
-    batch = make_global_batch(worker.hf_config.vocab_size)
+    worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=packed, mixed_precision=False,
+                                      prefix_grouping=grouped and packed), mesh, dist_device(), actor_cfg=cfg,
+                          total_steps=1)
+    assert worker.prefix_grouping is (grouped and packed)
+    batch = make_global_batch(worker.hf_config.vocab_size, shared_prompts=grouped)
     prompts = minibatch_major_shard(list(range(N_PROMPTS)), rank, world, cfg.ppo_mini_batch_size)
     local = batch.select([p * N_SAMPLES + j for p in prompts for j in range(N_SAMPLES)]).to(dist_device())
     log_probs, _ = worker.compute_log_probs(local, temperature=1.0, micro_batch_size=4)
@@ -168,12 +178,14 @@ def test_reshard_round_trip_is_exact(model_dir):
     run_distributed(_reshard_worker, 2, model_dir)
 
 
-@pytest.mark.parametrize("packed, dynamic", [(True, False), (False, True), (True, True)])
-def test_padding_free_and_dynamic_batches_match_padded(model_dir, tmp_path, packed, dynamic):
-    """Padding-free passes and token-budget micro-batches on 2 ranks = padded fixed micro-batches on 1."""
+@pytest.mark.parametrize("packed, dynamic, grouped", [(True, False, False), (False, True, False), (True, True, False),
+                                                     (True, True, True)])
+def test_padding_free_and_dynamic_batches_match_padded(model_dir, tmp_path, packed, dynamic, grouped):
+    """Padding-free passes (prefix-grouped or not) and token-budget micro-batches on 2 ranks = padded fixed
+    micro-batches on 1."""
     ref, new = str(tmp_path / "ref.pt"), str(tmp_path / "new.pt")
-    run_distributed(_features_worker, 1, model_dir, ref, False, False)
-    run_distributed(_features_worker, 2, model_dir, new, packed, dynamic)
+    run_distributed(_features_worker, 1, model_dir, ref, False, False, grouped)
+    run_distributed(_features_worker, 2, model_dir, new, packed, dynamic, grouped)
     (m1, p1, g1), (m2, p2, g2) = torch.load(ref, weights_only=False), torch.load(new, weights_only=False)
     lp1 = g1[0][1]
     lp2 = torch.cat([lp for _, lp in g2])
