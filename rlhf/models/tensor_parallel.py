@@ -329,6 +329,10 @@ def apply_tp(
                 # gradient is summed over tp (input seen as Shard on the heads dim).
                 plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=heads_dim, use_local_output=True)
         parallelize_module(layer, tp_mesh, plan)
+        if model_type == "olmoe" and getattr(model.config, "clip_qkv", None) is not None:
+            # HF clamps v in place; the gathered projection output is a view of a DTensor autograd
+            # function's output, which autograd forbids modifying in place
+            layer.self_attn.v_proj.register_forward_hook(lambda mod, args, out: out.clone())
         if model_type not in _GATHERED_QKV_TYPES:  # Phi-3's / OLMoE's attention runs on all heads (docstring)
             _localize_attention_attrs(layer.self_attn, tp)
     if sequence_parallel and getattr(inner, "norm", None) is not None:
