@@ -6,7 +6,8 @@ Gemma 3 with a local rope base and linear rope scaling on its global layer; Phi-
 rotary and a sliding window; Qwen3-MoE with a dense ``mlp_only_layers`` layer and normalised
 top-k routing; Qwen2-MoE with its gated shared expert, un-normalised top-k, q/k/v biases, a dense
 layer and sliding windows on two layers; Mixtral (top-2 renormalised) with a 6-token window; OLMoE
-with its whole-projection q/k norms, ``clip_qkv`` and un-normalised top-2. Norm weights are randomised (HF initialises Gemma's to 0, i.e. scale 1).
+with its whole-projection q/k norms, ``clip_qkv`` and un-normalised top-2. Norm weights are randomised
+(HF initialises Gemma's to 0, i.e. scale 1).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ and places it. A rank's host then holds one slice at a time.
 Where transformers renames or fuses checkpoint tensors on load (``conversion_mapping``), only
 the fused-experts layout of the Qwen2/Qwen3-MoE family (``experts.gate_up_proj`` = per-expert
 ``gate_proj`` and ``up_proj`` concatenated on dim 1, ``experts.down_proj`` = ``down_proj``
-stacked) and Mixtral's (``block_sparse_moe``: ``w1`` / ``w3`` / ``w2`` the same way) are read by slices; any other mismatch makes :func:`checkpoint_sources` return None
+stacked) and Mixtral's (``block_sparse_moe``: ``w1`` / ``w3`` / ``w2`` the same way) are read
+by slices; any other mismatch makes :func:`checkpoint_sources` return None
 and the caller loads with ``from_pretrained`` in the checkpoint dtype instead.
 """
 

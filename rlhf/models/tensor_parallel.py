@@ -211,7 +211,8 @@ def _family_plan(model_type: str, layer: nn.Module, experts: bool = True) -> dic
         if experts:
             plan["mlp.experts"] = ExpertsOverTP()
         if getattr(layer.mlp, "shared_expert", None) is not None:  # Qwen2-MoE: a dense MLP beside the experts
-            plan.update({"mlp.shared_expert.gate_proj": ColwiseParallel(), "mlp.shared_expert.up_proj": ColwiseParallel(),
+            plan.update({"mlp.shared_expert.gate_proj": ColwiseParallel(),
+                         "mlp.shared_expert.up_proj": ColwiseParallel(),
                          "mlp.shared_expert.down_proj": RowwiseParallel()})
     return plan
 

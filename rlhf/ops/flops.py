@@ -43,7 +43,8 @@ def matmul_params(hf_config) -> dict[str, int]:
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(hf_config, key, None):
             raise ValueError(f"model_flops_per_token: mixture-of-experts config ({key}="
-                             f"{getattr(hf_config, key)}) is not supported; dense decoders and {', '.join(MOE_MODEL_TYPES)} only")
+                             f"{getattr(hf_config, key)}) is not supported; dense decoders and "
+                             f"{', '.join(MOE_MODEL_TYPES)} only")
     return _dense_matmul_params(hf_config)
 
 
