@@ -1,7 +1,7 @@
 """Qwen2-MoE, Mixtral and OLMoE (rlhf/models/moe_archs.py): HF checkpoints load (deferred, by slices) and
 export back unchanged, Mixtral's hub layout (per-expert ``block_sparse_moe.experts.N.w1/w2/w3``) loads
 through transformers' conversion, the FLOP counter counts active experts (and Qwen2-MoE's shared expert),
-and what the sampler cannot match is refused in one line. Sampler / trainer log-probs against HF are in
+and what the sampler cannot match is refused in one line; the OLMoE norm over tp ranks with replicated KV heads. Sampler / trainer log-probs against HF are in
 test_sampler_archs.py / test_trainer_archs.py, the tp2 / ep2 GRPO step in tests/dist/test_grpo_archs.py."""
 
 from __future__ import annotations
@@ -93,3 +93,28 @@ def test_mixtral_router_jitter_is_refused_in_one_line():
 
     with pytest.raises(NotImplementedError, match="router_jitter_noise=0.1 is not supported"):
         check_supported(tiny_config("mixtral", router_jitter_noise=0.1))
+
+
+def test_olmoe_norm_over_tp_ranks_equals_the_whole_projection(monkeypatch):
+    """The sampler's OLMoE q/k norm on each of 4 tp ranks (4 heads, 2 KV heads: each KV head on 2 ranks,
+    as rlhf.rollout.reshard slices them) equals the norm of the whole projection; the all-reduce of the
+    sums of squares is simulated by handing each rank the sum of every rank's local sums."""
+    import rlhf.models.moe_archs as ma
+
+    torch.manual_seed(0)
+    h, kv, d, tp, m = 4, 2, 8, 4, 5
+    qkv = torch.randn(m, (h + 2 * kv) * d)
+    q_w, k_w = torch.randn(h * d), torch.randn(kv * d)
+    full = ma.full_qk_norm(qkv, q_w, k_w, h * d, kv * d, 1e-6)
+    q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
+    heads = lambda t, r, n: t.view(m, -1, d)[:, r * n:(r + 1) * n].reshape(m, -1)  # noqa: E731
+    local = [torch.cat((heads(q, r, 1), heads(k, r // 2, 1), heads(v, r // 2, 1)), -1) for r in range(tp)]
+    sums = sum(torch.stack([t[:, :d].pow(2).sum(-1), t[:, d:2 * d].pow(2).sum(-1)]) for t in local)
+    monkeypatch.setattr(ma.dist, "all_reduce", lambda t, group=None: t.copy_(sums))
+    monkeypatch.setattr(ma.dist, "get_world_size", lambda group=None: tp)
+    for r in range(tp):
+        monkeypatch.setattr(ma.dist, "get_rank", lambda group=None, r=r: r)
+        got = ma.full_qk_norm(local[r], q_w, k_w, d, d, 1e-6, tp_group=object())
+        fq, fk, _ = full.split([h * d, kv * d, kv * d], dim=-1)
+        want = torch.cat((heads(fq, r, 1), heads(fk, r // 2, 1), heads(v, r // 2, 1)), -1)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=f"rank {r}")
