@@ -4,7 +4,10 @@ Each config exercises what makes its family different: Gemma 2 with small soft-c
 tanh is far from linear), a 4-token sliding window and ``query_pre_attn_scalar != head_dim``;
 Gemma 3 with a local rope base and linear rope scaling on its global layer; Phi-3 with partial
 rotary and a sliding window; Qwen3-MoE with a dense ``mlp_only_layers`` layer and normalised
-top-k routing. Norm weights are randomised (HF initialises Gemma's to 0, i.e. scale 1).
+top-k routing; Qwen2-MoE with its gated shared expert, un-normalised top-k, q/k/v biases, a dense
+layer and sliding windows on two layers; Mixtral (top-2 renormalised) with a 6-token window; OLMoE
+with its whole-projection q/k norms, ``clip_qkv`` and un-normalised top-2. Norm weights are randomised
+(HF initialises Gemma's to 0, i.e. scale 1).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from pathlib import Path
 import torch
 import transformers
 
-ARCHS = ("gemma2", "gemma3", "phi3", "qwen3_moe")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("gemma2", "gemma3", "phi3", *MOE_ARCHS)
 _COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, initializer_range=0.1, max_position_embeddings=256,
                pad_token_id=0, eos_token_id=1, bos_token_id=None)
@@ -43,6 +47,21 @@ def tiny_config(kind: str, **overrides) -> transformers.PretrainedConfig:
                  mlp_only_layers=[1])
         c.update(overrides)
         return transformers.Qwen3MoeConfig(**c)
+    if kind == "qwen2_moe":
+        c.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                 shared_expert_intermediate_size=32, mlp_only_layers=[1], qkv_bias=True, use_sliding_window=True,
+                 sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        c.update(overrides)
+        return transformers.Qwen2MoeConfig(**c)
+    if kind == "mixtral":
+        c.update(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=6)
+        c.update(overrides)
+        return transformers.MixtralConfig(**c)
+    if kind == "olmoe":
+        c.pop("head_dim")  # OLMoE's head dim is hidden / heads
+        c.update(intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=0.5)
+        c.update(overrides)
+        return transformers.OlmoeConfig(**c)
     raise KeyError(kind)
 
 

@@ -26,6 +26,8 @@ phi3               fused ``qkv_proj`` / ``gate_up_proj`` (loaded as they are: th
 qwen3_moe          Qwen3 attention; sparse MLP layers (``rlhf.models.moe``) with a top-k
                    softmax router, except ``mlp_only_layers`` and layers off
                    ``decoder_sparse_step``, which keep the dense MLP
+qwen2_moe /        the other MoE families: ``rlhf.models.moe_archs`` (Qwen2-MoE's shared expert,
+mixtral / olmoe    Mixtral's renormalised top-k, OLMoE's whole-projection q/k norm and clip_qkv)
 =================  =====================================================================
 
 Attention: :func:`attend` is the one attention function of the decoder. Its per-layer
@@ -47,13 +49,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf.models.moe import MoESpec
+from rlhf.models.moe_archs import FULL_QK_NORM_TYPES, MOE_MODEL_TYPES, check_config
 from rlhf.models.softcap_attention import attention as capped_attention
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", *MOE_MODEL_TYPES)
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _GEMMA = ("gemma2", "gemma3_text")
 # families whose sliding window (when set) applies to every layer rather than per ``layer_types``
-_WINDOW_ALL_LAYERS = ("mistral", "phi3", "qwen3_moe")
+_WINDOW_ALL_LAYERS = ("mistral", "phi3", "qwen3_moe", "mixtral")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -80,7 +83,9 @@ class ArchSpec:
     rotary_dim: int  # rotated leading dims of a head (Phi-3 partial rotary)
     rope_max_len: int | None  # longrope: longest sequence the short factors serve
     layers: tuple[LayerAttn, ...]
-    moe: MoESpec | None  # Qwen3-MoE routed MLP
+    moe: MoESpec | None  # MoE families: the routed MLP
+    full_qk_norm: bool = False  # OLMoE: q / k RMSNorm over the whole projection (rlhf.models.moe_archs)
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after the norms
 
 
 # Vision-language families whose language model the sampler runs -> its text family (the vision tower
@@ -145,6 +150,7 @@ def from_config(config: Any, head_dim: int) -> ArchSpec:
     if act is None:
         raise NotImplementedError(f"rollout sampler: hidden activation {act_name!r} of {model_type} is not supported "
                                   f"(only {', '.join(_ACTIVATIONS)})")
+    check_config(config)
     if getattr(config, "use_bidirectional_attention", False):
         raise NotImplementedError(f"rollout sampler: {model_type} with use_bidirectional_attention is not a causal LM")
     scale = config.query_pre_attn_scalar ** -0.5 if gemma else head_dim ** -0.5
@@ -171,7 +177,9 @@ def from_config(config: Any, head_dim: int) -> ArchSpec:
         rotary_dim=rotary_dim(config, head_dim),
         rope_max_len=rope_max_len,
         layers=tuple(layers),
-        moe=MoESpec.from_config(config) if model_type == "qwen3_moe" else None,
+        moe=MoESpec.from_config(config) if model_type in MOE_MODEL_TYPES else None,
+        full_qk_norm=model_type in FULL_QK_NORM_TYPES,
+        clip_qkv=getattr(config, "clip_qkv", None) if model_type in FULL_QK_NORM_TYPES else None,
     )
 
 

@@ -11,7 +11,8 @@ and places it. A rank's host then holds one slice at a time.
 Where transformers renames or fuses checkpoint tensors on load (``conversion_mapping``), only
 the fused-experts layout of the Qwen2/Qwen3-MoE family (``experts.gate_up_proj`` = per-expert
 ``gate_proj`` and ``up_proj`` concatenated on dim 1, ``experts.down_proj`` = ``down_proj``
-stacked) is read by slices; any other mismatch makes :func:`checkpoint_sources` return None
+stacked) and Mixtral's (``block_sparse_moe``: ``w1`` / ``w3`` / ``w2`` the same way) are read
+by slices; any other mismatch makes :func:`checkpoint_sources` return None
 and the caller loads with ``from_pretrained`` in the checkpoint dtype instead.
 """
 
@@ -123,16 +124,25 @@ def deferred_whole_loads(model: nn.Module, load, nbytes: int) -> dict[str, HFLoa
     return {name: HFLoad(shared, name, nbytes) for name, _ in model.named_parameters()}
 
 
+def _mixtral_key(name: str) -> str:
+    # Mixtral's hub layout (which transformers' save_pretrained writes back): block_sparse_moe.*
+    return name.replace(".mlp.", ".block_sparse_moe.")
+
+
 def _fused_expert_parts(name: str, num_experts: int, keys: dict) -> Optional[list[list[str]]]:
-    # transformers' qwen2_moe conversion: gate_up_proj[e] = cat(gate_e, up_e), down_proj[e] = down_e
+    # transformers' qwen2_moe conversion: gate_up_proj[e] = cat(gate_e, up_e), down_proj[e] = down_e;
+    # its mixtral one: the same of w1 (gate), w3 (up) and w2 (down) under block_sparse_moe
     base, _, leaf = name.rpartition(".")
+    hub = _mixtral_key(base)
     if leaf == "gate_up_proj":
-        parts = [[f"{base}.{e}.gate_proj.weight", f"{base}.{e}.up_proj.weight"] for e in range(num_experts)]
+        layouts = [[[f"{base}.{e}.gate_proj.weight", f"{base}.{e}.up_proj.weight"] for e in range(num_experts)],
+                   [[f"{hub}.{e}.w1.weight", f"{hub}.{e}.w3.weight"] for e in range(num_experts)]]
     elif leaf == "down_proj":
-        parts = [[f"{base}.{e}.down_proj.weight"] for e in range(num_experts)]
+        layouts = [[[f"{base}.{e}.down_proj.weight"] for e in range(num_experts)],
+                   [[f"{hub}.{e}.w2.weight"] for e in range(num_experts)]]
     else:
         return None
-    return parts if all(k in keys for row in parts for k in row) else None
+    return next((parts for parts in layouts if all(k in keys for row in parts for k in row)), None)
 
 
 def checkpoint_sources(model: nn.Module, index: CheckpointIndex) -> Optional[dict[str, CheckpointSlice]]:
@@ -141,9 +151,10 @@ def checkpoint_sources(model: nn.Module, index: CheckpointIndex) -> Optional[dic
     converts in ways read here by slices does not follow)."""
     out: dict[str, CheckpointSlice] = {}
     for name, p in model.named_parameters():
-        entry = index.entries.get(name)
+        key = name if name in index.entries else _mixtral_key(name)
+        entry = index.entries.get(key)
         if entry is not None and entry[1] == tuple(p.shape):
-            out[name] = CheckpointSlice(index, p.shape, entry[2], key=name)
+            out[name] = CheckpointSlice(index, p.shape, entry[2], key=key)
             continue
         parts = _fused_expert_parts(name, p.shape[0], index.entries) if p.dim() == 3 else None
         if parts is None:

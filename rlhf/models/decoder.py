@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.models import arch, moe
+from rlhf.models import arch, moe, moe_archs
 from rlhf.models.arch import SUPPORTED_MODEL_TYPES, ArchSpec
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderSpec", "prefill", "prefill_chunk", "decode"]
@@ -91,6 +91,8 @@ class DecoderSpec:
             sizes["intermediate_size"] = self.intermediate_size
         if m is not None:  # experts are split over tp, each one whole
             sizes["num_experts"] = m.num_experts
+            if m.shared_intermediate_size:
+                sizes["shared_expert_intermediate_size"] = m.shared_intermediate_size
         if any(v % tp_size for v in sizes.values()):
             raise ValueError(f"tp_size={tp_size} must divide " + ", ".join(f"{k}={v}" for k, v in sizes.items()))
         return dataclasses.replace(
@@ -165,6 +167,11 @@ class LayerWeights:
     router_w: Tensor | None = None  # MoE: [E, hidden]
     experts_gate_up: Tensor | None = None  # MoE: [E_local, 2 * I_moe, hidden]
     experts_down: Tensor | None = None  # MoE: [E_local, hidden, I_moe]
+    shared_gate_up: Tensor | None = None  # Qwen2-MoE shared expert: [2 * I_s, hidden]
+    shared_down: Tensor | None = None  # [hidden, I_s]
+    shared_gate: Tensor | None = None  # [1, hidden]
+    q_norm_full: Tensor | None = None  # OLMoE: [H * D] over the whole q projection (full, not sliced)
+    k_norm_full: Tensor | None = None  # [Hkv * D]
 
 
 @dataclass
@@ -235,6 +242,7 @@ def prepare_weights(
         a, m = p + "self_attn.", p + "mlp."
         q_b = get(a + "q_proj.bias", required=False)
         sparse = moe_spec is not None and moe_spec.sparse[i]
+        shared = sparse and moe_spec.shared_intermediate_size > 0
         dense = not sparse and not fused
         layers.append(
             LayerWeights(
@@ -258,6 +266,12 @@ def prepare_weights(
                 router_w=get(m + "gate.weight") if sparse else None,
                 experts_gate_up=get(m + "experts.gate_up_proj") if sparse else None,
                 experts_down=get(m + "experts.down_proj") if sparse else None,
+                shared_gate_up=cat(get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight"))
+                if shared else None,
+                shared_down=get(m + "shared_expert.down_proj.weight") if shared else None,
+                shared_gate=get(m + "shared_expert_gate.weight") if shared else None,
+                q_norm_full=get(a + "q_norm.weight") if spec.arch.full_qk_norm else None,
+                k_norm_full=get(a + "k_norm.weight") if spec.arch.full_qk_norm else None,
             )
         )
         if into is not None and not missing:  # this layer goes into the old buffers; the new copy dies
@@ -327,13 +341,20 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
-def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], cos: Tensor, sin: Tensor) -> Tensor:
+def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], cos: Tensor, sin: Tensor,
+         tp_group: Any = None) -> Tensor:
     """Fused, normed (qwen3) and rotated q|k|v: ``x`` ``[M, hidden]`` -> ``[*lead, H + 2Hkv, D]``.
 
     ``lead`` splits the M rows (``(B,)`` or ``(P, Tp)``); ``cos, sin`` ``[*lead, 1, R]``: the rope
     table rows of each token's position.
     """
     qkv = F.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw.qkv_w, lw.qkv_b)
+    if lw.q_norm_full is not None:  # OLMoE: before the heads are split (rlhf.models.moe_archs)
+        d = spec.head_dim
+        qkv = moe_archs.full_qk_norm(qkv, lw.q_norm_full, lw.k_norm_full, spec.num_heads * d, spec.num_kv_heads * d,
+                                     spec.rms_norm_eps, tp_group)
+    if spec.arch.clip_qkv is not None:
+        qkv = qkv.clamp(-spec.arch.clip_qkv, spec.arch.clip_qkv)
     qkv = qkv.view(*lead, -1, spec.head_dim)
     n_qk = spec.num_heads + spec.num_kv_heads
     if lw.qk_norm is not None:  # per-head RMSNorm of q and k (not v) before rope
@@ -361,6 +382,9 @@ def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any) -> Tenso
         top_w, top_i = moe.route(a.moe, g, lw.router_w)
         out = moe.experts(g, top_i, top_w, lw.experts_gate_up, lw.experts_down, lambda u, v: arch.gated_act(a, u, v),
                           expert_offset=_rank(tp_group) * lw.experts_gate_up.shape[0])
+        if lw.shared_gate_up is not None:  # Qwen2-MoE (a partial sum under tp, like the experts')
+            out = out + moe_archs.shared_expert(g, lw.shared_gate_up, lw.shared_down, lw.shared_gate,
+                                                lambda u, v: arch.gated_act(a, u, v))
         return _residual_add(x, out, None, tp_group, lw.mlp_out_norm, eps)
     gu = F.linear(g, lw.gate_up_w, lw.gate_up_b)
     i = spec.intermediate_size
@@ -419,7 +443,7 @@ def prefill(
     x = arch.embed(spec.arch, w.embed, input_ids) if embeds is None else embeds  # [Ttot, hidden]
     for layer, lw in enumerate(w.layers):
         la = spec.arch.layers[layer]
-        qkv = _qkv(spec, lw, x, (total,), c[la.rope], s[la.rope])  # [Ttot, Hall, D]
+        qkv = _qkv(spec, lw, x, (total,), c[la.rope], s[la.rope], tp_group)  # [Ttot, Hall, D]
         if grid_index is not None:
             qkv = qkv.new_zeros((p * width, h + 2 * hkv, d)).index_copy_(0, grid_index, qkv)
         grid = qkv.view(p, width, -1, d).transpose(1, 2)  # [P, Hall, width, D]
@@ -476,7 +500,7 @@ def prefill_chunk(
     x = arch.embed(spec.arch, w.embed, input_ids) if embeds is None else embeds  # [c, hidden]
     for layer, lw in enumerate(w.layers):
         la = spec.arch.layers[layer]
-        qkv = _qkv(spec, lw, x, (n,), c[la.rope], s[la.rope]).transpose(0, 1)  # [Hall, c, D]
+        qkv = _qkv(spec, lw, x, (n,), c[la.rope], s[la.rope], tp_group).transpose(0, 1)  # [Hall, c, D]
         cache.write(layer, index, qkv[h:].unsqueeze(0).expand(slots.shape[0], -1, -1, -1))
         k, v = cache.view(layer, slots[:1], window)  # [1, Hkv, W, D]
         q = qkv[:h].reshape(1, hkv, g * n, d)  # head kv * G + j -> kv head kv, rows j * c + i
@@ -524,7 +548,7 @@ def decode(
     plan = cache.decode_plan(b, pos, window, x.dtype)  # the attention kernel's per-step data
     for layer, lw in enumerate(w.layers):
         la = spec.arch.layers[layer]
-        qkv = _qkv(spec, lw, x, (b,), c[la.rope], s[la.rope])  # [B, Hall, D]
+        qkv = _qkv(spec, lw, x, (b,), c[la.rope], s[la.rope], tp_group)  # [B, Hall, D]
         cache.write(layer, index, qkv[:, h:])
         a = cache.attend(layer, qkv[:, :h].view(b, hkv, h // hkv, d), plan, la)  # [B, Hkv, G, D]
         x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)

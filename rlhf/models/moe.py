@@ -50,16 +50,20 @@ class MoESpec:
     norm_topk_prob: bool
     intermediate_size: int  # per expert (moe_intermediate_size)
     sparse: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP
+    shared_intermediate_size: int = 0  # Qwen2-MoE: the sigmoid-gated shared expert (0: none)
 
     @classmethod
     def from_config(cls, config: Any) -> MoESpec:
+        """Any family of ``rlhf.models.moe_archs`` (Mixtral / OLMoE name the per-expert width
+        ``intermediate_size``; Mixtral always renormalises its top-k)."""
         skip = set(getattr(config, "mlp_only_layers", None) or [])
         step = getattr(config, "decoder_sparse_step", 1) or 1
         sparse = tuple(i not in skip and config.num_experts > 0 and (i + 1) % step == 0
                        for i in range(config.num_hidden_layers))
+        width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         return cls(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
-                   norm_topk_prob=bool(config.norm_topk_prob), intermediate_size=config.moe_intermediate_size,
-                   sparse=sparse)
+                   norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)), intermediate_size=width,
+                   sparse=sparse, shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
 
     @property
     def has_dense_layers(self) -> bool:

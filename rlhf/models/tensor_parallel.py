@@ -27,7 +27,10 @@ Families beyond Llama / Qwen2 / Qwen3 / Mistral (``_family_plan``):
   down by columns: HF stores gate|up fused per expert (``[E, 2I, H]``), the Phi-3 problem
   again, and tiny per-expert matmuls split tp ways waste the GPU. Dense layers
   (``mlp_only_layers``) use the dense plan. Experts must divide by tp; the load balance
-  follows the router.
+  follows the router. Qwen2-MoE / Mixtral / OLMoE the same (``rlhf.models.moe_archs``); Qwen2-MoE's
+  shared expert is a dense MLP (column / row parallel) and its sigmoid gate stays replicated.
+* OLMoE: q_norm / k_norm normalise the WHOLE q / k projection of a token, so q/k/v_proj are
+  column-parallel with the output gathered and o_proj row-parallel on a replicated input (Phi-3's plan).
 
 and for the ends of the model::
 
@@ -72,6 +75,7 @@ from rlhf.models.arch import SUPPORTED_MODEL_TYPES as _SUPPORTED_MODEL_TYPES  # 
 
 # The class names below are what users see in errors.
 _SEQUENCE_PARALLEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_GATHERED_QKV_TYPES = ("phi3", "olmoe")  # attention runs on all heads on every tp rank
 SUPPORTED_CLASSES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -81,6 +85,9 @@ SUPPORTED_CLASSES = (
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
     # critic / reward heads of the same families (score head kept replicated)
     "LlamaForTokenClassification",
     "Qwen2ForTokenClassification",
@@ -137,9 +144,14 @@ def validate_tp(model: nn.Module, tp: int) -> None:
 
 
 def moe_sizes(config) -> dict[str, int]:
-    """Sizes a tp (training or rollout) must divide besides heads / intermediate / vocab: the experts."""
-    experts = getattr(config, "num_experts", None) if config.model_type == "qwen3_moe" else None
-    return {"num_experts": experts} if experts else {}
+    """Sizes a tp (training or rollout) must divide besides heads / intermediate / vocab: the experts
+    (and Qwen2-MoE's shared expert, split like a dense MLP)."""
+    from rlhf.models.moe_archs import MOE_MODEL_TYPES
+
+    experts = getattr(config, "num_experts", None) if config.model_type in MOE_MODEL_TYPES else None
+    shared = getattr(config, "shared_expert_intermediate_size", 0) if experts else 0
+    return {**({"num_experts": experts} if experts else {}),
+            **({"shared_expert_intermediate_size": shared} if shared else {})}
 
 
 def _decoder_layers(model: nn.Module) -> Iterable[nn.Module]:
@@ -190,11 +202,18 @@ def _family_plan(model_type: str, layer: nn.Module, experts: bool = True) -> dic
                 "mlp.gate_up_proj": ColwiseParallel(output_layouts=Replicate()),
                 "mlp.down_proj": RowwiseParallel(input_layouts=Replicate())}
     plan = _layer_plan(False)
+    if model_type in _GATHERED_QKV_TYPES:  # OLMoE: q/k norms over the whole projection need all heads
+        plan.update({f"self_attn.{p}_proj": ColwiseParallel(output_layouts=Replicate()) for p in "qkv"})
+        plan["self_attn.o_proj"] = RowwiseParallel(input_layouts=Replicate())
     if hasattr(layer.mlp, "experts"):  # a sparse MoE block
         for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             del plan[name]
         if experts:
             plan["mlp.experts"] = ExpertsOverTP()
+        if getattr(layer.mlp, "shared_expert", None) is not None:  # Qwen2-MoE: a dense MLP beside the experts
+            plan.update({"mlp.shared_expert.gate_proj": ColwiseParallel(),
+                         "mlp.shared_expert.up_proj": ColwiseParallel(),
+                         "mlp.shared_expert.down_proj": RowwiseParallel()})
     return plan
 
 
@@ -306,12 +325,16 @@ def apply_tp(
         plan = _layer_plan(True) if sequence_parallel else _family_plan(model_type, layer, experts)
         heads_dim = 1 if model_type == "gemma3_text" else 2  # q/k norms see [b, heads, T, hd] / [b, T, heads, hd]
         for norm in ("q_norm", "k_norm"):  # Qwen3 / Gemma 3: per-head RMSNorm of the local heads
-            if getattr(layer.self_attn, norm, None) is not None:
+            if getattr(layer.self_attn, norm, None) is not None and model_type not in _GATHERED_QKV_TYPES:
                 # Each rank normalises its own heads: the weight is replicated and its
                 # gradient is summed over tp (input seen as Shard on the heads dim).
                 plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=heads_dim, use_local_output=True)
         parallelize_module(layer, tp_mesh, plan)
-        if model_type != "phi3":  # Phi-3's attention runs on all heads (module docstring)
+        if model_type == "olmoe" and getattr(model.config, "clip_qkv", None) is not None:
+            # HF clamps v in place; the gathered projection output is a view of a DTensor autograd
+            # function's output, which autograd forbids modifying in place
+            layer.self_attn.v_proj.register_forward_hook(lambda mod, args, out: out.clone())
+        if model_type not in _GATHERED_QKV_TYPES:  # Phi-3's / OLMoE's attention runs on all heads (docstring)
             _localize_attention_attrs(layer.self_attn, tp)
     if sequence_parallel and getattr(inner, "norm", None) is not None:
         parallelize_module(inner.norm, tp_mesh, SequenceParallel())

@@ -412,6 +412,8 @@ def varlen_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("varlen attention does not support attention sinks")
     softcap = kwargs.pop("softcap", None)
+    if sliding_window is None:  # Qwen2-MoE keeps its window on the module only (its sdpa mask carries it)
+        sliding_window = getattr(module, "sliding_window", None)
     if prefix_plan is not None:  # the plan knows its attention (no import back from prefix_grouping)
         return prefix_plan.attend(module, query, key, value, scaling, dropout, sliding_window, softcap), None
     if ulysses_group is not None and cu_seq_lens_q is not None:

@@ -31,16 +31,20 @@ def matmul_params(hf_config) -> dict[str, int]:
 
     `hf_config` is a transformers config of a Llama/Qwen2-style model (hidden_size,
     intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-    optional head_dim, vocab_size). Qwen3-MoE counts the experts a token is routed to and the
-    router (verl's convention: ``3 * hidden * moe_intermediate * top_k + hidden * num_experts``
-    per sparse layer); other mixture-of-experts configs are refused.
+    optional head_dim, vocab_size). A MoE of ``rlhf.models.moe_archs`` counts the experts a token is
+    routed to and the router (verl's convention: ``3 * hidden * moe_intermediate * top_k + hidden *
+    num_experts`` per sparse layer, plus Qwen2-MoE's shared expert and its gate); other
+    mixture-of-experts configs are refused.
     """
-    if getattr(hf_config, "model_type", None) == "qwen3_moe":
-        return _qwen3_moe_matmul_params(hf_config)
+    from rlhf.models.moe_archs import MOE_MODEL_TYPES
+
+    if getattr(hf_config, "model_type", None) in MOE_MODEL_TYPES:
+        return _moe_matmul_params(hf_config)
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(hf_config, key, None):
             raise ValueError(f"model_flops_per_token: mixture-of-experts config ({key}="
-                             f"{getattr(hf_config, key)}) is not supported; dense decoders and qwen3_moe only")
+                             f"{getattr(hf_config, key)}) is not supported; dense decoders and "
+                             f"{', '.join(MOE_MODEL_TYPES)} only")
     return _dense_matmul_params(hf_config)
 
 
@@ -54,13 +58,15 @@ def _dense_matmul_params(hf_config) -> dict[str, int]:
     return {"layers": layers * (attn + mlp), "lm_head": hf_config.vocab_size * h}
 
 
-def _qwen3_moe_matmul_params(cfg) -> dict[str, int]:
+def _moe_matmul_params(cfg) -> dict[str, int]:
     from rlhf.models.moe import MoESpec
 
     dense = _dense_matmul_params(cfg)
     h = cfg.hidden_size
-    sparse = sum(MoESpec.from_config(cfg).sparse)
-    routed = 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok + h * cfg.num_experts
+    spec = MoESpec.from_config(cfg)
+    sparse = sum(spec.sparse)
+    shared = 3 * h * spec.shared_intermediate_size + h if spec.shared_intermediate_size else 0  # Qwen2-MoE
+    routed = 3 * h * spec.intermediate_size * spec.top_k + h * spec.num_experts + shared
     mlp_dense = 3 * h * cfg.intermediate_size
     return {"layers": dense["layers"] - sparse * (mlp_dense - routed), "lm_head": dense["lm_head"]}
 

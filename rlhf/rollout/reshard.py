@@ -14,7 +14,8 @@ qkv_proj, gate_up_proj (Phi-3, fused)    the rows of this rank's slice of EACH p
 o_proj, down_proj (weight)               columns of the slice (row parallel; the decoder
                                          all-reduces their outputs)
 mlp.experts.gate_up_proj / down_proj     whole experts: ``[E, ...]`` split on dim 0 (MoE
-(Qwen3-MoE)                              experts over tp, ``rlhf.models.moe``)
+(MoE families)                           experts over tp, ``rlhf.models.moe``); Qwen2-MoE's
+                                         ``mlp.shared_expert.*`` like a dense MLP
 everything else                          full (embeddings, LM head, norms, o_proj bias, MoE
                                          router ``mlp.gate``): the decoder computes
                                          full-vocab logits on every rank, so sampling needs
@@ -53,8 +54,8 @@ from rlhf.models.parallel import to_mesh_device
 
 # Prefixes/infixes that wrappers add to parameter names; rollout wants plain HF names.
 _WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_orig_mod\.|_fsdp_wrapped_module\.)")
-_COLUMN = re.compile(r"\.(self_attn\.([qkv]|qkv)_proj|mlp\.(gate|up|gate_up)_proj)\.(weight|bias)$")
-_ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
+_COLUMN = re.compile(r"\.(self_attn\.([qkv]|qkv)_proj|mlp\.(shared_expert\.)?(gate|up|gate_up)_proj)\.(weight|bias)$")
+_ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.weight$")
 _EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _FUSED = re.compile(r"\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 

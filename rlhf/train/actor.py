@@ -40,6 +40,7 @@ from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
 from rlhf.models.lora import apply_lora
 from rlhf.models.mrope import is_vlm_config
 from rlhf.models.moe import MoESpec
+from rlhf.models.moe_archs import is_moe
 from rlhf.models.moe_stats import RouterStats
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.prefix_grouping import resolve_mode
@@ -524,7 +525,7 @@ def set_grad_sync(model: torch.nn.Module, model_cfg: ModelConfig, *, last: bool)
 
 def _router_stats(model: torch.nn.Module, hf_config) -> Optional[RouterStats]:
     """Routing metrics hooks for a MoE model (None for a dense one)."""
-    if not getattr(hf_config, "num_experts", None) or getattr(hf_config, "model_type", None) != "qwen3_moe":
+    if not is_moe(hf_config):
         return None
     layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
     return RouterStats(model, layers, hf_config.num_experts)
@@ -536,13 +537,14 @@ def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig]
     if mode == "R3":
         raise ConfigError("actor.router_replay=R3 needs the rollout's routes, which the sampler does not record "
                           "yet; use R2 (the old-log-prob pass's routes) or none")
-    moe = getattr(hf_config, "model_type", None) == "qwen3_moe" and getattr(hf_config, "num_experts", 0)
+    moe = is_moe(hf_config)
     if cfg is None or not moe or sp is not None:
         if mode != "none" and sp is not None:
             raise ConfigError(f"actor.router_replay={mode} is not supported with parallel.sp > 1; set it to none")
         return None
     layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
-    return RouterReplay(model, layers, hf_config.num_experts_per_tok, bool(hf_config.norm_topk_prob), mode == "R2")
+    spec = MoESpec.from_config(hf_config)  # (Mixtral has no norm_topk_prob key: it always renormalises)
+    return RouterReplay(model, layers, spec.top_k, spec.norm_topk_prob, mode == "R2")
 
 
 def _needs_entropy(cfg: ActorConfig) -> bool:
