@@ -17,9 +17,9 @@ sample's own suffix ``[P, pos]``:
   which is ``softmax(s) v`` over the union exactly (in real arithmetic; in floating point to the
   rounding of fp32: the sums are taken in another order).
 
-When it pays (``cascade_pays``): a step runs cascade when some group of at least ``MIN_GROUP`` live
-slots shares at least ``MIN_PREFIX`` prompt positions; otherwise the step runs the base kernel
-unchanged. A ``generate`` call whose prompts could qualify (``prefers_paged``) pages its cache
+When it pays (``cascade_pays``): a step runs cascade when some group of ``n >= 2`` live slots shares
+``P`` prompt positions with ``(n - 1) * P >= MIN_SAVED`` (the prefix positions it no longer reads
+once per sample); otherwise the step runs the base kernel unchanged. A ``generate`` call whose prompts could qualify (``prefers_paged``) pages its cache
 (``PagedKVCache`` in contiguous mode keeps one copy of the prompt per slot: nothing to share).
 Not with CUDA graphs: the groups are host-side data of each step.
 
@@ -41,19 +41,21 @@ from torch import Tensor
 
 from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention
 
-# The rule (bench/cascade_attention.py, docs/benchmarks.md): a group of >= 2 live samples sharing
-# >= 256 prompt positions. Below 256 shared positions the per-step planning (host lists, index
-# tensors, a second pair of matmuls and the merge) costs about what the saved reads win on CPU.
+# The rule (bench/cascade_attention.py, docs/benchmarks.md, 1-thread CPU): a group of n >= 2 live
+# samples sharing P positions runs its prefix once when (n - 1) * P >= 1536: n = 8 from P = 256
+# (1.24x the slot-region kernel; 0.90x at P = 128), n = 4 from 512 (1.12x; 0.84x at 256), n = 2 from
+# 2048 (0.93x at 1024). Below that the fixed cost of a cascade step (the plan's host lists and index
+# tensors, two pairs of matmuls and the merge per layer) exceeds the reads it saves.
 MIN_GROUP = 2
-MIN_PREFIX = 256
+MIN_SAVED = 1536
 
 
 def merge_partials(m1: Tensor, l1: Tensor, o1: Tensor, m2: Tensor, l2: Tensor, o2: Tensor) -> Tensor:
     """Softmax attention over two disjoint key sets from their unnormalised partials.
 
     Args:
-        m1, m2: ``[..., 1]`` fp32 row maxima of the scores (``-inf``: no visible key in that set).
-        l1, l2: ``[..., 1]`` fp32 ``sum exp(s - m)`` (0 where ``m`` is ``-inf``).
+        m1, m2: ``[..., 1]`` fp32 row maxima of the scores (``-inf`` or ``finfo.min``: no visible key there).
+        l1, l2: ``[..., 1]`` fp32 ``sum exp(s - m)`` (0 where no key is visible).
         o1, o2: ``[..., D]`` fp32 ``sum exp(s - m) v``.
     Returns:
         ``[..., D]`` fp32: ``softmax(s) v`` over the union of the keys (see module docstring).
@@ -76,26 +78,32 @@ def merge_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
     return torch.exp(lse1 - lse) * o1.float() + torch.exp(lse2 - lse) * o2.float()
 
 
-def _partial(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, p: Any) -> tuple[Tensor, Tensor, Tensor]:
+def _partial(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], p: Any) -> tuple[Tensor, Tensor, Tensor]:
     """Unnormalised attention of ``q`` ``[N, R, D]`` over ``k, v`` ``[N, W, D]`` with the additive
-    ``mask`` (broadcast to ``[N, R, W]``): ``(m, l, o)`` as in ``merge_partials``. The scores follow
-    the reference kernel's order (``s * scale``, then the soft-cap, then the mask)."""
+    ``mask`` (broadcast to ``[N, R, W]``; None: every key visible): ``(m, l, o)`` as in ``merge_partials``.
+    The scores follow the reference kernel's order (``s * scale``, the soft-cap, the mask); the
+    elementwise steps run in place on the one ``[N, R, W]`` tensor (no fresh multi-MB buffers)."""
     if p.softcap is not None:
-        s = torch.bmm(q, k.transpose(1, 2)) * p.scale
-        s = (torch.tanh(s / p.softcap) * p.softcap + mask).float()
+        s = torch.bmm(q, k.transpose(1, 2)).mul_(p.scale).div_(p.softcap).tanh_().mul_(p.softcap)
+        if mask is not None:
+            s.add_(mask)
+    elif mask is None:
+        s = torch.bmm(q, k.transpose(1, 2)).mul_(p.scale)
     else:
-        s = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=p.scale).float()  # [N, R, W]
-    m = s.amax(-1, keepdim=True)
-    e = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
-    o = torch.bmm(e.to(q.dtype), v).float()  # the reference casts the probabilities to q's dtype too
-    return m, e.sum(-1, keepdim=True), o
+        s = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=p.scale)  # [N, R, W]
+    s = s.float()
+    # a row with no visible key (a sliding window before the prefix ends): m = finfo.min, l = 0, o = 0
+    m = s.amax(-1, keepdim=True).clamp_(min=torch.finfo(s.dtype).min)
+    s.sub_(m).exp_()
+    o = torch.bmm(s.to(q.dtype), v).float()  # the reference casts the probabilities to q's dtype too
+    return m, s.sum(-1, keepdim=True), o
 
 
 def cascade_pays(group_sizes: list[int], shared_tokens: list[int], min_group: int = MIN_GROUP,
-                 min_prefix: int = MIN_PREFIX) -> list[bool]:
-    """Which groups run their prefix once: at least ``min_group`` live slots sharing at least
-    ``min_prefix`` positions."""
-    return [n >= min_group and t >= min_prefix for n, t in zip(group_sizes, shared_tokens)]
+                 min_saved: int = MIN_SAVED) -> list[bool]:
+    """Which groups run their prefix once: ``n >= min_group`` live slots sharing ``P`` positions
+    with ``(n - 1) * P >= min_saved``."""
+    return [n >= min_group and (n - 1) * t >= min_saved for n, t in zip(group_sizes, shared_tokens)]
 
 
 class _CascadePlan:
@@ -114,14 +122,18 @@ class _CascadePlan:
         self.nmax, self.nbp, self.row_of, self.start = nmax, nbp, row_of, start
         self.suf_blocks, self.nbs, self.pos, self.bs, self.dtype = suf_blocks, nbs, pos, block_size, dtype
         self.groups = pre_len.shape[0]
+        self.uniform = False  # every group shares nbp blocks
         self._masks: dict[tuple[str, Optional[int]], Tensor] = {}
 
     def _additive(self, hidden: Tensor) -> Tensor:
         return torch.zeros(hidden.shape, dtype=self.dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
 
-    def prefix_mask(self, sliding: Optional[int], hkv: int, g: int) -> Tensor:
-        """``[Hkv * Gr, 1 or nmax * G, Pmax]`` additive mask of the prefix scores, (kv head, group) order."""
+    def prefix_mask(self, sliding: Optional[int], hkv: int, g: int) -> Optional[Tensor]:
+        """``[Hkv * Gr, 1 or nmax * G, Pmax]`` additive mask of the prefix scores, (kv head, group)
+        order; None when every prefix key is visible (groups of one length, no sliding window)."""
         key = ("pre", sliding)
+        if sliding is None and self.uniform:
+            return None
         if key not in self._masks:
             keys = torch.arange(self.nbp * self.bs, device=self.pos.device)
             hidden = (keys[None, :] >= self.pre_len[:, None])[:, None, :]  # [Gr, 1, Pmax]
@@ -155,16 +167,16 @@ class CascadeAttention:
         base: the kernel of the other steps (default: ``GatherAttention``).
         fn: flash-attn's ``flash_attn_with_kvcache`` (or a function of its signature that takes
             ``return_softmax_lse``): both parts through it; None: torch ops.
-        min_group, min_prefix: the rule (``cascade_pays``).
+        min_group, min_saved: the rule (``cascade_pays``).
     """
 
     name = "cascade"
 
     def __init__(self, base: Any = None, fn: Optional[Callable] = None, min_group: int = MIN_GROUP,
-                 min_prefix: int = MIN_PREFIX) -> None:
+                 min_saved: int = MIN_SAVED) -> None:
         self.base = base or GatherAttention()
         self.fn = fn
-        self.min_group, self.min_prefix = min_group, min_prefix
+        self.min_group, self.min_saved = min_group, min_saved
         self.block_multiple = self.base.block_multiple
         self.in_place = self.base.in_place
         self._buffers: dict[str, Tensor] = {}  # CPU gather buffers, reused (see PagedKVCache.gather)
@@ -175,7 +187,8 @@ class CascadeAttention:
     def prefers_paged(self, prompt_lens: list[int], n: int, block_size: int) -> bool:
         """Whether a ``generate`` call of these prompts should page its cache (so that the samples
         share their prompt blocks) because some group may run its prefix once."""
-        return n >= self.min_group and any(p // block_size * block_size >= self.min_prefix for p in prompt_lens)
+        return any(cascade_pays([n], [p // block_size * block_size], self.min_group, self.min_saved)[0]
+                   for p in prompt_lens)
 
     # ------------------------------------------------------------------ plan
 
@@ -205,8 +218,10 @@ class CascadeAttention:
         cols = (first[:, None] + torch.arange(nbs, device=dev)).clamp(max=cache.table.shape[1] - 1)
         suf_blocks = cache.table[:slots].gather(1, cols)  # [B, nbs]
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-        return _CascadePlan(base, t(qidx), t(pre_blocks), t([c * bs for _, c in groups]), nmax, nbp, t(row_of),
+        plan = _CascadePlan(base, t(qidx), t(pre_blocks), t([c * bs for _, c in groups]), nmax, nbp, t(row_of),
                             start_t, suf_blocks.reshape(-1), nbs, pos, bs, dtype)
+        plan.uniform = all(c == nbp for _, c in groups)
+        return plan
 
     def _groups(self, cache: Any, slots: int) -> list[tuple[list[int], int]]:
         """Live slots that hold the same leading blocks (shared prompt blocks: never written again),
@@ -230,7 +245,7 @@ class CascadeAttention:
                 count = c
             # the last block a slot holds may be written this step: never in the shared prefix
             count = min(count, min(len(owned[s]) for s in members) - 1)
-            if cascade_pays([len(members)], [count * cache.block_size], self.min_group, self.min_prefix)[0]:
+            if cascade_pays([len(members)], [count * cache.block_size], self.min_group, self.min_saved)[0]:
                 out.append((members, count))
         return out
 

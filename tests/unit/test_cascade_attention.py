@@ -43,7 +43,7 @@ def test_kernel_equals_gather_reference_on_mixed_groups(p):
     c = _cache()
     pos = _mixed_groups(c)
     b, window = pos.shape[0], int(pos.max()) + 1
-    kernel = CascadeAttention(min_prefix=8)
+    kernel = CascadeAttention(min_saved=8)
     plan = kernel.plan(c, b, pos, window, torch.float32)
     assert plan.groups == 2 and plan.pre_len.tolist() == [24, 8]  # slot 5 alone, slot 6 not sharing
     ref_plan = GatherAttention().plan(c, b, pos, window, torch.float32)
@@ -55,14 +55,14 @@ def test_kernel_equals_gather_reference_on_mixed_groups(p):
 
 
 def test_rule_and_fallback_to_the_base_kernel():
-    assert cascade_pays([2, 1, 8], [256, 4096, 128]) == [True, False, False]
+    assert cascade_pays([2, 1, 8, 8, 4], [1536, 4096, 128, 256, 256]) == [True, False, False, True, False]
     c = _cache()
     pos = _mixed_groups(c)
-    assert not hasattr(CascadeAttention().plan(c, 7, pos, 44, torch.float32), "groups")  # 24 < 256 positions
-    assert CascadeAttention(min_prefix=8).plan(c, 7, pos, 44, torch.float32).groups == 2
-    assert CascadeAttention(min_prefix=12).plan(c, 7, pos, 44, torch.float32).groups == 1
-    assert CascadeAttention().prefers_paged([300, 20], 2, 16) and not CascadeAttention().prefers_paged([300], 1, 16)
-    assert not CascadeAttention().prefers_paged([255], 8, 16)
+    assert not hasattr(CascadeAttention().plan(c, 7, pos, 44, torch.float32), "groups")  # 2 x 24 saved positions
+    assert CascadeAttention(min_saved=8).plan(c, 7, pos, 44, torch.float32).groups == 2  # 2 x 24 and 1 x 8
+    assert CascadeAttention(min_saved=12).plan(c, 7, pos, 44, torch.float32).groups == 1
+    assert CascadeAttention().prefers_paged([300, 20], 8, 16) and not CascadeAttention().prefers_paged([3000], 1, 16)
+    assert not CascadeAttention().prefers_paged([200], 8, 16) and not CascadeAttention().prefers_paged([1000], 2, 16)
 
 
 def test_merges_are_softmax_over_the_union():
@@ -101,7 +101,7 @@ def test_sampler_same_tokens_with_cascade_on_and_off(kw):
     (stop token), under few slots and under preemption: same tokens, log-probs to fp32 rounding."""
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=9, stop_token_ids=[5])
     off = _sampler(block_size=8, cascade_attention=False, slot_regions=False, **kw).generate(MIXED, params)
-    kernel = CascadeAttention(min_prefix=16)
+    kernel = CascadeAttention(min_saved=16)
     calls = _counting(kernel)
     s = _sampler(block_size=8, decode_attention=kernel, **kw)
     on = s.generate(MIXED, params)
@@ -119,7 +119,7 @@ def test_sampler_same_tokens_with_parked_multi_turn_sequences():
 
     ref = _sampler(block_size=8, cascade_attention=False).generate(LONG, TURN_PARAMS, turns=FakeTool(delay=3))
     for kw in ({}, {"kv_cache_tokens": 5 * 96}):
-        kernel = CascadeAttention(min_prefix=16)
+        kernel = CascadeAttention(min_saved=16)
         calls = _counting(kernel)
         out = _sampler(block_size=8, decode_attention=kernel, **kw).generate(LONG, TURN_PARAMS,
                                                                               turns=FakeTool(delay=3))
@@ -132,5 +132,5 @@ def test_default_sampler_kernel_and_short_prompts_keep_slot_regions():
     s = _sampler()
     assert isinstance(s.decode_attention, CascadeAttention)
     s.generate(LONG, SamplingParams(n=4, temperature=1.0, max_new_tokens=4, seed=1))
-    assert s.cache.contiguous  # no prompt reaches 256 shared positions: today's layout and kernel
+    assert s.cache.contiguous  # (n - 1) x shared positions below the rule's 1536: today's layout and kernel
     assert isinstance(_sampler(cascade_attention=False).decode_attention, GatherAttention)
