@@ -134,3 +134,48 @@ def test_default_sampler_kernel_and_short_prompts_keep_slot_regions():
     s.generate(LONG, SamplingParams(n=4, temperature=1.0, max_new_tokens=4, seed=1))
     assert s.cache.contiguous  # (n - 1) x shared positions below the rule's 1536: today's layout and kernel
     assert isinstance(_sampler(cascade_attention=False).decode_attention, GatherAttention)
+
+
+def flash_lse_reference(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal,
+                        return_softmax_lse=False, softcap=0.0, window_size=(-1, -1)):
+    """flash-attn's ``flash_attn_with_kvcache`` on a paged cache, written plainly, with its
+    ``return_softmax_lse`` (``[B, H, Sq]`` fp32), ``softcap`` and left ``window_size``."""
+    assert block_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32
+    b, sq, h, d = q.shape
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    out, lse = torch.empty_like(q), torch.empty(b, h, sq)
+    for i in range(b):
+        n = int(cache_seqlens[i])
+        blocks = block_table[i, : -(-n // bs)].long()
+        k = k_cache[blocks].reshape(-1, hkv, d)[:n].repeat_interleave(h // hkv, dim=1)  # [n, H, D]
+        v = v_cache[blocks].reshape(-1, hkv, d)[:n].repeat_interleave(h // hkv, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[i], k) * softmax_scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        qpos = (n - sq + torch.arange(sq))[:, None]
+        keys = torch.arange(n)[None, :]
+        if causal:
+            s = s.masked_fill(keys > qpos, float("-inf"))
+        if window_size[0] >= 0:
+            s = s.masked_fill(keys < qpos - window_size[0], float("-inf"))
+        lse[i] = torch.logsumexp(s, -1)
+        out[i] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    return (out, lse) if return_softmax_lse else out
+
+
+@pytest.mark.parametrize("p", [LayerAttn(0.35, None, None, 0), LayerAttn(0.35, 2.0, None, 0),
+                               LayerAttn(0.35, None, 7, 0)], ids=["plain", "softcap", "sliding_falls_back"])
+def test_flash_path_calling_convention_equals_gather_reference(p):
+    """Both parts through a reference of flash-attn's convention (prefix: the group's queries as
+    query rows of the lead's block table, non-causal; suffix: each slot's own blocks; LSE merge)."""
+    from rlhf.rollout.paged_attention import FlashPagedAttention
+
+    c = _cache()
+    pos = _mixed_groups(c)
+    b, window = pos.shape[0], int(pos.max()) + 1
+    kernel = CascadeAttention(FlashPagedAttention(fn=flash_lse_reference), fn=flash_lse_reference, min_saved=8)
+    plan = kernel.plan(c, b, pos, window, torch.float32)
+    ref_plan = GatherAttention().plan(c, b, pos, window, torch.float32)
+    q = torch.randn(b, 2, 3, 8)
+    torch.testing.assert_close(kernel.attend(c, 1, q, plan, p), GatherAttention().attend(c, 1, q, ref_plan, p),
+                               atol=1e-6, rtol=1e-6)
