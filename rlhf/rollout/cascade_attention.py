@@ -30,10 +30,12 @@ Kernels (the ``plan`` / ``attend`` seam of ``rlhf.rollout.paged_attention``):
   flash-attn with ``return_softmax_lse=True`` (prefix: the group's queries as ``n`` query rows of
   the lead slot's block table, non-causal; suffix: each slot's table from its first own block);
   sliding-window layers run the base flash kernel (its window is relative to the last query row).
+  A flash-attn without ``return_softmax_lse`` runs the cascade steps with the torch ops.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
@@ -318,10 +320,20 @@ class CascadeAttention:
         return out.to(q.dtype).view(b, hkv, g, d)
 
 
+def _takes_lse(fn: Callable) -> bool:
+    """Whether ``fn`` (flash-attn's ``flash_attn_with_kvcache``) takes ``return_softmax_lse`` (flash-attn >= 2.6)."""
+    try:
+        return "return_softmax_lse" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def decode_attention(device: torch.device, dtype: torch.dtype, base: Any = None) -> CascadeAttention:
-    """The cascade kernel over ``base`` (default: ``paged_attention.decode_attention``'s choice); over
-    flash-attn's paged kernel both parts run through flash-attn."""
+    """The cascade kernel over ``base`` (default: ``paged_attention.decode_attention``'s choice). Over
+    flash-attn's paged kernel both parts run through flash-attn when it returns the log-sum-exp, else
+    the cascade steps run the torch ops (the other steps stay on flash-attn)."""
     from rlhf.rollout import paged_attention
 
     base = base or paged_attention.decode_attention(device, dtype)
-    return CascadeAttention(base, fn=base.fn if isinstance(base, FlashPagedAttention) else None)
+    fn = base.fn if isinstance(base, FlashPagedAttention) and _takes_lse(base.fn) else None
+    return CascadeAttention(base, fn=fn)

@@ -179,3 +179,12 @@ def test_flash_path_calling_convention_equals_gather_reference(p):
     q = torch.randn(b, 2, 3, 8)
     torch.testing.assert_close(kernel.attend(c, 1, q, plan, p), GatherAttention().attend(c, 1, q, ref_plan, p),
                                atol=1e-6, rtol=1e-6)
+
+
+def test_flash_base_without_lse_runs_cascade_steps_with_torch_ops():
+    from rlhf.rollout.cascade_attention import decode_attention
+    from rlhf.rollout.paged_attention import FlashPagedAttention
+    from tests.unit.test_paged_attention import flash_with_kvcache_reference
+
+    assert decode_attention("cpu", torch.float32, FlashPagedAttention(fn=flash_lse_reference)).fn is flash_lse_reference
+    assert decode_attention("cpu", torch.float32, FlashPagedAttention(fn=flash_with_kvcache_reference)).fn is None
