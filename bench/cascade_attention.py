@@ -14,7 +14,12 @@ the 100M model of bench/sampler.py: 12 query heads, 2 kv heads, head dim 64; fp3
 * ``cascade``: ``rlhf.rollout.cascade_attention`` on the shared blocks (the paged cache).
 
 Each kernel's output is checked against ``gather`` (max abs difference printed). Figures are the
-median over ``--repeats`` steps, kernels interleaved. The last line is one JSON object.
+median over ``--repeats`` steps, kernels interleaved.
+
+``--sampler``: also whole ``generate`` calls of the tiny model of bench/sampler.py (4 prompts of
+1024 tokens x n, ``--new`` tokens, temperature 1), cascade on (paged, shared blocks) vs off (today's
+slot regions): generated tokens per CPU second, and whether tokens and log-probs agree.
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -72,6 +77,31 @@ def step_time(kernel, cache, pos, q, layers: int, clock) -> tuple[float, torch.T
 P = LayerAttn(D ** -0.5, None, None, 0)
 
 
+def sampler_case(n: int, plen: int, new: int, repeats: int, clock) -> dict:
+    """Tokens per second of whole generate calls, cascade on vs off, alternating; outputs compared."""
+    from bench.sampler import PAD, build, make_prompts
+    from rlhf.rollout import Sampler, SamplingParams
+
+    model = build("tiny")
+    prompts = make_prompts(4, (plen, plen), model.config.vocab_size, seed=plen)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new, seed=1)
+    samplers = {on: Sampler(model.config, model.state_dict(), pad_token_id=PAD, max_num_seqs=256,
+                            cascade_attention=on) for on in (False, True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    outs = {}
+    for _ in range(repeats):
+        for on, s in samplers.items():
+            t = clock()
+            outs[on] = s.generate(prompts, params)
+            times[on].append(clock() - t)
+    tokens = float(outs[True].response_lengths.sum())
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return {"n": n, "prompt": plen, "new": new, "tok_s_off": round(tokens / off, 1), "tok_s_on": round(tokens / on, 1),
+            "speedup": round(off / on, 2), "same_tokens": bool(torch.equal(outs[True].response_ids,
+                                                                          outs[False].response_ids)),
+            "max_logprob_diff": float((outs[True].log_probs - outs[False].log_probs).abs().max())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=4, help="prompts (groups) in the batch")
@@ -83,6 +113,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="prompts 256 and 2048, 3 repeats")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sampler", action="store_true", help="also whole generate calls of the tiny model")
+    ap.add_argument("--new", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -114,7 +146,15 @@ def main() -> None:
                   f"{row['vs_regions']:5.2f}x  vs gather {row['vs_gather']:5.2f}x  max|diff| {row['max_abs_diff']:.1e}",
                   flush=True)
             del paged, regions
-    print(json.dumps({"bench": "cascade_attention", "layers": args.layers, "prompts": args.prompts,
+    sampler_rows = []
+    if args.sampler:
+        for n in (int(x) for x in args.ns.split(",")):
+            r = sampler_case(n, 1024, args.new, repeats, clock)
+            sampler_rows.append(r)
+            print(f"sampler tiny n={n} prompt 1024 new {args.new}: tok/s off {r['tok_s_off']}  on {r['tok_s_on']}  "
+                  f"({r['speedup']:.2f}x)  same tokens {r['same_tokens']}  max|dlogp| {r['max_logprob_diff']:.1e}",
+                  flush=True)
+    print(json.dumps({"bench": "cascade_attention", "sampler": sampler_rows, "layers": args.layers, "prompts": args.prompts,
                       "response": args.response, "clock": args.clock, "threads": args.threads,
                       "heads": [HQ, HKV, D], "block_size": BS, "rows": rows}))
 
