@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhf.models import decoder, moe
-from rlhf.rollout import paged_attention
+from rlhf.rollout import cascade_attention as cascade, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
 from rlhf.rollout.scheduler import GenerateRun
@@ -132,6 +132,8 @@ class Sampler:
             they are fused, so the unfused ones die on the way (peak ~1x + one layer).
         free_memory: ``device -> free bytes`` for ``gpu_memory_utilization`` (default on CUDA: empty
             the caching allocator's cache, then ``torch.cuda.mem_get_info``).
+        cascade_attention: with the default kernel and without CUDA graphs, run a group's shared prompt
+            prefix once for its samples' decode queries where it pays (``rlhf.rollout.cascade_attention``).
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class Sampler:
         reload_in_place: bool = False,
         consume_weights: bool = False,
         free_memory: Callable[[torch.device], int] | None = None,
+        cascade_attention: bool = True,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -193,6 +196,8 @@ class Sampler:
             if blocker is not None:
                 warnings.warn(blocker, stacklevel=2)
                 use_cuda_graph = False
+        if cascade_attention and decode_attention is None and not use_cuda_graph:
+            self.decode_attention = cascade.decode_attention(self.device, self.dtype, self.decode_attention)
         mult = self.decode_attention.block_multiple
         self.block_size = -(-block_size // mult) * mult
         self.slot_regions = slot_regions

@@ -80,9 +80,13 @@ class GenerateRun:
         self.cache: PagedKVCache = s.cache
         self.S = self.cache.num_slots
         # K/V read in place through fixed slot regions when nothing needs paging (no parking)
-        self.cache.start(contiguous=s.slot_regions and turns is None and not self.cache.attention.in_place)
-        self.share_prefix = s.prefix_sharing and not self.cache.contiguous
         self.prompt_lens = [len(p) for p in prompts]
+        # a cascade kernel (rlhf.rollout.cascade_attention) pages when a group may share its prompt blocks
+        wants_paged = getattr(self.cache.attention, "prefers_paged", None)
+        shares = s.prefix_sharing and wants_paged is not None and wants_paged(self.prompt_lens, n, self.cache.block_size)
+        self.cache.start(contiguous=s.slot_regions and turns is None and not self.cache.attention.in_place
+                         and not shares)
+        self.share_prefix = s.prefix_sharing and not self.cache.contiguous
         seq = torch.arange(N, device=dev)
         keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
         self.seq_key = sequence_keys(params.seed, step, keys_t[seq // n], seq % n)  # [N]

@@ -1,0 +1,163 @@
+"""Decode attention time per step: shared-prefix (cascade) kernel vs today's kernels, in one run.
+
+    python bench/cascade_attention.py                  # CPU, --clock cpu (1 thread) by default
+    python bench/cascade_attention.py --quick          # prompts 256 and 2048 only
+
+A GRPO batch of ``--prompts`` prompts x n samples decodes with the prompt's K/V shared by the n
+samples (full blocks of 16 positions, ``PagedKVCache.share``) and each sample's own response so
+far (uniform in ``[0, --response)`` positions, i.e. mid-response on average). One decode step's
+attention = the kernel's per-step plan + ``--layers`` calls of its ``attend`` (attention shapes of
+the 100M model of bench/sampler.py: 12 query heads, 2 kv heads, head dim 64; fp32). Kernels:
+
+* ``regions``: today's CPU default when the budget holds every slot (slot regions read in place);
+* ``gather``: today's paged kernel (each slot's window copied per layer, prompt blocks n times);
+* ``cascade``: ``rlhf.rollout.cascade_attention`` on the shared blocks (the paged cache).
+
+Each kernel's output is checked against ``gather`` (max abs difference printed). Figures are the
+median over ``--repeats`` steps, kernels interleaved.
+
+``--sampler``: also whole ``generate`` calls of the tiny model of bench/sampler.py (4 prompts of
+1024 tokens x n, ``--new`` tokens, temperature 1), cascade on (paged, shared blocks) vs off (today's
+slot regions): generated tokens per CPU second, and whether tokens and log-probs agree.
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rlhf.models.arch import LayerAttn  # noqa: E402
+from rlhf.rollout.cascade_attention import CascadeAttention  # noqa: E402
+from rlhf.rollout.kv_cache import PagedKVCache  # noqa: E402
+from rlhf.rollout.paged_attention import GatherAttention  # noqa: E402
+
+BS, HQ, HKV, D = 16, 12, 2, 64
+
+
+def caches(prompts: int, n: int, plen: int, resp: int, seed: int) -> tuple[PagedKVCache, PagedKVCache, torch.Tensor]:
+    """A paged cache with each prompt's full blocks shared by its n samples, the same K/V in a
+    contiguous (slot regions) cache, and the slots' current positions ``[B]``."""
+    g = torch.Generator().manual_seed(seed)
+    b, max_len = prompts * n, plen + resp
+    pos = plen + torch.randint(0, resp, (b,), generator=g)
+    kw = dict(block_size=BS, dtype=torch.float32, device=torch.device("cpu"))
+    paged = PagedKVCache(1, b * -(-max_len // BS), b, HKV, max_len, D, **kw)
+    paged.start(contiguous=False)
+    full = plen // BS
+    for i in range(prompts):
+        lead = i * n
+        paged.grow([lead], [int(pos[lead]) + 1])
+        paged.share(lead, list(range(lead + 1, lead + n)), full)
+        paged.grow(list(range(lead + 1, lead + n)), [int(p) + 1 for p in pos[lead + 1: lead + n]])
+    paged.kv.normal_(generator=g)
+    regions = PagedKVCache(1, b * -(-max_len // BS), b, HKV, max_len, D, **kw)
+    regions.start(contiguous=True)
+    k, v = paged.view(0, torch.arange(b), max_len)  # [B, Hkv, T, D] each, read through the block table
+    r = regions.regions()[0]  # [2, S, Hkv, T, D]
+    r[0, :, :, :max_len], r[1, :, :, :max_len] = k, v
+    return paged, regions, pos
+
+
+def step_time(kernel, cache, pos, q, layers: int, clock) -> tuple[float, torch.Tensor]:
+    t = clock()
+    plan = kernel.plan(cache, pos.shape[0], pos, int(pos.max()) + 1, torch.float32)
+    for _ in range(layers):
+        out = kernel.attend(cache, 0, q, plan, P)
+    return clock() - t, out
+
+
+P = LayerAttn(D ** -0.5, None, None, 0)
+
+
+def sampler_case(n: int, plen: int, new: int, repeats: int, clock) -> dict:
+    """Tokens per second of whole generate calls, cascade on vs off, alternating; outputs compared."""
+    from bench.sampler import PAD, build, make_prompts
+    from rlhf.rollout import Sampler, SamplingParams
+
+    model = build("tiny")
+    prompts = make_prompts(4, (plen, plen), model.config.vocab_size, seed=plen)
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new, seed=1)
+    samplers = {on: Sampler(model.config, model.state_dict(), pad_token_id=PAD, max_num_seqs=256,
+                            cascade_attention=on) for on in (False, True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    outs = {}
+    for _ in range(repeats):
+        for on, s in samplers.items():
+            t = clock()
+            outs[on] = s.generate(prompts, params)
+            times[on].append(clock() - t)
+    tokens = float(outs[True].response_lengths.sum())
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return {"n": n, "prompt": plen, "new": new, "tok_s_off": round(tokens / off, 1), "tok_s_on": round(tokens / on, 1),
+            "speedup": round(off / on, 2), "same_tokens": bool(torch.equal(outs[True].response_ids,
+                                                                          outs[False].response_ids)),
+            "max_logprob_diff": float((outs[True].log_probs - outs[False].log_probs).abs().max())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=4, help="prompts (groups) in the batch")
+    ap.add_argument("--ns", default="8,16")
+    ap.add_argument("--prompt-lens", default="256,512,1024,2048")
+    ap.add_argument("--response", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="prompts 256 and 2048, 3 repeats")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sampler", action="store_true", help="also whole generate calls of the tiny model")
+    ap.add_argument("--new", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    lens = [256, 2048] if args.quick else [int(x) for x in args.prompt_lens.split(",")]
+    repeats = 3 if args.quick else args.repeats
+    kernels = {"regions": GatherAttention(), "gather": GatherAttention(), "cascade": CascadeAttention()}
+    rows = []
+    for n in (int(x) for x in args.ns.split(",")):
+        for plen in lens:
+            paged, regions, pos = caches(args.prompts, n, plen, args.response, seed=plen + n)
+            q = torch.randn(pos.shape[0], HKV, HQ // HKV, D)
+            times: dict[str, list[float]] = {k: [] for k in kernels}
+            outs = {}
+            for _ in range(repeats + 1):  # the first round warms the buffers up
+                for name, kernel in kernels.items():
+                    t, outs[name] = step_time(kernel, regions if name == "regions" else paged, pos, q, args.layers,
+                                              clock)
+                    times[name].append(t)
+            med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+            row = {"n": n, "prompt": plen, "slots": int(pos.shape[0]),
+                   **{f"{k}_ms": round(v, 3) for k, v in med.items()},
+                   "vs_regions": round(med["regions"] / med["cascade"], 2),
+                   "vs_gather": round(med["gather"] / med["cascade"], 2),
+                   "max_abs_diff": float((outs["cascade"] - outs["gather"]).abs().max()),
+                   "regions_diff": float((outs["regions"] - outs["gather"]).abs().max())}
+            rows.append(row)
+            print(f"n={n:3d} prompt={plen:5d} slots={row['slots']:3d}  attention ms/step: regions {med['regions']:8.2f}"
+                  f"  gather {med['gather']:8.2f}  cascade {med['cascade']:8.2f}  speed-up vs regions "
+                  f"{row['vs_regions']:5.2f}x  vs gather {row['vs_gather']:5.2f}x  max|diff| {row['max_abs_diff']:.1e}",
+                  flush=True)
+            del paged, regions
+    sampler_rows = []
+    if args.sampler:
+        for n in (int(x) for x in args.ns.split(",")):
+            r = sampler_case(n, 1024, args.new, repeats, clock)
+            sampler_rows.append(r)
+            print(f"sampler tiny n={n} prompt 1024 new {args.new}: tok/s off {r['tok_s_off']}  on {r['tok_s_on']}  "
+                  f"({r['speedup']:.2f}x)  same tokens {r['same_tokens']}  max|dlogp| {r['max_logprob_diff']:.1e}",
+                  flush=True)
+    print(json.dumps({"bench": "cascade_attention", "sampler": sampler_rows, "layers": args.layers, "prompts": args.prompts,
+                      "response": args.response, "clock": args.clock, "threads": args.threads,
+                      "heads": [HQ, HKV, D], "block_size": BS, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
