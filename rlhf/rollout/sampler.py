@@ -196,7 +196,9 @@ class Sampler:
             if blocker is not None:
                 warnings.warn(blocker, stacklevel=2)
                 use_cuda_graph = False
-        if cascade_attention and decode_attention is None and not use_cuda_graph:
+        # On CUDA the cascade runs through flash-attn's log-sum-exp; that path is tested against a CPU
+        # reference of flash-attn but has not run on a GPU yet, so it stays off there until it is measured.
+        if cascade_attention and decode_attention is None and not use_cuda_graph and self.device.type != "cuda":
             self.decode_attention = cascade.decode_attention(self.device, self.dtype, self.decode_attention)
         mult = self.decode_attention.block_multiple
         self.block_size = -(-block_size // mult) * mult
