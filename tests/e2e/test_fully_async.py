@@ -1,6 +1,6 @@
 """trainer.mode fully_async end to end, 1 training + 2 rollout ranks (an unequal split).
 
-One run serves three checks (a torchrun launch costs more than the steps):
+A stopped rollout rank is named by the job-wide watchdog. One run serves three checks (a torchrun launch costs more than the steps):
 
 * ``staleness_threshold`` 0 and ``trigger_parameter_sync_step`` 1 is the synchronous algorithm, so
   every metric of every step equals the colocated one-process run's (1e-6), while the groups stream
@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,41 @@ def test_zero_staleness_equals_colocated_through_a_kill_and_resume(tiny_assets, 
         trained.append(positions(state["fully_async"]))
         assert trained[-2] <= trained[-1] and len(trained[-1] - trained[-2]) == B, (step, trained)
     assert trained[-1] == set(range(STEPS * B))
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds worker pids through /proc")
+def test_a_stopped_rollout_rank_ends_the_job_with_a_line_naming_it(tiny_assets, tmp_path):
+    """SIGSTOP of rollout rank 2 after step 1: the job-wide watchdog (both roles) names it and every
+    process is gone well within trainer.collective_timeout_s; the training rank, blocked waiting for
+    groups, would otherwise wait trainer.exchange_timeout_s (hours)."""
+    from bench.reliability import worker_pid
+
+    out, timeout_s = tmp_path / "run", 60
+    args = grpo_args(tiny_assets, out, **{
+        "data.val_files": "", "trainer.total_training_steps": 500, "trainer.mode": "fully_async",
+        "parallel.rollout_ranks": 2, "async_training.require_batches": 2, "async_training.staleness_threshold": 0,
+        "trainer.heartbeat_timeout_s": 4, "trainer.collective_timeout_s": timeout_s})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(ROOT / "train_grpo.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (out / "metrics.jsonl").exists() or not train_steps(out / "metrics.jsonl"):
+            assert proc.poll() is None and time.monotonic() - t0 < 300, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        pid = worker_pid(proc.pid, 2)
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        text, _ = proc.communicate(timeout=150)
+        gone = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "[rlhf] watchdog: rank 2 stopped responding (last seen in phase 'stream_generate'" in text, text[-3000:]
+    assert gone < timeout_s, gone
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    print(f"SIGSTOP of rollout rank 2 -> every process gone after {gone:.1f} s (heartbeat_timeout_s=4)")
