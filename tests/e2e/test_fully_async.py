@@ -28,7 +28,7 @@ from bench.reliability import kill_rank_after_checkpoint
 from rlhf.ops.metrics import read_metrics
 from tests.e2e.conftest import PARITY_REWARD, ROOT, grpo_args, run_script, train_steps
 
-STEPS, B = 3, 8
+STEPS, B = 2, 8
 # Not comparable: wall-clock figures, and what only one mode logs (the colocated sampler's and reshard's
 # statistics; the rollout role's own).
 SKIP = ("timing/", "perf/", "rollout/", "reshard/", "async/", "step", "data/epoch_progress")
