@@ -138,7 +138,7 @@ def main() -> None:
     split = f"{4 - args.rollout_ranks}+{args.rollout_ranks}"
     if base is not None:
         b = res["fully_async_baseline_split_trainer_s"]
-        print(f"fully_async  {4 - args.baseline_split}+{args.baseline_split} recompute: "
+        print(f"fully_async  {4 - args.baseline_split}+{args.baseline_split} (train+rollout), recomputed log-probs: "
               f"{res['steps_per_s_fully_async_baseline_split']:.3f} steps/s, trainer idle "
               f"{res['fully_async_baseline_split_train_idle_share']:.0%}, rollout idle "
               f"{res['fully_async_baseline_split_rollout_idle_share']:.0%}; trainer s/step: "
