@@ -1,5 +1,6 @@
 """Colocated (4 ranks generate, then 4 ranks train) vs one_step_off (2 generate while 2 train) vs
-fully_async (3 rollout ranks stream groups to 1 training rank), in one run.
+fully_async (2 rollout ranks stream groups to 2 training ranks, the sampler's log-probs as the old
+ones; and, for comparison, the earlier 3 rollout + 1 training rank with recomputed log-probs), in one run.
 
     python bench/async.py                           # ~2 min on a 2-core CPU
     python bench/async.py --lengths long-tail       # most responses short, a few up to ~8x the median
@@ -8,7 +9,9 @@ fully_async (3 rollout ranks stream groups to 1 training rank), in one run.
 ``--lengths long-tail`` stops a response at any of 8 of the tiny model's 102 character tokens
 (``rollout.stop``): a near-geometric length with median ~R/11 and a tail to R, the regime where a
 lockstep batch waits for its longest response and streaming does not. fully_async runs with
-``staleness_threshold`` 1 (``--staleness``), partial rollout, truncated IS (cap 2).
+``staleness_threshold`` 1 (``--staleness``), partial rollout, truncated IS (cap 2),
+``use_rollout_log_probs`` (``--recompute`` turns it off) on ``--rollout-ranks`` of the 4 ranks.
+Printed for fully_async: the training rank's seconds per step by phase (the bottleneck of 3 + 1).
 
 Generation is made the dominant phase on purpose (long responses from a random tiny
 model, which rarely stops early): that is the regime the pipeline is for. Both runs use
@@ -45,11 +48,22 @@ sys.path.insert(0, str(ROOT))
 from bench.tiny_run import add_shape_args, mean, tiny_grpo_rows  # noqa: E402
 
 
-def FULLY_ASYNC(args) -> dict:
-    """fully_async on 3 rollout + 1 training rank: an update per batch, weights pushed after each."""
-    return {"parallel.rollout_ranks": 3, "async_training.require_batches": 1,
+def FULLY_ASYNC(args, rollout_ranks: int, rollout_log_probs: bool) -> dict:
+    """fully_async on ``rollout_ranks`` rollout + the rest training: an update per batch, weights pushed after each."""
+    return {"parallel.rollout_ranks": rollout_ranks, "async_training.require_batches": 1,
             "async_training.staleness_threshold": args.staleness, "async_training.trigger_parameter_sync_step": 1,
-            "async_training.partial_rollout": True}
+            "async_training.partial_rollout": True, "async_training.use_rollout_log_probs": rollout_log_probs}
+
+
+TRAINER_PHASES = ("score", "logprobs", "advantage", "update", "async_exchange")
+
+
+def trainer_breakdown(rows: list[dict]) -> dict[str, float]:
+    """Mean seconds per step of the training rank's phases, and its wait for groups."""
+    out = {p: mean(rows, f"timing/{p}") for p in TRAINER_PHASES}
+    out["wait"] = mean(rows, "async/train_wait_s")
+    out["step"] = mean(rows, "timing/step")
+    return out
 
 
 def main() -> None:
@@ -58,17 +72,28 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lengths", choices=("uniform", "long-tail"), default="uniform")
     ap.add_argument("--staleness", type=float, default=1.0, help="fully_async staleness_threshold")
+    ap.add_argument("--rollout-ranks", type=int, default=2, help="fully_async: rollout ranks of the 4")
+    ap.add_argument("--recompute", action="store_true",
+                    help="fully_async: the trainer recomputes old log-probs (default: use_rollout_log_probs)")
+    ap.add_argument("--baseline-split", type=int, default=3,
+                    help="also run fully_async with this many rollout ranks and recomputed log-probs (the "
+                         "earlier default, 3 + 1); 0: skip")
     args = ap.parse_args()
     lengths = {"rollout.stop": "[a,b,c,d,e,f,g,h]"} if args.lengths == "long-tail" else {}
     from tests._assets import write_tiny_assets
 
     with tempfile.TemporaryDirectory() as tmp:
         assets = write_tiny_assets(Path(tmp) / "assets", n_train=256, n_val=16)
-        colo, off, full = (tiny_grpo_rows(assets, Path(tmp) / mode, batch=args.batch, n=args.n,
-                                          response=args.response, steps=args.steps, warmup=args.warmup, nproc=4, **{
-                                              "trainer.mode": mode, "actor.tis_imp_ratio_cap": 2.0, **lengths,
-                                              **(FULLY_ASYNC(args) if mode == "fully_async" else {})})
-                           for mode in ("colocated", "one_step_off", "fully_async"))
+        runs = [("colocated", {}), ("one_step_off", {}),
+                ("fully_async", FULLY_ASYNC(args, args.rollout_ranks, not args.recompute))]
+        if args.baseline_split:
+            runs.append(("fully_async", FULLY_ASYNC(args, args.baseline_split, False)))
+        rows = [tiny_grpo_rows(assets, Path(tmp) / f"run{i}", batch=args.batch, n=args.n, response=args.response,
+                               steps=args.steps, warmup=args.warmup, nproc=4, **{
+                                   "trainer.mode": mode, "actor.tis_imp_ratio_cap": 2.0, **lengths, **extra})
+                for i, (mode, extra) in enumerate(runs)]
+    colo, off, full = rows[:3]
+    base = rows[3] if args.baseline_split else None
     t_colo, t_off = mean(colo, "timing/step"), mean(off, "timing/step")
     g4 = mean(colo, "timing/rollout")
     u4 = t_colo - g4
@@ -91,6 +116,12 @@ def main() -> None:
         "response_length_max": mean(colo, "response_length/max"),
         "config": vars(args),
     }
+    res["fully_async_trainer_s"] = trainer_breakdown(full)
+    if base is not None:
+        res["steps_per_s_fully_async_baseline_split"] = 1 / mean(base, "timing/step")
+        res["fully_async_baseline_split_train_idle_share"] = mean(base, "async/trainer_idle_share")
+        res["fully_async_baseline_split_rollout_idle_share"] = mean(base, "async/rollout_idle_share")
+        res["fully_async_baseline_split_trainer_s"] = trainer_breakdown(base)
     samples = args.batch * args.n
     for mode in ("colocated", "one_step_off", "fully_async"):
         res[f"samples_per_s_{mode}"] = res[f"steps_per_s_{mode}"] * samples
@@ -104,7 +135,16 @@ def main() -> None:
     print(f"speedup one_step_off / colocated: measured {res['speedup']:.2f}x; expected {res['expected_ideal_overlap']:.2f}x "
           f"with ideal overlap of the measured busy times, {res['expected_linear_scaling']:.2f}x if each phase took "
           f"twice as long on half the ranks")
-    print(f"fully_async  3+1    : {res['steps_per_s_fully_async']:.3f} steps/s ({res['samples_per_s_fully_async']:.1f} "
+    split = f"{4 - args.rollout_ranks}+{args.rollout_ranks}"
+    if base is not None:
+        b = res["fully_async_baseline_split_trainer_s"]
+        print(f"fully_async  {4 - args.baseline_split}+{args.baseline_split} (train+rollout), recomputed log-probs: "
+              f"{res['steps_per_s_fully_async_baseline_split']:.3f} steps/s, trainer idle "
+              f"{res['fully_async_baseline_split_train_idle_share']:.0%}, rollout idle "
+              f"{res['fully_async_baseline_split_rollout_idle_share']:.0%}; trainer s/step: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in b.items()))
+    print("fully_async trainer s/step: " + ", ".join(f"{k} {v:.3f}" for k, v in res["fully_async_trainer_s"].items()))
+    print(f"fully_async  {split} (train+rollout): {res['steps_per_s_fully_async']:.3f} steps/s ({res['samples_per_s_fully_async']:.1f} "
           f"samples/s), trainer idle {res['fully_async_train_idle_share']:.0%}, rollout idle "
           f"{res['fully_async_rollout_idle_share']:.0%}, staleness mean {res['fully_async_staleness_mean']:.2f} max "
           f"{res['fully_async_staleness_max']:.0f}; {res['fully_async_vs_one_step_off']:.2f}x one_step_off, "

@@ -16,6 +16,13 @@ watch every key and end the job when a rank
   the moment another rank got ahead, not from when the slow rank entered its phase, keeps
   a long phase that every rank is in (a 20-minute generation) from ever counting as stuck.
 
+Under trainer.mode fully_async the two roles do not cross the same phase boundaries (the
+rollout ranks generate without pause while the training ranks step), so each rank also
+publishes its ``role``: stalls compare ranks of one role only, and a role of independent
+replicas (``role=None``: the rollout ranks) is checked by its heartbeat alone. One watchdog
+covers the whole job there (:func:`job_watchdog`), started before the roles part ways; the
+trainer's phase timer reuses it.
+
 The watcher writes one line to an ``abort`` key; every rank's thread polls that key, prints
 the line (the detector, and local rank 0 of each node, so every node's log shows it) and
 leaves with ``os._exit(EXIT_CODE)``, which works even while the main thread is blocked in a
@@ -47,12 +54,13 @@ class Watchdog:
         interval_s: seconds between beats.
         local_rank: local rank 0 prints the abort line too.
         exit_fn: how to leave (``os._exit``; tests pass a recorder).
+        role: the ranks this one is compared with for stalls (same ``role``); None: heartbeat only.
     """
 
     def __init__(self, *, rank: int, world_size: int, store, heartbeat_timeout_s: float, stall_timeout_s: float,
                  interval_s: float = 1.0, local_rank: int = 0, prefix: str = "rlhf/watchdog/",
-                 exit_fn: Callable[[int], None] = os._exit):
-        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+                 exit_fn: Callable[[int], None] = os._exit, role: Optional[str] = ""):
+        self.rank, self.world_size, self.local_rank, self.role = rank, world_size, local_rank, role
         self.store = store
         self.heartbeat_timeout_s, self.stall_timeout_s, self.interval_s = heartbeat_timeout_s, stall_timeout_s, interval_s
         self.prefix, self.exit_fn = prefix, exit_fn
@@ -103,7 +111,7 @@ class Watchdog:
 
     def _publish(self) -> None:
         self._beat += 1
-        self.store.set(self._key(self.rank), json.dumps([self._beat, self.phase, self.step, self.seq, self.done]))
+        self.store.set(self._key(self.rank), json.dumps([self._beat, self.phase, self.step, self.seq, self.done, self.role]))
 
     def _abort(self, line: str, detector: bool) -> None:
         self.message = line
@@ -144,13 +152,17 @@ class Watchdog:
         if not self.store.check(keys):  # some rank has not started its thread yet
             return None
         values = [json.loads(v) for v in self.store.multi_get(keys)]
-        live = [v[3] for v in values if not v[4]]
-        max_seq = max(live) if live else 0
+        max_seq: dict = {}  # role -> the furthest live rank of that role
+        for v in values:
+            role = v[5] if len(v) > 5 else ""
+            if not v[4] and role is not None:
+                max_seq[role] = max(max_seq.get(role, 0), v[3])
         for r, value in enumerate(values):
-            beat, phase, step, seq, done = value
+            beat, phase, step, seq, done = value[:5]
+            role = value[5] if len(value) > 5 else ""
             old = self._seen.get(r)
             beat_at = now if old is None or old[0][0] != beat else old[1]
-            behind = seq < max_seq
+            behind = role is not None and seq < max_seq.get(role, 0)
             if not behind:
                 behind_at = None
             elif old is not None and old[2] is not None and old[0][3] == seq:
@@ -178,8 +190,21 @@ def connect_store(timeout_s: float):
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+_JOB: Optional[Watchdog] = None  # the whole job's, when one was started before a role split
+
+
+def job_watchdog(*, rank: int, world_size: int, local_rank: int, collective_timeout_s: float,
+                 heartbeat_timeout_s: float, role: Optional[str]) -> Optional[Watchdog]:
+    """Start this rank's watchdog over all ``world_size`` ranks, tagged with its ``role``; a later
+    :func:`start_watchdog` in this process (the trainer's, on a role's smaller world) returns it."""
+    global _JOB
+    _JOB = start_watchdog(rank=rank, world_size=world_size, local_rank=local_rank,
+                          collective_timeout_s=collective_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s, role=role)
+    return _JOB
+
+
 def start_watchdog(*, rank: int, world_size: int, local_rank: int, collective_timeout_s: float,
-                   heartbeat_timeout_s: float) -> Optional[Watchdog]:
+                   heartbeat_timeout_s: float, role: Optional[str] = "") -> Optional[Watchdog]:
     """The running watchdog of this rank; None for one process, ``heartbeat_timeout_s = 0``, or a
     process group not set up from ``MASTER_ADDR`` / ``MASTER_PORT`` (no store to reach).
 
@@ -188,6 +213,8 @@ def start_watchdog(*, rank: int, world_size: int, local_rank: int, collective_ti
     may hang must be a phase of its own, ending before the collective that waits for it (the
     trainer's "reward_fn" phase), or the waiting ranks would not be seen to be ahead.
     """
+    if _JOB is not None and not _JOB._stop.is_set():
+        return _JOB
     if world_size < 2 or heartbeat_timeout_s <= 0 or not {"MASTER_ADDR", "MASTER_PORT"} <= set(os.environ):
         return None
     interval = min(5.0, max(0.2, heartbeat_timeout_s / 5))
@@ -196,4 +223,5 @@ def start_watchdog(*, rank: int, world_size: int, local_rank: int, collective_ti
               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
     store = connect_store(max(heartbeat_timeout_s, 10.0))
     return Watchdog(rank=rank, world_size=world_size, store=store, heartbeat_timeout_s=heartbeat_timeout_s,
-                    stall_timeout_s=stall, interval_s=interval, local_rank=local_rank, prefix=prefix).start()
+                    stall_timeout_s=stall, interval_s=interval, local_rank=local_rank, prefix=prefix,
+                    role=role).start()

@@ -45,6 +45,7 @@ from rlhf.config.checks import check_startup
 from rlhf.schema.config import Config, ConfigError
 from rlhf.train.evaluation import flat_metrics, generation_rows, rollout_rows, score_batch, summarize, val_sampling
 from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch
+from rlhf.train.async_rl.staleness import skips_old_log_prob_pass, uses_rollout_log_probs as rollout_lp
 from rlhf.train.regroup import regroup_rows
 from rlhf.train.rollout_corr import apply_rollout_correction
 
@@ -317,18 +318,17 @@ class RLTrainer:
 
     def compute_log_probs(self, batch: RolloutBatch) -> dict[str, float]:
         """Old log-probs of the actor (training layout) and reference log-probs."""
-        a = self.cfg.actor
-        T = self.cfg.rollout.temperature or 1.0
-        batch.old_log_probs, entropy = self.actor.compute_log_probs(
-            batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu, compute_entropy=True,
-            record_routes=True)
-        if self.cfg.trainer.mode == "fully_async" and self.cfg.async_training.use_rollout_log_probs:
-            batch.old_log_probs = batch.rollout_log_probs  # verl's name: the sampler's log-probs are the old policy's
-        mask = batch.response_mask
-        diff = ((batch.old_log_probs - batch.rollout_log_probs).abs() * mask).max()
-        if dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=self.dp_group)
-        metrics = {"actor/entropy": self._global_masked_mean(entropy, mask), "rollout/logprob_diff_max": float(diff)}
+        a, mask, T = self.cfg.actor, batch.response_mask, self.cfg.rollout.temperature or 1.0
+        if skips_old_log_prob_pass(self.cfg, self.actor):  # the sampler's log-probs are the old policy's
+            batch.old_log_probs, metrics = batch.rollout_log_probs, {"rollout/logprob_diff_max": 0.0}
+        else:
+            old, entropy = self.actor.compute_log_probs(batch, temperature=T, compute_entropy=True, record_routes=True,
+                                                        micro_batch_size=a.log_prob_micro_batch_size_per_gpu)
+            batch.old_log_probs = batch.rollout_log_probs if rollout_lp(self.cfg) else old
+            diff = ((batch.old_log_probs - batch.rollout_log_probs).abs() * mask).max()
+            if dist.get_world_size(self.dp_group) > 1:
+                dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=self.dp_group)
+            metrics = {"actor/entropy": self._global_masked_mean(entropy, mask), "rollout/logprob_diff_max": float(diff)}
         if self.cfg.algorithm.adv_estimator in TOKEN_BASELINE_ESTIMATORS:
             batch.sum_pi_squared = self.actor.compute_sum_pi_squared(
                 batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu)

@@ -85,3 +85,38 @@ def test_verl_fully_async_keys_map_to_the_same_names():
     assert out["async_training"] == {"staleness_threshold": 0.5, "trigger_parameter_sync_step": 2,
                                      "require_batches": 2, "partial_rollout": False, "use_rollout_log_probs": True}
     assert out["rollout"] == {"nnodes": 1, "n_gpus_per_node": 3}
+
+
+def test_use_rollout_log_probs_skips_the_old_log_prob_forward(monkeypatch):
+    """async_training.use_rollout_log_probs: the trainer takes the sampler's log-probs as the old ones
+    without its forward pass (the fully_async bottleneck), except for a MoE actor whose pass records
+    the routes; off (or another mode), the pass runs."""
+    from types import SimpleNamespace
+
+    from rlhf.train import trainer
+    from rlhf.train.trainer import RLTrainer
+
+    monkeypatch.setattr(trainer.dist, "get_world_size", lambda group=None: 1)  # one dp rank, no process group
+    calls = []
+
+    def forward(batch, **kw):
+        calls.append(kw)
+        return batch.rollout_log_probs + 0.5, torch.ones_like(batch.rollout_log_probs)
+
+    def run(cfg, router_replay=None):
+        calls.clear()
+        lp = torch.tensor([[-1.0, -2.0]])
+        batch = SimpleNamespace(rollout_log_probs=lp, response_mask=torch.ones(1, 2), old_log_probs=None)
+        me = SimpleNamespace(cfg=cfg, need_ref=False, dp_group=None,
+                             actor=SimpleNamespace(compute_log_probs=forward, router_replay=router_replay),
+                             _global_masked_mean=lambda x, m: float((x * m).sum() / m.sum()))
+        metrics = RLTrainer.compute_log_probs(me, batch)
+        return batch.old_log_probs - lp, metrics, len(calls)
+
+    on = _cfg(**{"async_training.use_rollout_log_probs": True})
+    diff, metrics, n = run(on)
+    assert n == 0 and float(diff.abs().max()) == 0.0 and "actor/entropy" not in metrics
+    diff, metrics, n = run(on, router_replay=object())  # MoE: the pass runs for its routes
+    assert n == 1 and float(diff.abs().max()) == 0.0 and metrics["actor/entropy"] == 1.0
+    diff, metrics, n = run(_cfg())
+    assert n == 1 and torch.allclose(diff, torch.full((1, 2), 0.5)) and metrics["rollout/logprob_diff_max"] == 0.5

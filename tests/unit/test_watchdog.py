@@ -79,3 +79,26 @@ def test_finished_ranks_are_not_expected_and_phase_timer_drives_the_sequence():
     with timer("update"):
         assert (w.phase, w.step, w.seq) == ("update", 5, 1)
     assert (w.phase, w.seq) == ("after update", 2)
+
+
+def test_fully_async_roles_stall_only_against_their_own_role_and_replicas_by_heartbeat():
+    """Ranks 0-1 train (role "train"), 2-3 generate without phases (role None): the rollout ranks
+    sitting at one sequence number while the trainers step on is no stall; a trainer left behind
+    by the other trainer is; a silent rollout rank is named by its heartbeat."""
+    store = FakeStore()
+
+    def beats(t, seq1, rollout=(2, 3)):
+        store.set("rlhf/watchdog/hb/0", json.dumps([t, "update", t, 2 * t, False, "train"]))
+        store.set("rlhf/watchdog/hb/1", json.dumps([t, "update", t, seq1, False, "train"]))
+        for r in rollout:
+            store.set(f"rlhf/watchdog/hb/{r}", json.dumps([t, "stream_generate", 0, 1, False, None]))
+        return w.check_peers(now=float(t))
+
+    w = watcher(store, world=4)
+    for t in range(0, 100, 5):  # trainers move together: nobody stuck, rollout ranks far "behind" in seq
+        assert beats(t, 2 * t) is None, t
+    lines = [beats(t, 198) for t in range(100, 140, 5)]  # rank 1 stays at seq 198 while rank 0 moves on
+    assert lines[-1] is not None and "rank 1 is stuck in phase 'update'" in lines[-1] and not any(lines[:5])
+    w = watcher(store, world=4)
+    lines = [beats(t, 2 * t, rollout=(2,) if t > 201 else (2, 3)) for t in range(200, 215)]  # rank 3 goes silent
+    assert not any(lines[:12]) and "rank 3 stopped responding (last seen in phase 'stream_generate'" in lines[-1]

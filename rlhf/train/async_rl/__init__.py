@@ -25,6 +25,14 @@ def run_async(cfg: Config, trainer_factory: Callable, *, dry_run: bool = False):
         roles = StreamRoles.build(cfg, env)
     else:
         roles = Roles.build(cfg, env)
+    watchdog = None
+    if fully and not dry_run:  # one watchdog over both roles: a stopped rank of either is named
+        from rlhf.ops.watchdog import job_watchdog
+
+        t = cfg.trainer
+        watchdog = job_watchdog(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+                                collective_timeout_s=t.collective_timeout_s, heartbeat_timeout_s=t.heartbeat_timeout_s,
+                                role=None if roles.is_rollout else "train")
     # Decided once, before any rank can write a checkpoint, so both roles start from the same step.
     box = [str(p) if (p := find_resume_path(cfg.checkpoint.resume, cfg.trainer.output_dir)) else None]
     dist.broadcast_object_list(box, src=0, device=env.device if env.device.type == "cuda" else None)
@@ -33,7 +41,11 @@ def run_async(cfg: Config, trainer_factory: Callable, *, dry_run: bool = False):
 
         worker = StreamWorker(cfg, roles, box[0])
         if not dry_run:
+            if watchdog is not None:
+                watchdog.enter("stream_generate", 0)
             worker.run()
+            if watchdog is not None:
+                watchdog.finish()
         return None
     if roles.is_rollout:
         from rlhf.train.async_rl.rollout_worker import RolloutWorker

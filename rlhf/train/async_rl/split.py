@@ -96,6 +96,13 @@ class StreamRoles(Roles):
         for r in rollout:
             weight_groups[r] = dist.new_group([(r - t) % t, r], timeout=timeout)
             row_groups[r] = dist.new_group([0, r], timeout=timeout)
+        # A group of one role's ranks alone (use_local_synchronization: the layout's, the mesh's, the reward
+        # pool's) is named by a hash of the number of groups each member holds, so every training rank must
+        # hold as many as rank 0, which is in every row group: one-rank fillers (every rank calls new_group).
+        held = {k: sum((r - t) % t == k for r in rollout) + (len(rollout) if k == 0 else 0) for k in train}
+        for k in train:
+            for _ in range(max(held.values()) - held[k]):
+                dist.new_group([k])
         in_rollout = env.rank >= t
         ranks = rollout if in_rollout else train
         if in_rollout:  # independent replicas: a layout of one, and a group naming the role

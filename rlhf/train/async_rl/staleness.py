@@ -41,3 +41,16 @@ def staleness_metrics(token_versions: torch.Tensor, mask: torch.Tensor, trained_
 def idle_share(idle_s: float, wall_s: float) -> float:
     """Fraction of ``wall_s`` spent idle (0 when no time passed)."""
     return float(min(max(idle_s / wall_s, 0.0), 1.0)) if wall_s > 0 else 0.0
+
+
+def uses_rollout_log_probs(cfg) -> bool:
+    """fully_async with ``async_training.use_rollout_log_probs`` (verl's name): the sampler's per-token
+    log-probs (each under the weights that produced the token) are the old policy's."""
+    return cfg.trainer.mode == "fully_async" and cfg.async_training.use_rollout_log_probs
+
+
+def skips_old_log_prob_pass(cfg, actor) -> bool:
+    """Whether the trainer can skip its old-log-prob forward: under :func:`uses_rollout_log_probs`,
+    unless that pass also records a MoE actor's routes (router replay). The pass is a third of the
+    training rank's step, the fully_async bottleneck; the cost is the ``actor/entropy`` metric."""
+    return uses_rollout_log_probs(cfg) and getattr(actor, "router_replay", None) is None
