@@ -124,7 +124,7 @@ def _read_rows(path: str) -> list:
     return rows
 
 
-# prompt ids, response ids, loss mask over the response, the prompt's images (None: text only)
+# prompt ids, response ids, loss mask over the response[, the prompt's images (None or absent: text only)]
 Example = tuple[list[int], list[int], list[int], Optional[dict]]
 
 
@@ -198,7 +198,7 @@ def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
     ids = torch.full((len(examples), P + R), pad_id, dtype=torch.long)
     attn = torch.zeros((len(examples), P + R), dtype=torch.long)
     loss_mask = torch.zeros((len(examples), R), dtype=torch.float32)
-    for i, (p, r, m, _) in enumerate(examples):
+    for i, (p, r, m) in enumerate(e[:3] for e in examples):
         ids[i, P - len(p):P], ids[i, P:P + len(r)] = torch.tensor(p), torch.tensor(r)
         attn[i, P - len(p):P + len(r)] = 1
         loss_mask[i, :len(r)] = torch.tensor(m, dtype=torch.float32)
@@ -213,7 +213,7 @@ def sft_loss(model: torch.nn.Module, examples: list[Example], pad_id: int, n_tok
     project to the vocabulary only where a response token is predicted."""
     ids, attn, mask = (t.to(device) for t in collate(examples, pad_id))
     forward = packed_forward_log_probs if packed else forward_log_probs
-    mm = collate_multi_modal([e[3] for e in examples])
+    mm = collate_multi_modal([e[3] if len(e) > 3 else None for e in examples])
     # a VLM micro-batch without images runs the tower on a dummy one: its FSDP2 collectives stay in step
     ctx = dummy_image_forward(model, device) if mm is None and vision_tower(model) is not None else nullcontext()
     with ctx:
