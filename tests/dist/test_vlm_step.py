@@ -1,6 +1,7 @@
 """A vision-language actor update on 2 gloo ranks, one of which holds only text prompts, equals the
 same batch on 1 rank (padding-free, vision tower trained), and the updated weights resharded into the
-sampler (tower included) give the same greedy rollouts; on 1 rank the padded path with a frozen
+sampler (tower included) give the same greedy rollouts, also with a rollout TP group of 2 (the language
+model split over the two ranks, the tower whole on each); on 1 rank the padded path with a frozen
 tower gives the same log-probs and leaves the tower's weights as they were.
 
 The text-only rank runs the vision tower on a dummy image every micro-batch
@@ -52,6 +53,7 @@ def _vlm_batch(proc):
 
 
 def _update(rank: int, world: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from rlhf.models.processor import load_processor
@@ -85,6 +87,15 @@ def _update(rank: int, world: int, model_dir: str, out: str) -> None:
             gen = Sampler(worker.hf_config, weights, pad_token_id=0).generate(
                 prompts, SamplingParams(temperature=0.0, max_new_tokens=4), multi_modal=local.multi_modal)
             result[packed]["rollout"] = gen.response_ids
+            if world == 2:  # rollout.tp = 2: both ranks sample all rows, the tower whole on each
+                full = batch
+                tp_weights, _ = gather_rollout_weights(worker.model, tp_rank=rank, tp_size=2,
+                                                       tp_group=dist.group.WORLD)
+                prompts = [row[m.bool()].tolist() for row, m in zip(full.input_ids[:, :P], full.attention_mask[:, :P])]
+                gen = Sampler(worker.hf_config, tp_weights, pad_token_id=0, tp_group=dist.group.WORLD).generate(
+                    prompts, SamplingParams(temperature=0.0, max_new_tokens=4), multi_modal=full.multi_modal)
+                result[packed]["rollout_tp2"] = gen.response_ids
+                result[packed]["tp2_vision_q"] = tp_weights["model.visual.blocks.0.mlp.gate_proj.weight"].shape
     torch.save(result, f"{out}.w{world}.rank{rank}")
 
 
@@ -108,6 +119,10 @@ def test_vlm_update_with_a_text_only_rank_equals_one_rank(tmp_path):
         torch.testing.assert_close(two[0][True]["params"][n], p, rtol=1e-5, atol=1e-6, msg=n)
     # rollouts after the update: the text-only rank and the image rank sample what 1 rank does
     assert torch.equal(torch.cat([two[0][True]["rollout"], two[1][True]["rollout"]]), one[True]["rollout"])
+    # rollout.tp = 2 (the language model's heads / MLP split, the vision tower replicated) samples the same
+    for r in range(2):
+        assert torch.equal(two[r][True]["rollout_tp2"], one[True]["rollout"])
+    assert two[0][True]["tp2_vision_q"] == init["model.visual.blocks.0.mlp.gate_proj.weight"].shape
     for packed in (True, False):
         moved = {n for n, p in one[packed]["params"].items() if not torch.equal(p, init[n].detach())}
         moved_visual = [n for n in moved if n.startswith("model.visual.")]
