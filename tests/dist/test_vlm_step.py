@@ -1,7 +1,8 @@
 """A vision-language actor update on 2 gloo ranks, one of which holds only text prompts, equals the
 same batch on 1 rank (padding-free, vision tower trained), and the updated weights resharded into the
 sampler (tower included) give the same greedy rollouts, also with a rollout TP group of 2 (the language
-model split over the two ranks, the tower whole on each); on 1 rank the padded path with a frozen
+model split over the two ranks, the tower whole on each); the same step with parallel.tp = 2 gives the same
+log-probs and updated weights; on 1 rank the padded path with a frozen
 tower gives the same log-probs and leaves the tower's weights as they were.
 
 The text-only rank runs the vision tower on a dummy image every micro-batch
@@ -72,8 +73,8 @@ def _update(rank: int, world: int, model_dir: str, out: str) -> None:
         worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=packed, freeze_vision_tower=freeze),
                               mesh, torch.device("cpu"), actor_cfg=cfg, total_steps=1)
         lp, _ = worker.compute_log_probs(local, temperature=1.0, micro_batch_size=2)
-        worker.update_policy(local, mini_batch_rows=per, temperature=1.0, max_response_length=R)
-        result[packed] = {"log_probs": lp, "response_mask": local.response_mask, "params": {n: p.full_tensor().clone() if hasattr(p, "full_tensor")
+        m = worker.update_policy(local, mini_batch_rows=per, temperature=1.0, max_response_length=R)
+        result[packed] = {"grad_norm": m["actor/grad_norm"], "log_probs": lp, "response_mask": local.response_mask, "params": {n: p.full_tensor().clone() if hasattr(p, "full_tensor")
                                                       else p.detach().clone() for n, p in
                                                       worker.model.named_parameters()}}
         if packed:  # the updated weights resharded (vision tower included) into the sampler: greedy rollouts
@@ -96,6 +97,16 @@ def _update(rank: int, world: int, model_dir: str, out: str) -> None:
                     prompts, SamplingParams(temperature=0.0, max_new_tokens=4), multi_modal=full.multi_modal)
                 result[packed]["rollout_tp2"] = gen.response_ids
                 result[packed]["tp2_vision_q"] = tp_weights["model.visual.blocks.0.mlp.gate_proj.weight"].shape
+    if world == 2:  # parallel.tp = 2: the language model split over both ranks (the tower whole on each)
+        mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+        cfg = ActorConfig(lr=1e-2, ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=2, grad_clip=1e9,
+                          weight_decay=0.0)
+        worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=True), mesh, torch.device("cpu"),
+                              actor_cfg=cfg, total_steps=1)
+        lp, _ = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=2)
+        m = worker.update_policy(batch, mini_batch_rows=N, temperature=1.0, max_response_length=R)
+        result["tp2"] = {"grad_norm": m["actor/grad_norm"], "log_probs": lp, "params": {n: p.full_tensor().clone() if hasattr(p, "full_tensor")
+                                                     else p.detach().clone() for n, p in worker.model.named_parameters()}}
     torch.save(result, f"{out}.w{world}.rank{rank}")
 
 
@@ -123,6 +134,13 @@ def test_vlm_update_with_a_text_only_rank_equals_one_rank(tmp_path):
     for r in range(2):
         assert torch.equal(two[r][True]["rollout_tp2"], one[True]["rollout"])
     assert two[0][True]["tp2_vision_q"] == init["model.visual.blocks.0.mlp.gate_proj.weight"].shape
+    # parallel.tp = 2 on the same GRPO step: the log-probs, the gradient norm (a tower gradient summed from half
+    # the heads would change it) and the updated weights (tower included) of 1 rank. Adam's first step is
+    # lr * g / |g| per weight: where g is ~0 the tp partial sums' rounding flips it, hence atol 1e-3 (lr 1e-2)
+    torch.testing.assert_close(two[0]["tp2"]["log_probs"], one[True]["log_probs"], rtol=0, atol=1e-5)
+    assert abs(two[0]["tp2"]["grad_norm"] - one[True]["grad_norm"]) < 1e-5 * one[True]["grad_norm"]
+    for n, p in one[True]["params"].items():
+        torch.testing.assert_close(two[0]["tp2"]["params"][n], p, rtol=0, atol=1e-3, msg=n)
     for packed in (True, False):
         moved = {n for n, p in one[packed]["params"].items() if not torch.equal(p, init[n].detach())}
         moved_visual = [n for n in moved if n.startswith("model.visual.")]
