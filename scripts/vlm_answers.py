@@ -1,7 +1,8 @@
 """Draw a few images of a vision-language task with each model's greedy answer (transformers' generate).
 
     python scripts/vlm_answers.py --data data/shapes/val.parquet --out answers.png \
-        --model "after SFT=outputs/quickstart_vlm/sft/hf_export" --model "after GRPO=outputs/quickstart_vlm/grpo/hf_export"
+        --model "after SFT=outputs/quickstart_vlm/sft/hf_export" \
+        --model "after GRPO=outputs/quickstart_vlm/grpo/hf_export"
 
 Rows of verl's multimodal schema (``prompt``, ``images``, ``reward_model.ground_truth``); the first
 ``--n`` rows whose ground truths cycle through the task's answers, so every answer is shown. One
@@ -81,7 +82,8 @@ def main(argv=None) -> None:
     fig.tight_layout()
     fig.savefig(a.out, dpi=110, bbox_inches="tight")
     for label, _ in models:
-        right = sum(s.replace("####", "").strip() == r["reward_model"]["ground_truth"] for s, r in zip(said[label], rows))
+        truths = [r["reward_model"]["ground_truth"] for r in rows]
+        right = sum(s.replace("####", "").strip() == t for s, t in zip(said[label], truths))
         print(f"{label}: {right}/{len(rows)} right on the pictured rows")
     print(f"wrote {a.out}")
 
