@@ -14,6 +14,9 @@ A policy trained with tools (``rollout.multi_turn``) is evaluated with them:
 ``--tool-config configs/tools/calculator.yaml`` lists the tools in the prompt's chat template and
 runs the same agent loop as training (``--max-assistant-turns``, ``--max-tool-response-length``,
 verl's names); the summary then carries the tool-use metrics (``agent/tool_calls_per_traj``, ...).
+
+A vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL saved with its processor, as the training
+exports are) reads the rows' images (``--image-key``, verl's multimodal schema) and samples with them.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reward", default="default", help="reward function name or file.py:function")
     ap.add_argument("--prompt-key", default="prompt")
     ap.add_argument("--no-chat-template", action="store_true", help="prompts are plain text")
+    ap.add_argument("--image-key", default="images", help="images column of a vision-language model's data")
     ap.add_argument("--limit", type=int, default=0, help="only the first N prompts (0 = all)")
     ap.add_argument("--out", default="", help="directory for summary.json and generations.jsonl")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -64,6 +68,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.n > 1 and args.temperature <= 0:
         raise ConfigError(f"--n {args.n} with greedy decoding gives identical samples; set --temperature > 0")
     return args
+
+
+def model_processor(model_dir: str):
+    """The processor saved with a vision-language model (Qwen-VL), None for a text LM."""
+    from rlhf.models.loading import model_config
+    from rlhf.models.mrope import is_vlm_config
+    from rlhf.models.processor import load_processor
+
+    return load_processor(model_dir, key="--model") if is_vlm_config(model_config(model_dir)) else None
 
 
 def evaluate(args: argparse.Namespace) -> dict:
@@ -92,6 +105,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--reward: {e}") from None
     with hf_model_dir(args.model) as model_dir:  # a checkpoint dir is exported to a temporary directory
         tokenizer = load_tokenizer(model_dir, key="--model")
+        processor = model_processor(model_dir)  # a VLM: its prompts' images are read and sampled with
         # kept on the host: the engine slices it for --tp and the sampler moves only this rank's
         # slices to the device (moving the whole model first cost a full copy per GPU at any tp)
         model = load_causal_lm(model_dir, dtype=dtype, key="--model").eval()
@@ -101,14 +115,16 @@ def evaluate(args: argparse.Namespace) -> dict:
                                  num_workers=args.tool_workers, tool_timeout_s=args.tool_timeout)
     ds = load_prompt_dataset(args.data, tokenizer, prompt_key=args.prompt_key, max_prompt_length=args.max_prompt_length,
                              truncation="error", filter_overlong_prompts=True,
-                             apply_chat_template=not args.no_chat_template, tools=tools)
+                             apply_chat_template=not args.no_chat_template, tools=tools, processor=processor,
+                             image_key=args.image_key)
     if env.is_main:
         print(f"[rlhf.eval] {ds.stats.summary()}", flush=True)
     n_prompts = min(len(ds), args.limit) if args.limit > 0 else len(ds)
     mine = [ds[i] for i in range(env.rank, n_prompts, env.world_size)]
     prompts = PromptBatch(prompt_ids=[e.prompt_ids for e in mine], keys=[e.index for e in mine],
                           ground_truths=[e.ground_truth for e in mine], data_sources=[e.data_source for e in mine],
-                          extra_infos=[e.extra_info for e in mine])
+                          extra_infos=[e.extra_info for e in mine],
+                          multi_modal=[e.multi_modal for e in mine] if processor is not None else [])
     rcfg = RolloutConfig(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tp=args.tp,
                          max_num_seqs=args.max_num_seqs, seed=args.seed)
     layout = RolloutLayout.build(args.tp, env.device.type)

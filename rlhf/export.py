@@ -5,7 +5,8 @@
 reads the actor's weights from the DCP shards of ``global_step_20/model_optim`` (written by any
 layout: dp / tp / pp / sp, any number of ranks; DCP reassembles full tensors) without torchrun
 or a process group, and writes what ``AutoModelForCausalLM.from_pretrained`` loads: the model's
-``config.json``, ``*.safetensors`` and the tokenizer. The run's ``config.yaml`` (next to
+``config.json``, ``*.safetensors`` and the tokenizer (a vision-language model: what
+``AutoModelForImageTextToText`` loads, with its processor). The run's ``config.yaml`` (next to
 ``checkpoints/``) names the base model directory (config and tokenizer) and the LoRA settings;
 ``--model-path`` replaces the directory when the run's path is not reachable from here. A LoRA
 run gives the merged model in ``--out`` and the PEFT adapter in ``--out/adapter``, as the
@@ -77,6 +78,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
 
     from rlhf.config.hub import resolve_model_path
     from rlhf.models.loading import check_model_dir, load_tokenizer
+    from rlhf.models.mrope import is_vlm_config
 
     ckpt, out = Path(ckpt), Path(out)
     if not is_checkpoint_dir(ckpt):
@@ -103,6 +105,13 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
     tok_dir = model_path or model_cfg.get("tokenizer_path") or base
     tokenizer = load_tokenizer(str(resolve_model_path(tok_dir, "model.tokenizer_path")), trust)
     config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=trust)
+    causal_lm = AutoModelForCausalLM
+    if is_vlm_config(config):  # the whole Qwen-VL (tower included), saved with its processor
+        from transformers import AutoModelForImageTextToText as causal_lm
+
+        from rlhf.models.processor import load_processor
+
+        tokenizer = load_processor(str(base_dir), trust, key)
     sd = read_model_state(ckpt, role)
     config.dtype = next(iter(sd.values())).dtype  # the master weights' dtype, as the run's hf_export
     out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +124,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
     elif any(".lora_" in k for k in sd):
         _write_lora(sd, config, model_cfg, out)
     else:
-        hf_model_from_state_dict(AutoModelForCausalLM, config, sd).save_pretrained(str(out), safe_serialization=True)
+        hf_model_from_state_dict(causal_lm, config, sd).save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
 

@@ -62,6 +62,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rlhf.models.arch import vl_language_config_dict
 from rlhf.schema.config import Config, ConfigError
 
 RANKS_PER_NODE = 8  # GPUs of one node: the ranks that load on one host at once
@@ -112,6 +113,7 @@ class ModelShape:
 
     @classmethod
     def from_config_dict(cls, d: dict, source: str = "config.json") -> "ModelShape":
+        d = vl_language_config_dict(d)  # a Qwen-VL: its language model (the vision tower is not counted)
         archs = d.get("architectures") or []
         arch = archs[0] if archs else f"model_type {d.get('model_type')!r}"
         if arch not in SUPPORTED_ARCHITECTURES:

@@ -103,6 +103,19 @@ def vl_text_config(config: Any) -> Any:
     return text
 
 
+def vl_language_config_dict(d: dict) -> dict:
+    """A Qwen-VL ``config.json`` dict -> its language model's, as the text causal LM it is read as (the
+    top-level keys of the older layout, overridden by ``text_config``); any other dict as it is."""
+    if d.get("model_type") not in VL_TEXT_FAMILY:
+        return d
+    text = {k: v for k, v in d.items() if k not in ("text_config", "vision_config")}
+    text.update(d.get("text_config") or {})
+    family = VL_TEXT_FAMILY[d["model_type"]]
+    arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    return {**text, "model_type": family, "architectures": [arch],
+            "tie_word_embeddings": d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+
+
 def check_model_type(config: Any) -> str:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:

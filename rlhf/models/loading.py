@@ -175,7 +175,7 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
                           key: str = "model.path", *, rollout_tp: int = 1, multi_turn: bool = False) -> None:
     """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
     traceback from the sampler after the model has loaded); a vision-language model also with
-    ``rollout.tp`` > 1 or multi-turn rollouts, which its sampler path does not run yet."""
+    multi-turn rollouts, which its sampler path does not run yet."""
     config = model_config(path, trust_remote_code, key)
     try:
         check_supported(config, max_seq_len)
@@ -183,9 +183,6 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
         raise ConfigError(f"{key}: {e}") from None
     from rlhf.models.mrope import is_vlm_config
 
-    if is_vlm_config(config) and rollout_tp > 1:
-        raise ConfigError(f"rollout.tp: a vision-language model ({config.model_type}, {key}) rolls out with "
-                          f"rollout.tp=1 only (got {rollout_tp})")
     if is_vlm_config(config) and multi_turn:
         raise ConfigError(f"rollout.multi_turn.enable: multi-turn rollouts of a vision-language model "
                           f"({config.model_type}, {key}) are not supported yet")

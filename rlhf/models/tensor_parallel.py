@@ -57,6 +57,7 @@ FSDP2 composes after this step (2-D: ``fully_shard`` each block and the root on
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -72,6 +73,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rlhf.models.arch import SUPPORTED_MODEL_TYPES as _SUPPORTED_MODEL_TYPES  # the families, one list
+from rlhf.models.arch import VL_TEXT_FAMILY
 
 # The class names below are what users see in errors.
 _SEQUENCE_PARALLEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -101,13 +103,27 @@ def _model_class_name(model: nn.Module) -> str:
     return getattr(model, "source_class_name", type(model).__name__)
 
 
+# Qwen-VL: tp splits the language model (its text family's plan); the vision tower stays replicated
+# (every tp rank runs it whole on the same images: cheap next to the decoder, and no plan of its own).
+VLM_CLASSES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+               "Qwen3VLForConditionalGeneration")
+
+
+def _language_model(model: nn.Module) -> tuple[Any, Optional[nn.Module], str]:
+    """(config, decoder module holding ``layers`` / ``embed_tokens``, family model type) of the LM to split."""
+    config, inner = getattr(model, "config", None), getattr(model, "model", None)
+    if _model_class_name(model) in VLM_CLASSES:
+        family = VL_TEXT_FAMILY.get(getattr(config, "model_type", None))
+        return config.text_config, getattr(inner, "language_model", None), family
+    return config, inner, getattr(config, "model_type", None)
+
+
 def tp_plan_supported(model: nn.Module) -> bool:
     """Whether :func:`apply_tp` has a plan for this model (or a pipeline stage of one)."""
-    config = getattr(model, "config", None)
-    inner = getattr(model, "model", None)
+    _, inner, model_type = _language_model(model)
     return (
-        _model_class_name(model) in SUPPORTED_CLASSES
-        and getattr(config, "model_type", None) in _SUPPORTED_MODEL_TYPES
+        _model_class_name(model) in SUPPORTED_CLASSES + VLM_CLASSES
+        and model_type in _SUPPORTED_MODEL_TYPES
         and inner is not None
         and hasattr(inner, "layers")
     )
@@ -122,11 +138,11 @@ def validate_tp(model: nn.Module, tp: int) -> None:
     name = _model_class_name(model)
     if not tp_plan_supported(model):
         raise ValueError(
-            f"tensor parallel has no plan for {name}; supported: {', '.join(SUPPORTED_CLASSES)}"
+            f"tensor parallel has no plan for {name}; supported: {', '.join(SUPPORTED_CLASSES + VLM_CLASSES)}"
         )
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
-    config = model.config
+    config = _language_model(model)[0]
     heads = config.num_attention_heads
     sizes = {
         "num_attention_heads": heads,
@@ -155,7 +171,7 @@ def moe_sizes(config) -> dict[str, int]:
 
 
 def _decoder_layers(model: nn.Module) -> Iterable[nn.Module]:
-    layers = model.model.layers
+    layers = _language_model(model)[1].layers
     return layers.values() if isinstance(layers, nn.ModuleDict) else iter(layers)
 
 
@@ -292,7 +308,7 @@ def apply_tp(
     """
     tp = tp_mesh.size()
     validate_tp(model, tp)
-    model_type = model.config.model_type
+    _, inner, model_type = _language_model(model)
     if sequence_parallel and model_type not in _SEQUENCE_PARALLEL_TYPES:
         raise ValueError(f"sequence_parallel: no plan for {model_type}; "
                          f"supported: {', '.join(_SEQUENCE_PARALLEL_TYPES)}")
@@ -303,7 +319,6 @@ def apply_tp(
         )
     if tp == 1:
         return
-    inner = model.model
     tied = (
         getattr(model.config, "tie_word_embeddings", False)
         and getattr(inner, "embed_tokens", None) is not None

@@ -89,8 +89,11 @@ def tiny_vlm_config(tok, family: str = "qwen2_5_vl", *, hidden_size: int = 64, n
     raise ValueError(f"family must be one of {', '.join(FAMILIES)}; got {family!r}")
 
 
-def build_tiny_vlm(family: str = "qwen2_5_vl", *, seed: int = 0, **kw):
-    """(model, processor) of a random tiny ``family`` VLM, fp32, eval mode, sdpa attention."""
+def build_tiny_vlm(family: str = "qwen2_5_vl", *, seed: int = 0, init_std: float | None = 0.2, **kw):
+    """(model, processor) of a random tiny ``family`` VLM, fp32, eval mode, sdpa attention.
+
+    ``init_std``: every matrix drawn from N(0, init_std) (tests: large random weights make every
+    weight matter); None keeps transformers' own init (a model to train: the quickstart)."""
     from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration,
                               Qwen3VLForConditionalGeneration)
 
@@ -101,16 +104,19 @@ def build_tiny_vlm(family: str = "qwen2_5_vl", *, seed: int = 0, **kw):
     cls = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen3_vl": Qwen3VLForConditionalGeneration,
            "qwen2_vl": Qwen2VLForConditionalGeneration}[family]
     model = cls(cfg).eval()
+    if init_std is None:
+        return model, build_processor(tok)
     with torch.no_grad():  # HF's init of the tiny towers leaves many exact zeros: make every weight matter
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, init_std)
     return model, build_processor(tok)
 
 
-def write_tiny_vlm(out_dir: str, family: str = "qwen2_5_vl", *, seed: int = 0, **kw) -> Path:
+def write_tiny_vlm(out_dir: str, family: str = "qwen2_5_vl", *, seed: int = 0, init_std: float | None = 0.2,
+                   **kw) -> Path:
     """Write a random tiny VLM with its processor (tokenizer included) to ``out_dir``."""
-    model, processor = build_tiny_vlm(family, seed=seed, **kw)
+    model, processor = build_tiny_vlm(family, seed=seed, init_std=init_std, **kw)
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
@@ -122,9 +128,19 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vision-hidden", type=int, default=32)
+    ap.add_argument("--hf-init", action="store_true",
+                    help="transformers' own init (a model to train) instead of N(0, 0.2) weights (tests)")
     a = ap.parse_args(argv)
-    path = write_tiny_vlm(a.out, a.family, seed=a.seed)
-    print(f"wrote tiny {a.family} with its processor to {path}")
+    path = write_tiny_vlm(a.out, a.family, seed=a.seed, init_std=None if a.hf_init else 0.2,
+                          hidden_size=a.hidden_size, num_layers=a.layers, intermediate_size=2 * a.hidden_size,
+                          vision_hidden=a.vision_hidden)
+    n = sum(p.numel() for p in build_tiny_vlm(a.family, init_std=None, hidden_size=a.hidden_size,
+                                              num_layers=a.layers, intermediate_size=2 * a.hidden_size,
+                                              vision_hidden=a.vision_hidden)[0].parameters())
+    print(f"wrote tiny {a.family} ({n / 1e6:.2f}M params) with its processor to {path}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ RewardFn = Callable[..., "float | dict[str, Any]"]
 DATA_SOURCE_REWARDS: dict[str, RewardFn] = {
     "openai/gsm8k": gsm8k,
     "synthetic/addition": gsm8k,
+    "synthetic/shapes": gsm8k,  # the vision-language quickstart (rlhf.data.shapes): "#### <count>"
     "lighteval/MATH": math_verify_score,
     "DigitalLearningGmbH/MATH-lighteval": math_verify_score,
     "HuggingFaceH4/MATH-500": math_verify_score,

@@ -70,7 +70,12 @@ def hf_name(name: str) -> str:
 
 
 def rollout_shard_dim(name: str) -> Optional[int]:
-    """Dim an HF parameter is split on in a tensor-parallel rollout (None: replicated)."""
+    """Dim an HF parameter is split on in a tensor-parallel rollout (None: replicated).
+
+    A vision-language model's tower (``model.visual.*``, whose MLP names look like a decoder's) is
+    replicated: every rank of the rollout TP group runs it whole at prefill, on the same images."""
+    if ".visual." in f".{name}":
+        return None
     if _COLUMN.search(name) or _EXPERTS.search(name):
         return 0
     if _ROW.search(name):

@@ -173,8 +173,6 @@ class Sampler:
         self.banned_ids: Tensor | None = None
         if self.vlm_config is not None:
             model_config = vision.text_config(model_config)
-            if tp_group is not None and dist.get_world_size(tp_group) > 1:
-                raise NotImplementedError("rollout sampler: vision-language models run with rollout.tp=1 only")
             weights = self._split_vlm(weights, dtype, consume_weights)
             ids = [getattr(self.vlm_config, k, None) for k in ("image_token_id", "video_token_id")]
             self.banned_ids = torch.tensor([i for i in ids if i is not None], dtype=torch.int64, device=self.device)

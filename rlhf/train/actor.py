@@ -161,9 +161,9 @@ def check_features(model_cfg: ModelConfig, mesh: DeviceMesh, lora: bool, hf_conf
         raise ConfigError(f"model.use_remove_padding: padding-free passes need parallel.pp = 1 (got pp={pp}): the "
                           f"pipeline schedule splits a batch into micro-batches by rows and a packed batch is one row "
                           f"whose sequence boundaries it cannot carry; set model.use_remove_padding=false with pp")
-    if hf_config is not None and is_vlm_config(hf_config) and (pp > 1 or sp > 1 or tp > 1):
-        raise ConfigError(f"model.path: a vision-language model ({hf_config.model_type}) trains with dp only in this "
-                          f"version (got tp={tp}, pp={pp}, sp={sp}); set parallel.tp = parallel.pp = parallel.sp = 1")
+    if hf_config is not None and is_vlm_config(hf_config) and (pp > 1 or sp > 1):
+        raise ConfigError(f"model.path: a vision-language model ({hf_config.model_type}) trains with dp and tp only in "
+                          f"this version (got pp={pp}, sp={sp}); set parallel.pp = parallel.sp = 1")
     if lora and (tp > 1 or pp > 1):
         raise ConfigError(f"model.lora_rank: LoRA needs parallel.tp = parallel.pp = 1 (got tp={tp}, pp={pp}): the TP "
                           f"plans and pipeline cuts address nn.Linear / decoder modules that peft has wrapped; split "

@@ -3,6 +3,10 @@
 Data: jsonl or parquet rows ``{"prompt": chat messages or string, "response": str}``; a
 multi-turn tool-use demonstration has a list of assistant / tool messages as its response
 (:mod:`rlhf.agent.demos`), tokenised exactly as the agent loop builds a trajectory.
+A vision-language ``model.path`` (Qwen2-VL / Qwen2.5-VL / Qwen3-VL with its processor) reads the rows'
+images (``sft.image_key``, verl's multimodal schema: one ``<image>`` placeholder per image in the
+prompt); each example keeps its ``pixel_values`` / ``image_grid_thw`` and the forwards run the vision
+tower (trained unless ``model.freeze_vision_tower``) as the RL trainer's do.
 Loss: cross-entropy on response tokens (and the closing EOS) only, never on tool results,
 normalised by the global number of such tokens of the batch, so it is independent of the dp size.
 
@@ -19,22 +23,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import pyarrow.parquet as pq
 import torch
 
 from rlhf.config.checks import check_logger
 from rlhf.data.dataset import DataError
+from rlhf.data.multimodal import collate_multi_modal
 from rlhf.data.loader import PromptLoader
 from rlhf.models.fsdp import grad_scale
-from rlhf.models.loading import check_model_dir, load_causal_lm, load_tokenizer
+from rlhf.models.loading import check_model_dir, load_causal_lm, load_tokenizer, vision_tower
 from rlhf.models.logprobs import forward_log_probs
 from rlhf.models.lora import apply_lora
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallel import ParallelDims, all_reduce_sum, init_distributed
 from rlhf.models.parallelize import parallelize_model
+from rlhf.models.vlm import dummy_image_forward
 from rlhf.ops.metrics import MetricsLogger
 from rlhf.schema.config import ConfigError, ModelConfig, ParallelConfig, _f
 from rlhf.train.checkpoint import export_hf
@@ -46,6 +54,7 @@ class SFTSettings:
     train_files: str = _f("", "jsonl/parquet with prompt + response columns.")
     prompt_key: str = _f("prompt", "Prompt column (chat messages or string).")
     response_key: str = _f("response", "Response column: a string, or a list of assistant / tool messages.")
+    image_key: str = _f("images", "Images column of a vision-language model's rows (verl: data.image_key).")
     tool_config_path: str = _f("", "Tools (rollout.multi_turn.tool_config_path's file) listed in the prompt by the "
                                    "chat template, as the RL prompts list them; empty = none.")
     max_length: int = _f(256, "Prompt + response tokens; longer rows are skipped and counted.")
@@ -115,11 +124,13 @@ def _read_rows(path: str) -> list:
     return rows
 
 
-Example = tuple[list[int], list[int], list[int]]  # prompt ids, response ids, loss mask over the response
+# prompt ids, response ids, loss mask over the response[, the prompt's images (None or absent: text only)]
+Example = tuple[list[int], list[int], list[int], Optional[dict]]
 
 
-def tokenize_sft(rows: list, tokenizer, s: SFTSettings) -> tuple[list[Example], dict]:
-    """(prompt_ids, response_ids + eos, loss mask) per usable row; bad or too-long rows skipped and counted."""
+def tokenize_sft(rows: list, tokenizer, s: SFTSettings, processor=None) -> tuple[list[Example], dict]:
+    """(prompt_ids, response_ids + eos, loss mask, images) per usable row; bad or too-long rows skipped
+    and counted. With a VLM's ``processor`` a row's images expand its ``<image>`` placeholders."""
     out, bad, too_long = [], 0, 0
     tools, obs_format = None, None
     if s.tool_config_path:
@@ -140,6 +151,15 @@ def tokenize_sft(rows: list, tokenizer, s: SFTSettings) -> tuple[list[Example], 
                 p_ids = p_ids["input_ids"]
         else:
             p_ids = tokenizer.encode("\n".join(m["content"] for m in prompt))
+        mm = None
+        if processor is not None and row.get(s.image_key):
+            try:
+                text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, tools=tools) \
+                    if tokenizer.chat_template else "\n".join(m["content"] for m in prompt)
+                p_ids, mm = prompt_images(processor, text, row[s.image_key], s.train_files)
+            except ValueError:
+                bad += 1
+                continue
         if isinstance(response, str):
             r_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
             r_mask = [1] * len(r_ids)
@@ -156,21 +176,29 @@ def tokenize_sft(rows: list, tokenizer, s: SFTSettings) -> tuple[list[Example], 
         if len(p_ids) + len(r_ids) > s.max_length:
             too_long += 1
             continue
-        out.append((list(p_ids), r_ids, r_mask))
+        out.append((list(p_ids), r_ids, r_mask, mm))
     if not out:
         raise DataError(f"sft.train_files: no usable rows ({bad} malformed, {too_long} longer than sft.max_length)")
     return out, {"n_rows": len(rows), "n_malformed": bad, "n_too_long": too_long, "n_loaded": len(out)}
 
 
+def prompt_images(processor, prompt_text: str, images: list, data_file: str) -> tuple[list[int], dict]:
+    """Ids and processor inputs of a templated prompt whose ``<image>`` placeholders are ``images``."""
+    from rlhf.data.multimodal import decode_image, expand_placeholders, process_images
+
+    pics = [decode_image(x, Path(data_file).parent) for x in images]
+    return process_images(processor, expand_placeholders(prompt_text, len(pics)), pics)
+
+
 def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, ...]:
     """The RL trainer's layout: left-padded prompts then right-padded responses, ``input_ids`` and
     ``attention_mask [B, P + R]``, and the loss mask of the responses ``[B, R]`` (0 on tool results)."""
-    P = max(len(p) for p, _, _ in examples)
-    R = max(len(r) for _, r, _ in examples)
+    P = max(len(e[0]) for e in examples)
+    R = max(len(e[1]) for e in examples)
     ids = torch.full((len(examples), P + R), pad_id, dtype=torch.long)
     attn = torch.zeros((len(examples), P + R), dtype=torch.long)
     loss_mask = torch.zeros((len(examples), R), dtype=torch.float32)
-    for i, (p, r, m) in enumerate(examples):
+    for i, (p, r, m) in enumerate(e[:3] for e in examples):
         ids[i, P - len(p):P], ids[i, P:P + len(r)] = torch.tensor(p), torch.tensor(r)
         attn[i, P - len(p):P + len(r)] = 1
         loss_mask[i, :len(r)] = torch.tensor(m, dtype=torch.float32)
@@ -185,7 +213,11 @@ def sft_loss(model: torch.nn.Module, examples: list[Example], pad_id: int, n_tok
     project to the vocabulary only where a response token is predicted."""
     ids, attn, mask = (t.to(device) for t in collate(examples, pad_id))
     forward = packed_forward_log_probs if packed else forward_log_probs
-    log_probs, _ = forward(model, ids, attn, response_length=mask.shape[1])
+    mm = collate_multi_modal([e[3] if len(e) > 3 else None for e in examples])
+    # a VLM micro-batch without images runs the tower on a dummy one: its FSDP2 collectives stay in step
+    ctx = dummy_image_forward(model, device) if mm is None and vision_tower(model) is not None else nullcontext()
+    with ctx:
+        log_probs, _ = forward(model, ids, attn, response_length=mask.shape[1], multi_modal=mm)
     return -(log_probs * mask).sum() / n_tok
 
 
@@ -200,16 +232,33 @@ def _setup(cfg: SFTConfig) -> tuple:
     check_model_dir(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
                                key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
-    data, stats = tokenize_sft(_read_rows(cfg.sft.train_files), tokenizer, cfg.sft)
+    processor = sft_processor(cfg.model)
+    data, stats = tokenize_sft(_read_rows(cfg.sft.train_files), tokenizer, cfg.sft, processor)
     if env.is_main:
         print(f"[rlhf.train.sft] data: {stats}; layout dp={dims.dp} world={env.world_size} device={env.device}", flush=True)
-    return env, dims, mesh, tokenizer, data
+    return env, dims, mesh, processor or tokenizer, data
+
+
+def sft_processor(m: ModelConfig):
+    """The processor of a vision-language ``model.path`` (its rows' images are then read), else None."""
+    from rlhf.models.loading import model_config
+    from rlhf.models.mrope import is_vlm_config
+    from rlhf.models.processor import load_processor
+
+    if not is_vlm_config(model_config(m.path, m.trust_remote_code)):
+        return None
+    return load_processor(m.path, m.trust_remote_code)
 
 
 def _build_model(cfg: SFTConfig, mesh, device: torch.device) -> torch.nn.Module:
     m = cfg.model
     model = load_causal_lm(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
                            trust_remote_code=m.trust_remote_code, deferred=m.lora_rank == 0)
+    if m.freeze_vision_tower:
+        visual = vision_tower(model)
+        if visual is None:
+            raise ConfigError(f"model.freeze_vision_tower: {m.path} has no vision tower")
+        visual.requires_grad_(False)
     if m.lora_rank > 0:  # only the adapters are trainable, so only they get gradients and optimizer state
         try:
             model = apply_lora(model, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=m.target_modules)
@@ -222,7 +271,7 @@ def _build_model(cfg: SFTConfig, mesh, device: torch.device) -> torch.nn.Module:
 
 def run_sft(cfg: SFTConfig, *, dry_run: bool = False) -> dict:
     """Train and export; with ``dry_run`` stop after the checks of :func:`_setup` (nothing written)."""
-    env, dims, mesh, tokenizer, data = _setup(cfg)
+    env, dims, mesh, tokenizer, data = _setup(cfg)  # a VLM's processor in place of its tokenizer (exported)
     if dry_run:
         return {}
     dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
@@ -240,16 +289,17 @@ def run_sft(cfg: SFTConfig, *, dry_run: bool = False) -> dict:
                            experiment="sft", console_keys=("sft/loss", "sft/grad_norm", "sft/lr"),
                            config=dataclasses.asdict(cfg))
     model.train()
+    pad_id = getattr(tokenizer, "tokenizer", tokenizer).pad_token_id
     last = {}
     for step in range(1, total + 1):
         examples = [data[i] for i in loader.shard(loader.next_batch(), dp_rank, dims.dp)]
-        n_tok = all_reduce_sum(torch.tensor(float(sum(sum(m) for _, _, m in examples)), dtype=torch.float64,
+        n_tok = all_reduce_sum(torch.tensor(float(sum(sum(e[2]) for e in examples)), dtype=torch.float64,
                                             device=env.device), dp_group)
         opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         mbs = cfg.sft.micro_batch_size_per_gpu
         for s in range(0, len(examples), mbs):
-            loss = sft_loss(model, examples[s:s + mbs], tokenizer.pad_token_id, n_tok, env.device,
+            loss = sft_loss(model, examples[s:s + mbs], pad_id, n_tok, env.device,
                             packed=cfg.model.use_remove_padding)
             (loss * grad_scale(mesh["dp"])).backward()
             loss_sum += loss.detach().double()

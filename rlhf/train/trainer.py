@@ -44,7 +44,7 @@ from rlhf.rollout.reshard import RolloutLayout
 from rlhf.config.checks import check_startup
 from rlhf.schema.config import Config, ConfigError
 from rlhf.train.evaluation import flat_metrics, generation_rows, rollout_rows, score_batch, summarize, val_sampling
-from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch
+from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch, vlm_processor
 from rlhf.train.async_rl.staleness import skips_old_log_prob_pass, uses_rollout_log_probs as rollout_lp
 from rlhf.train.regroup import regroup_rows
 from rlhf.train.rollout_corr import apply_rollout_correction
@@ -570,7 +570,9 @@ class RLTrainer:
                 self.save()
         summary = self.summarize(first_val, last)
         if self.cfg.checkpoint.export_hf:
-            export_hf(self.actor.model, self.tokenizer, str(self.out_dir / "hf_export"), group=self.group)
+            # a VLM's processor (its tokenizer included): the export loads with AutoProcessor
+            export_hf(self.actor.model, vlm_processor(self.cfg) or self.tokenizer, str(self.out_dir / "hf_export"),
+                      group=self.group)
         self.close()
         return summary
 

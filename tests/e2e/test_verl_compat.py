@@ -1,4 +1,5 @@
-"""verl's published GSM8K PPO quickstart and GRPO example command lines dry-run unchanged.
+"""verl's published GSM8K PPO quickstart and GRPO example command lines (and its Qwen2.5-VL geo3k one)
+dry-run unchanged.
 
 The arguments are in tests/fixtures/*.args exactly as verl publishes them (paths included):
 ``$HOME/data/gsm8k/*.parquet`` is made to exist (the tiny addition task) and the hub names
@@ -57,7 +58,23 @@ def verl_home(tmp_path_factory) -> Path:
                          num_kv_heads=heads, intermediate_size=64, max_positions=32768)
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text("c0ffee")
+    _geo3k_assets(home)
     return home
+
+
+def _geo3k_assets(home: Path) -> None:
+    """verl's geo3k example: image rows in verl's multimodal schema (the shapes task) and a tiny Qwen2.5-VL
+    (heads 4, kv heads 2: the example's rollout tp 2 divides them) under Qwen/Qwen2.5-VL-7B-Instruct."""
+    from rlhf.data.shapes import make_shapes_task
+    from rlhf.models.tiny_vlm import write_tiny_vlm
+
+    data = home / "data" / "geo3k"
+    make_shapes_task(data, n_train=512, n_val=8, n_sft=0)  # the example takes 512 prompts a step
+    shutil.copy(data / "val.parquet", data / "test.parquet")
+    repo = home / "hub" / "models--Qwen--Qwen2.5-VL-7B-Instruct"
+    write_tiny_vlm(str(repo / "snapshots" / "c0ffee"), max_positions=32768)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
 
 
 def _with_tools_kwargs(path: Path) -> None:
@@ -135,6 +152,16 @@ def test_verl_multiturn_example_dry_runs(verl_home):
     ported with per-sample kwargs) dry-runs unchanged."""
     out = _dry_run("verl_gsm8k_multiturn.args", verl_home)
     assert "[verl] actor_rollout_ref.rollout.multi_turn.enable=True -> rollout.multi_turn.enable=True" in out
+    assert "dry run OK" in out
+
+
+def test_verl_geo3k_vlm_example_dry_runs(verl_home):
+    """Issue 37: verl's Qwen2.5-VL geo3k GRPO example (images column, rollout tp 2 on 8 GPUs) dry-runs
+    unchanged: the processor reads every row's image and the planner sizes the language model."""
+    out = _dry_run("verl_grpo_geo3k_qwen2_5_vl_7b.args", verl_home, rows=512)
+    assert "[verl] actor_rollout_ref.rollout.tensor_model_parallel_size=2 -> rollout.tp=2" in out
+    assert "[verl] data.image_key='images' -> data.image_key='images'" in out
+    assert "planning for 8; run it with torchrun --nnodes=1 --nproc_per_node=8" in out
     assert "dry run OK" in out
 
 

@@ -1,7 +1,8 @@
 """GRPO end to end on a tiny random Qwen2.5-VL with images in verl's schema (1 CPU process): the
 built-in sampler runs the vision tower and M-RoPE, and its log-probs equal the trainer's recomputed
 ones on image prompts (``rollout/logprob_diff_max``: a sampler that ignored the images, or placed
-them at the wrong rotary positions, would be off by ~1e-1)."""
+them at the wrong rotary positions, would be off by ~1e-1). The same run's HF export and its checkpoint
+exported offline load in transformers with the processor, and ``python -m rlhf.eval`` samples with images."""
 
 from __future__ import annotations
 
@@ -39,18 +40,64 @@ def _assets(root):
     (root / "reward.py").write_text(REWARD)
 
 
-def test_vlm_grpo_steps_run_on_the_sampler_with_images(tmp_path):
+@pytest.fixture(scope="module")
+def vlm_run(tmp_path_factory):
+    """One 2-step GRPO run (checkpoint at step 2, HF export at the end) shared by the tests below."""
+    tmp_path = tmp_path_factory.mktemp("vlm_grpo")
     _assets(tmp_path)
     args = {"model.path": tmp_path / "model", "data.train_files": tmp_path / "train.parquet", "data.val_files": "",
             "data.max_prompt_length": 48, "data.max_response_length": 8, "data.train_batch_size": 4,
             "rollout.n": 2, "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size_per_gpu": 4,
             "actor.lr": 1e-3, "trainer.device": "cpu", "trainer.output_dir": tmp_path / "out",
-            "trainer.total_training_steps": 2, "checkpoint.export_hf": False,
+            "trainer.total_training_steps": 2, "checkpoint.save_freq": 2,
             "reward.reward_fn": f"{tmp_path / 'reward.py'}:char_parity", "reward.num_workers": 0}
     r = run_script("train_grpo.py", [f"{k}={v}" for k, v in args.items()])
     assert r.returncode == 0, r.stderr[-3000:]
+    return tmp_path
+
+
+def test_vlm_grpo_steps_run_on_the_sampler_with_images(vlm_run):
+    tmp_path = vlm_run
     steps = train_steps(tmp_path / "out" / "metrics.jsonl")
     assert sorted(steps) == [1, 2]
     for m in steps.values():
         assert m["rollout/logprob_diff_max"] < 1e-4, m["rollout/logprob_diff_max"]
         assert m["rollout/tokens_generated"] > 0 and m["actor/grad_norm"] > 0
+
+
+def test_vlm_export_and_eval(vlm_run, tmp_path):
+    """The run's HF export and ``python -m rlhf.checkpoint export`` of its checkpoint load in transformers
+    with their processor and hold the same trained weights; ``python -m rlhf.eval`` samples with images."""
+    import json
+    import subprocess
+    import sys
+
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from rlhf.export import export_checkpoint
+    from rlhf.models.processor import load_processor
+    from tests.e2e.conftest import ROOT
+
+    run = vlm_run
+    ckpt = run / "out" / "checkpoints" / "global_step_2"
+    exported = export_checkpoint(ckpt, tmp_path / "from_ckpt")
+    init = dict(AutoModelForImageTextToText.from_pretrained(run / "model").named_parameters())
+    models = [dict(AutoModelForImageTextToText.from_pretrained(d).named_parameters())
+              for d in (run / "out" / "hf_export", exported)]
+    for name, p in models[0].items():
+        torch.testing.assert_close(models[1][name], p, rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(p, init[n]) for n, p in models[0].items() if n.startswith("model.visual."))
+    for d in (run / "out" / "hf_export", exported):
+        assert AutoImageProcessor.from_pretrained(d).merge_size == 2
+        proc = load_processor(str(d))
+        out = proc(text=["<|user|><|vision_start|><|image_pad|><|vision_end|>?"],
+                   images=[Image.new("RGB", (16, 16))], return_tensors="pt")
+        assert out["image_grid_thw"].tolist() == [[1, 4, 4]]  # 16 px / patch 4: the tiny model's processor
+    r = subprocess.run([sys.executable, "-m", "rlhf.eval", "--model", str(ckpt), "--data",
+                        str(run / "train.parquet"), "--max-new-tokens", "4", "--max-prompt-length", "48",
+                        "--reward", f"{run / 'reward.py'}:char_parity", "--reward-workers", "0", "--device", "cpu",
+                        "--out", str(tmp_path / "eval")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and sum("<|image_pad|>" in row["prompt"] for row in rows) == 3
