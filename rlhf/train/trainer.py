@@ -45,6 +45,7 @@ from rlhf.config.checks import check_startup
 from rlhf.schema.config import Config, ConfigError
 from rlhf.train.evaluation import flat_metrics, generation_rows, rollout_rows, score_batch, summarize, val_sampling
 from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch, vlm_processor
+from rlhf.train.async_rl import training_side
 from rlhf.train.async_rl.staleness import skips_old_log_prob_pass, uses_rollout_log_probs as rollout_lp
 from rlhf.train.regroup import regroup_rows
 from rlhf.train.rollout_corr import apply_rollout_correction
@@ -126,20 +127,8 @@ class RLTrainer:
                                     rank=self.env.rank, config=cfg.to_dict())
         self.global_step = 0
         self._streamed = None  # (StreamingScores, local rows) of the last generate, collected by score()
-        self.offpolicy = None  # trainer.mode one_step_off: the training side of the pipeline
-        if roles is not None and cfg.trainer.mode == "fully_async":
-            from rlhf.train.async_rl.fully_async import FullyAsync
-
-            self.offpolicy = FullyAsync(roles, cfg, device=self.device, dtype=self.rollout.dtype,
-                                        total_steps=self.total_steps, dp_rank=self.dp_rank, dp=self.dims.dp,
-                                        dp_group=self.dp_group)
-        elif roles is not None:
-            from rlhf.train.async_rl.pipeline import OneStepOff
-
-            self.offpolicy = OneStepOff(roles, device=self.device, dtype=self.rollout.dtype, rollout_tp=cfg.rollout.tp,
-                                        lora=cfg.model.lora_rank > 0, total_steps=self.total_steps,
-                                        stop_after_steps=cfg.trainer.stop_after_steps,
-                                        tis_cap=cfg.actor.tis_imp_ratio_cap, dp_group=self.dp_group)
+        # trainer.mode one_step_off / fully_async: the training side of the exchange with the rollout role
+        self.offpolicy = None if roles is None else training_side(roles, cfg, self)
 
     # ------------------------------------------------------------------ setup helpers
 

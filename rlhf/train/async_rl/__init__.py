@@ -58,3 +58,21 @@ def run_async(cfg: Config, trainer_factory: Callable, *, dry_run: bool = False):
     if not dry_run:
         trainer.fit()
     return trainer
+
+
+def training_side(roles, cfg: Config, trainer):
+    """The training role's end of the exchange with the rollout role, for ``trainer`` (an RLTrainer
+    whose mesh, rollout dtype and step count are set): one_step_off's :class:`OneStepOff` or
+    fully_async's :class:`FullyAsync`."""
+    if cfg.trainer.mode == "fully_async":
+        from rlhf.train.async_rl.fully_async import FullyAsync
+
+        return FullyAsync(roles, cfg, device=trainer.device, dtype=trainer.rollout.dtype,
+                          total_steps=trainer.total_steps, dp_rank=trainer.dp_rank, dp=trainer.dims.dp,
+                          dp_group=trainer.dp_group)
+    from rlhf.train.async_rl.pipeline import OneStepOff
+
+    return OneStepOff(roles, device=trainer.device, dtype=trainer.rollout.dtype, rollout_tp=cfg.rollout.tp,
+                      lora=cfg.model.lora_rank > 0, total_steps=trainer.total_steps,
+                      stop_after_steps=cfg.trainer.stop_after_steps, tis_cap=cfg.actor.tis_imp_ratio_cap,
+                      dp_group=trainer.dp_group)
