@@ -132,6 +132,8 @@ class Sampler:
             they are fused, so the unfused ones die on the way (peak ~1x + one layer).
         free_memory: ``device -> free bytes`` for ``gpu_memory_utilization`` (default on CUDA: empty
             the caching allocator's cache, then ``torch.cuda.mem_get_info``).
+        speculative: ``rollout.speculative`` settings (``enable``, ``num_draft_tokens``, ``ngram_min`` /
+            ``ngram_max``, ``sources``): n-gram drafts verified in one forward (``rlhf.rollout.speculative``).
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class Sampler:
         reload_in_place: bool = False,
         consume_weights: bool = False,
         free_memory: Callable[[torch.device], int] | None = None,
+        speculative: Any = None,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -206,6 +209,7 @@ class Sampler:
         # static decode shapes: all slots, bucketed windows (what a CUDA graph needs; also
         # runnable on CPU, which is how the static path is tested without a GPU)
         self.static_shapes = use_cuda_graph
+        self.speculative = speculative  # rollout.speculative (rlhf.rollout.speculative); None = off
         self.tp_group = tp_group
         self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
         self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype,
