@@ -157,3 +157,12 @@ def test_config_and_global_metrics():
     out = global_rollout_stats(local, None, speculative=True)
     assert out["spec_acceptance_rate"] == 0.4 and out["spec_tokens_per_forward"] == 1.5
     assert "spec_acceptance_rate" not in global_rollout_stats(local, None)
+
+
+def test_sliding_window_and_softcap_model_same_tokens_with_speculation():
+    """Gemma 2 (4-token sliding window, soft-capped attention and logits): the verify forward's masks."""
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=16, seed=1)
+    off = _sampler("gemma2").generate(PROMPTS[:3], params)
+    on = _sampler("gemma2", speculative=SPEC).generate(PROMPTS[:3], params)
+    _same(off, on)
+    assert on.stats["spec_accepted"] > 0
