@@ -57,13 +57,15 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--drafts", type=int, default=4, help="rollout.speculative.num_draft_tokens")
     ap.add_argument("--quickstarts", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--override", nargs="*", default=[], help="more overrides of both runs (e.g. rollout.speculative.ngram_min=2)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_speculative_"))
-    result: dict = {"steps": args.steps, "nproc": args.nproc, "drafts": args.drafts}
+    result: dict = {"steps": args.steps, "nproc": args.nproc, "drafts": args.drafts, "override": args.override}
     for name in args.quickstarts:
         fig = {}
         for on in (False, True):
-            over = [f"rollout.speculative.enable={str(on).lower()}", f"rollout.speculative.num_draft_tokens={args.drafts}"]
+            over = [f"rollout.speculative.enable={str(on).lower()}",
+                    f"rollout.speculative.num_draft_tokens={args.drafts}", *args.override]
             rows = run(CONFIGS[name], args.steps, args.nproc, tmp / f"{name}_{'on' if on else 'off'}", over)
             fig["on" if on else "off"] = {k.split("/")[1]: median(rows, k) for k in KEYS}
         off, on = fig["off"], fig["on"]

@@ -49,25 +49,31 @@ from rlhf.rollout.sampling import SamplingParams, sample_next
 SPEC_STATS = ("spec_drafted", "spec_accepted", "spec_forwards", "spec_decode_tokens", "spec_slot_steps")
 
 
-def verify_tokens(logits: Tensor, drafts: Tensor, params: SamplingParams,
-                  u: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def verify_tokens(logits: Tensor, drafts: Tensor, params: SamplingParams, u: Optional[Tensor],
+                  valid: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Speculative acceptance of deterministic drafts (see the module docstring for the rule).
 
     Args:
         logits: ``[B, K + 1, V]`` float32, the target's logits at each drafted position (column
-            ``j``: after the drafts ``< j``).
+            ``j``: after the drafts ``< j``); with ``valid``, ``[T, V]``: only the valid columns'.
         drafts: ``[B, K]`` int64 draft tokens; -1 (never sampled) ends a shorter draft.
         params: the sampling settings (greedy when ``temperature == 0``).
         u: ``[B, K + 1]`` float32 uniforms in (0, 1] of the positions (None for greedy).
+        valid: ``[B, K + 1]`` bool, the columns that were computed (each row's draft + 1).
     Returns:
-        ``tokens`` ``[B, K + 1]`` the target's draw at each column, ``log_probs`` ``[B, K + 1]``
-        (``sample_next``'s: the temperature-scaled, untruncated log-probs) and ``emitted`` ``[B]``
-        in ``[1, K + 1]``: the tokens ``tokens[:, :emitted]`` are the output (accepted drafts, then
-        the correction or bonus token).
+        ``tokens`` ``[B, K + 1]`` the target's draw at each column (-2 off ``valid``), ``log_probs``
+        ``[B, K + 1]`` (``sample_next``'s: the temperature-scaled, untruncated log-probs) and
+        ``emitted`` ``[B]`` in ``[1, K + 1]``: the tokens ``tokens[:, :emitted]`` are the output
+        (accepted drafts, then the correction or bonus token).
     """
-    b, c, v = logits.shape
-    tok, logp = sample_next(logits.reshape(b * c, v), params, None if u is None else u.reshape(-1))
-    tok, logp = tok.view(b, c), logp.view(b, c)
+    b, c = drafts.shape[0], drafts.shape[1] + 1
+    if valid is None:
+        valid = torch.ones((b, c), dtype=torch.bool, device=drafts.device)
+        logits = logits.reshape(b * c, -1)
+    uv = None if u is None else u[valid]
+    tok_v, logp_v = sample_next(logits, params, uv)
+    tok = torch.full((b, c), -2, dtype=torch.int64, device=drafts.device).masked_scatter_(valid, tok_v)
+    logp = torch.zeros((b, c), dtype=logp_v.dtype, device=drafts.device).masked_scatter_(valid, logp_v)
     accepted = (tok[:, :-1] == drafts).long().cumprod(dim=1).sum(dim=1)  # leading matches
     return tok, logp, accepted + 1
 
@@ -152,14 +158,15 @@ class Speculator:
             return False
         dev = seq.device
         steps_k = torch.arange(k + 1, device=dev)
-        drafts = torch.where(steps_k[:k] < torch.tensor(klen, device=dev)[:, None], drafts[:, :k], -1)
+        valid = steps_k < torch.tensor(klen, device=dev)[:, None] + 1  # [B, K + 1]: the token, then the draft
+        drafts = torch.where(valid[:, 1:], drafts[:, :k], -1)
         tokens = torch.cat((sl.token[:b, None], drafts.clamp(min=0)), dim=1)  # [B, K + 1]
         pos = (sl.pos[:b, None] + steps_k).clamp(max=s.max_seq_len - 1)
-        window = min(s.max_seq_len, max(run.pos_base[:b]) + run.stats["decode_steps"] + k + 1)
-        logits = verify(s.spec, s.weights, run.cache, tokens, pos, window, s.cos, s.sin, s.tp_group)
+        window = min(s.max_seq_len, max(p + q for p, q in zip(run.pos_base[:b], klen)) + run.stats["decode_steps"] + 1)
+        logits = verify(s.spec, s.weights, run.cache, tokens, pos, valid, window, s.cos, s.sin, s.tp_group)
         cols = gen[:, None] + steps_k  # response positions of the columns
         u = None if sl.u is None else sl.u[:b].gather(1, cols.clamp(max=R - 1))
-        tok, logp, emitted = verify_tokens(logits, drafts, params, u)
+        tok, logp, emitted = verify_tokens(logits, drafts, params, u, valid)
         emitted = torch.minimum(emitted, R - gen)
         stopped = self._stops(tok, emitted, b)
         emitted = torch.where(stopped.any(1), stopped.int().argmax(1) + 1, emitted)  # up to the first stop
