@@ -130,16 +130,13 @@ def test_sampler_same_tokens_and_logprobs_with_speculation(case):
         assert on.stats["preemptions"] > 0 and on.stats["kv_shared_blocks"] > 0
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_multi_turn_parking_same_trajectories_with_speculation(temperature):
-    params = dataclasses.replace(TURN_PARAMS, temperature=temperature)
+def test_multi_turn_parking_same_trajectories_with_speculation():
+    params = dataclasses.replace(TURN_PARAMS, temperature=1.0)
     kw = dict(kv_cache_tokens=96, max_num_seqs=6)
     off = _sampler(**kw).generate(PROMPTS, params, turns=FakeTool(delay=1))
     on = _sampler(speculative=SPEC, **kw).generate(PROMPTS, params, turns=FakeTool(delay=1))
     _same(off, on)
-    assert on.stats["turns"] > 4 and on.stats["spec_accepted"] > 0
-    if temperature:
-        assert on.stats["parked_preemptions"] > 0
+    assert on.stats["turns"] > 4 and on.stats["spec_accepted"] > 0 and on.stats["parked_preemptions"] > 0
 
 
 def test_config_and_global_metrics():
