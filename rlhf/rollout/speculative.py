@@ -30,7 +30,8 @@ Cache: the blocks for a sequence's drafted positions are taken from the free lis
 under pressure the draft shrinks to the blocks the sequence owns (speculation never preempts).
 
 Not applied (plain decode runs) with CUDA graphs (static decode shapes) and vision-language models
-(their rotary positions); drafts shorter than ``K`` are padded per step to the longest one.
+(their rotary positions). The verify forward computes each sequence's own drafted tokens only.
+Sampled at temperature 1 on the CPU quickstarts it does not pay yet (docs/benchmarks.md): off by default.
 """
 
 from __future__ import annotations
