@@ -35,6 +35,12 @@ def validate(cfg: Config) -> None:
         need(mt.max_tool_response_length >= 1, "rollout.multi_turn.max_tool_response_length", "must be >= 1")
         need(mt.num_workers >= 0, "rollout.multi_turn.num_workers", "must be >= 0 (0 = in-process)")
         need(mt.tool_timeout_s > 0, "rollout.multi_turn.tool_timeout_s", "must be > 0 seconds")
+    sp = cfg.rollout.speculative
+    need(sp.num_draft_tokens >= 1, "rollout.speculative.num_draft_tokens", f"must be >= 1, got {sp.num_draft_tokens}")
+    need(1 <= sp.ngram_min <= sp.ngram_max, "rollout.speculative.ngram_min",
+         f"must be in [1, ngram_max={sp.ngram_max}], got {sp.ngram_min}")
+    need(bool(sp.sources) and set(sp.sources) <= {"siblings", "self"}, "rollout.speculative.sources",
+         f"must be a non-empty list of 'siblings', 'self', got {sp.sources}")
     need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
     need(cfg.actor.ppo_mini_batch_size > 0, "actor.ppo_mini_batch_size", "must be > 0")
     need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",

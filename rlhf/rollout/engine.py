@@ -25,6 +25,7 @@ from rlhf.models.lora import merged_weights_for_rollout
 from rlhf.rollout.exchange import exchange_rows
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
+from rlhf.rollout.speculative import SPEC_STATS, derived_stats
 from rlhf.rollout.turns import TurnHandler
 from rlhf.schema.batch import PromptBatch, RolloutBatch
 from rlhf.schema.config import RolloutConfig
@@ -63,12 +64,12 @@ _MAX_STATS = ("seconds", "prefill_s", "decode_s", "num_slots", "kv_cache_bytes",
 
 
 def global_rollout_stats(local: dict[str, float], group: Optional[dist.ProcessGroup],
-                         multi_turn: bool = False) -> dict[str, float]:
+                         multi_turn: bool = False, speculative: bool = False) -> dict[str, float]:
     """One replica's sampler stats -> the rollout's: counts summed over the replicas in ``group`` (one rank
     per replica), times and cache sizes their maximum, ``tokens_per_s`` = all tokens / the slowest replica,
     ``slot_utilisation`` the replicas' mean. A replica with no prompts (empty ``local``) contributes zeros;
     the keys are fixed, so every replica takes part in the same two all-reduces."""
-    summed_keys = _SUMMED_STATS + (MULTI_TURN_STATS if multi_turn else ())
+    summed_keys = _SUMMED_STATS + (MULTI_TURN_STATS if multi_turn else ()) + (SPEC_STATS if speculative else ())
     summed = torch.tensor([float(local.get(k, 0.0)) for k in summed_keys + ("slot_utilisation",)]
                           + [float(bool(local))], dtype=torch.float64)
     maxed = torch.tensor([float(local.get(k, 0.0)) for k in _MAX_STATS], dtype=torch.float64)
@@ -82,6 +83,8 @@ def global_rollout_stats(local: dict[str, float], group: Optional[dist.ProcessGr
     out.update(zip(_MAX_STATS, maxes))
     out["slot_utilisation"] = sums[-2] / max(sums[-1], 1.0)  # mean over the replicas that decoded
     out["tokens_per_s"] = out["tokens_generated"] / out["seconds"] if out["seconds"] > 0 else 0.0
+    if speculative:
+        out.update(derived_stats(out))
     return out
 
 
@@ -177,7 +180,7 @@ class RolloutEngine:
                           kv_cache_bytes=int(self.cfg.kv_cache_memory * 2**30) or None,
                           prefill_tokens=self.cfg.prefill_tokens, tp_group=self.layout.tp_group,
                           use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-                          reload_in_place=keep, consume_weights=consume)
+                          reload_in_place=keep, consume_weights=consume, speculative=self.cfg.speculative)
         if keep:
             self._kept = sampler
         return sampler
@@ -253,7 +256,8 @@ class RolloutEngine:
             stats_local = dict(out.stats) if out is not None else {}
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
             # global over the rollout replicas (one rank each in lay.dp_group), like every logged metric
-            out.stats = global_rollout_stats(stats_local, lay.dp_group if lay.dp > 1 else None, turns is not None)
+            out.stats = global_rollout_stats(stats_local, lay.dp_group if lay.dp > 1 else None, turns is not None,
+                                             self.cfg.speculative.enable)
             mine = prompts.subset(local_rows)
         del sampler
         t2 = time.perf_counter()

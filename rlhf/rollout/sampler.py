@@ -134,6 +134,8 @@ class Sampler:
             the caching allocator's cache, then ``torch.cuda.mem_get_info``).
         cascade_attention: with the default kernel and without CUDA graphs, run a group's shared prompt
             prefix once for its samples' decode queries where it pays (``rlhf.rollout.cascade_attention``).
+        speculative: ``rollout.speculative`` settings (``enable``, ``num_draft_tokens``, ``ngram_min`` /
+            ``ngram_max``, ``sources``): n-gram drafts verified in one forward (``rlhf.rollout.speculative``).
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class Sampler:
         consume_weights: bool = False,
         free_memory: Callable[[torch.device], int] | None = None,
         cascade_attention: bool = True,
+        speculative: Any = None,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -211,6 +214,7 @@ class Sampler:
         # static decode shapes: all slots, bucketed windows (what a CUDA graph needs; also
         # runnable on CPU, which is how the static path is tested without a GPU)
         self.static_shapes = use_cuda_graph
+        self.speculative = speculative  # rollout.speculative (rlhf.rollout.speculative); None = off
         self.tp_group = tp_group
         self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
         self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype,

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from rlhf.models import decoder
+from rlhf.rollout import speculative
 from rlhf.rollout.kv_cache import PagedKVCache
 from rlhf.rollout.sampling import SamplingParams, position_keys, sample_next, sequence_keys, uniforms
 from rlhf.rollout.turns import ParkingLot, TurnHandler
@@ -122,6 +123,7 @@ class GenerateRun:
                       "preemptions": 0, "recomputed_tokens": 0, "peak_blocks": 0, "turns": 0,
                       "observation_tokens": 0, "parked_preemptions": 0,
                       "shared_blocks": 0}
+        self.spec = speculative.for_run(self)  # None unless rollout.speculative is on and applies
 
     # ------------------------------------------------------------------ main loop
 
@@ -428,6 +430,8 @@ class GenerateRun:
         self._compact([slot])
 
     def _decode_step(self) -> None:
+        if self.spec is not None and self.spec.decode_step():  # drafts verified in one forward did the step
+            return
         t0 = time.perf_counter()
         s, b = self.s, self.live
         need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
@@ -469,7 +473,11 @@ class GenerateRun:
         sl.pos[a:b] += 1
         done = gen >= self.R if stopped is None else stopped | (gen >= self.R)
         finished = done.nonzero().squeeze(1)
-        fin = finished.tolist()  # the one host sync of a step
+        self._retire(a, seq, gen, stopped, finished, finished.tolist())  # the one host sync of a step
+
+    def _retire(self, a: int, seq: Tensor, gen: Tensor, stopped: Tensor | None, finished: Tensor,
+                fin: list[int]) -> None:
+        """Finish (or park, at a turn's end) the slots ``a + fin`` (``finished`` on the device) of slots [a, b)."""
         if not fin:
             return
         fs, lens = seq[finished], gen[finished]
@@ -564,6 +572,8 @@ class GenerateRun:
             "recomputed_tokens": float(st["recomputed_tokens"]),
             "kv_shared_blocks": float(st["shared_blocks"]),
         }
+        if self.spec is not None:
+            stats.update(self.spec.stats())
         if self.lot is not None:
             stats["turns"] = float(st["turns"])
             stats["observation_tokens"] = float(st["observation_tokens"])

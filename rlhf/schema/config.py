@@ -102,6 +102,18 @@ class MultiTurnConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    enable: bool = _f(False, "Lossless speculative decoding without a draft model: n-gram drafts from the prompt's "
+                             "other samples and the sequence's own tokens, verified in one forward; the sampled "
+                             "tokens are those of plain decoding (rlhf/rollout/speculative.py).")
+    num_draft_tokens: int = _f(4, "Draft tokens verified per sequence and decode step (vLLM num_speculative_tokens).")
+    ngram_max: int = _f(3, "Longest suffix n-gram looked up for a draft (vLLM prompt_lookup_max).")
+    ngram_min: int = _f(1, "Shortest suffix n-gram looked up for a draft (vLLM prompt_lookup_min).")
+    sources: list = _f(["siblings", "self"], "Where drafts are looked up: siblings (the other samples of the same "
+                                             "prompt), self (the sequence's own prompt, tokens and earlier turns).")
+
+
+@dataclass
 class RolloutConfig:
     n: int = _f(1, "Responses sampled per prompt (group size for GRPO).")
     temperature: float = _f(1.0, "Sampling temperature; 0 = greedy.")
@@ -135,6 +147,8 @@ class RolloutConfig:
                                             "fraction of the device memory free after the rollout weights (verl name).")
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig, metadata={
         "doc": "Tool-using multi-turn rollouts (verl's rollout.multi_turn names)."})
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig, metadata={
+        "doc": "Speculative decoding with n-gram drafts (no draft model); exact: same tokens and log-probs."})
 
 
 @dataclass
