@@ -138,7 +138,8 @@ class ActorConfig:
     lr: float = _f(1e-6, "Peak learning rate (verl actor.optim.lr).")
     router_replay: Literal["none", "R2", "R3"] = _f(
         "none", "MoE routing replay (verl router_replay.mode): R2 = every update forward uses the experts the "
-        "old-log-prob pass chose (gate weights from the live router); R3 (the rollout's routes) is not built yet.")
+        "old-log-prob pass chose (gate weights from the live router); R3 = every trainer forward (old / ref "
+        "log-probs, update) uses the experts the sampler chose for each token.")
     weight_decay: float = _f(0.01, "AdamW weight decay.")
     betas: list = _f([0.9, 0.999], "AdamW betas.")
     lr_warmup_steps: int = _f(-1, "Warmup steps; -1 uses lr_warmup_steps_ratio.")

@@ -44,7 +44,7 @@ from rlhf.models.moe_stats import RouterStats
 from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
-from rlhf.models.router_replay import RouterReplay
+from rlhf.models.router_replay import RouterReplay, build_router_replay
 from rlhf.models.ulysses import check_sp
 from rlhf.models.vlm import dummy_image_forward, padded_inputs
 from rlhf.models.vocab_parallel import log_probs_from_logits
@@ -217,8 +217,8 @@ class PolicyWorker:
         adopt_layout(self, self.parallel, mesh)
         # (not under pp: the schedule splits rows into micro-batches the padding mask cannot follow)
         self.router_stats = _router_stats(self.model, self.hf_config) if trainable and self.pipeline is None else None
-        self.router_replay = _router_replay(self.model, self.hf_config, actor_cfg, self.sp_group) \
-            if trainable and self.pipeline is None else None
+        self.router_replay = _router_replay(self.model, self.hf_config, actor_cfg, self.sp_group, trainable) \
+            if self.pipeline is None else None
         self.optimizer = self.scheduler = None
         self.total_steps = total_steps
         self.entropy_coeff = actor_cfg.entropy_coeff if actor_cfg is not None else 0.0
@@ -300,14 +300,12 @@ class PolicyWorker:
         Without pp: micro-batches of ``micro_batch_size`` rows. With pp: pipelined calls of
         ``micro_batch_size x pp_microbatches`` rows (one pipeline flush per call).
         ``record_routes`` (the old-log-prob pass of a MoE actor): the routers' choices go to
-        ``batch.routes`` (``rlhf.models.router_replay``).
+        ``batch.routes``, unless it holds the rollout's routes, which are replayed (R3) or compared
+        (``rlhf.models.router_replay``).
         """
         self.model.eval()
-        replay = self.router_replay if record_routes else None
-        if replay is not None:
-            n, length = batch.input_ids.shape
-            batch.routes = torch.zeros(n, length, len(replay.slot), replay.top_k, dtype=torch.int16,
-                                       device=batch.input_ids.device)
+        replay = self.router_replay
+        recording = replay is not None and replay.begin_pass(batch, record_routes)
         lps, ents = [], []
         if self.pipeline is not None:
             chunks = list(split_rows(len(batch), micro_batch_size * self.pipeline.n_microbatches))
@@ -322,12 +320,16 @@ class PolicyWorker:
                     temperature=temperature, compute_entropy=False)
                 continue
             mm = {"multi_modal": [batch.multi_modal[i] for i in rows.tolist()]} if batch.multi_modal else {}
-            if replay is not None:
+            if recording:
                 replay.record_into = torch.zeros_like(batch.routes[rows])
+            elif replay is not None:
+                replay.reference = None if batch.routes is None else batch.routes[rows]
             lp, ent = fwd(batch.input_ids[rows], batch.attention_mask[rows], response_length=batch.response_length,
                           temperature=temperature, compute_entropy=compute_entropy, **mm)
-            if replay is not None:
+            if recording:
                 batch.routes[rows], replay.record_into = replay.record_into, None
+            elif replay is not None:
+                replay.reference = None
             lps.append(lp)
             ents.append(ent)
         order = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in chunks])
@@ -524,19 +526,12 @@ def _router_stats(model: torch.nn.Module, hf_config) -> Optional[RouterStats]:
     return RouterStats(model, layers, hf_config.num_experts)
 
 
-def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp) -> Optional[RouterReplay]:
-    """Route recording / replay for a MoE actor (None for a dense model, under sp, or without a config)."""
-    mode = cfg.router_replay if cfg is not None else "none"
-    if mode == "R3":
-        raise ConfigError("actor.router_replay=R3 needs the rollout's routes, which the sampler does not record "
-                          "yet; use R2 (the old-log-prob pass's routes) or none")
-    moe = getattr(hf_config, "model_type", None) == "qwen3_moe" and getattr(hf_config, "num_experts", 0)
-    if cfg is None or not moe or sp is not None:
-        if mode != "none" and sp is not None:
-            raise ConfigError(f"actor.router_replay={mode} is not supported with parallel.sp > 1; set it to none")
-        return None
-    layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
-    return RouterReplay(model, layers, hf_config.num_experts_per_tok, bool(hf_config.norm_topk_prob), mode == "R2")
+def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp, trainable: bool
+                  ) -> Optional[RouterReplay]:
+    try:
+        return build_router_replay(model, hf_config, cfg.router_replay if cfg is not None else "none", sp, trainable)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _needs_entropy(cfg: ActorConfig) -> bool:
