@@ -53,6 +53,7 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.stop_after_steps >= -1, "trainer.stop_after_steps",
          f"must be >= 0 or -1 (off), got {cfg.trainer.stop_after_steps}")
     need(cfg.actor.ppo_epochs >= 1, "actor.ppo_epochs", "must be >= 1")
+    need(cfg.actor.router_aux_loss_coef >= 0, "actor.router_aux_loss_coef", "must be >= 0 (0 = off)")
     a = cfg.actor
     need(a.policy_loss != "dro" or a.dro_beta > 0, "actor.dro_beta",
          "actor.policy_loss 'dro' needs actor.dro_beta > 0 (verl actor.policy_loss.dro_beta); it has no default")

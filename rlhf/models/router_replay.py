@@ -21,6 +21,13 @@ recorded the routes, else update vs old-log-prob pass); over the real tokens of 
 last report (old-log-prob pass and update) of all ranks. Tokens without a recorded route (``-1``: the
 last token of a trajectory, which the sampler never fed) route live and are not counted.
 
+Load-balancing loss (``actor.router_aux_loss_coef``; Switch Transformer eqs. 4-6, transformers'
+``load_balancing_loss_func``): over the ``T`` (token, sparse layer) pairs of one forward, padding
+excluded, ``f_e`` the fraction of top-k assignments to expert ``e`` (the experts used: the replayed ones
+under replay) and ``P_e`` the mean router probability of ``e``::
+
+    aux = E * sum_e f_e * P_e              (1 when balanced; gradients through P only)
+
 Routes are kept in the batch layout, ``routes [N, P+R, S, k]`` int16 (``S`` sparse layers), so any
 micro-batching reads them back: the tokens a forward sees are the rows' real tokens in row-major
 order (padding-free) or every position (padded).
@@ -54,6 +61,23 @@ def replay_route(logits: Tensor, top_k: int, norm_topk_prob: bool, ids: Optional
     return top_w.to(logits.dtype), top_i, live
 
 
+def aux_sums(logits: Tensor, top_i: Tensor, num_experts: int, weight: Optional[Tensor] = None) -> list[Tensor]:
+    """``[assignments per expert [E], router probability sums [E] (differentiable), pairs []]`` of one
+    layer's ``logits [M, E]`` and ``top_i [M, k]``; ``weight [M]`` (0 on padding) or None."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    w = torch.ones(probs.shape[0], dtype=probs.dtype, device=probs.device) if weight is None else weight.to(probs)
+    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device).index_add_(
+        0, top_i.reshape(-1), w.repeat_interleave(top_i.shape[1]))
+    return [counts, (probs * w[:, None]).sum(0), w.sum()]
+
+
+def aux_loss(sums: list[Tensor]) -> Tensor:
+    """The load-balancing loss (module docstring) from :func:`aux_sums` summed over the layers."""
+    counts, probs, pairs = sums
+    pairs = pairs.clamp(min=1)
+    return counts.numel() * ((counts / pairs) * (probs / pairs)).sum()
+
+
 def routes_differ(a: Tensor, b: Tensor) -> Tensor:
     """``[M]`` bool: the top-k sets of ``a`` and ``b`` (``[M, k]``) differ (order within k ignored)."""
     return (a.sort(dim=-1).values != b.to(a.dtype).sort(dim=-1).values).any(dim=-1)
@@ -75,6 +99,8 @@ class RouterReplay:
         self.record_into: Optional[Tensor] = None
         self.reference: Optional[Tensor] = None
         self.counts: Optional[Tensor] = None  # [3] float64: used != recorded, live != recorded, pairs
+        self.pad_mask: Optional[Tensor] = None  # [B, L] of a padded forward (aux loss: padding excluded)
+        self.aux: Optional[list[Tensor]] = None  # aux_sums of the forward being collected (collect_aux)
         for name, mod in model.named_modules():
             m = _GATE.search(name)
             if m is not None and int(m.group(1)) in self.slot:
@@ -108,6 +134,10 @@ class RouterReplay:
                 self.counts = diff if self.counts is None else self.counts + diff.to(self.counts.device)
             if self.record_into is not None:
                 self._store(top_i, s)
+            if self.aux is not None:
+                mask = None if self.pad_mask is None else self.pad_mask.reshape(-1).to(h.device)
+                add = aux_sums(logits, top_i, logits.shape[-1], mask)
+                self.aux = add if not self.aux else [a + b for a, b in zip(self.aux, add)]
             return logits, w, top_i
         return forward
 
@@ -120,6 +150,14 @@ class RouterReplay:
             view = out[:, :, s].reshape(-1, ids.shape[1])  # [B L, k] (a copy: out[:, :, s] is strided)
             view.index_copy_(0, self._index.to(out.device), ids)
             out[:, :, s] = view.view(out.shape[0], out.shape[1], -1)
+
+    def collect_aux(self, on: bool) -> Optional[Tensor]:
+        """Start (``on``) collecting the load-balancing loss of the next forward, or stop and return it
+        (None when nothing was collected). Stopped before the backward, so an activation recompute of
+        the routers adds nothing."""
+        out = aux_loss(self.aux) if self.aux else None
+        self.aux = [] if on else None
+        return out
 
     def begin_pass(self, batch, record: bool) -> bool:
         """Before a forward-only pass over ``batch`` (a ``RolloutBatch``): True when the pass records its

@@ -140,6 +140,9 @@ class ActorConfig:
         "none", "MoE routing replay (verl router_replay.mode): R2 = every update forward uses the experts the "
         "old-log-prob pass chose (gate weights from the live router); R3 = every trainer forward (old / ref "
         "log-probs, update) uses the experts the sampler chose for each token.")
+    router_aux_loss_coef: float = _f(0.0, "MoE load-balancing loss coefficient (transformers' router_aux_loss_coef; "
+                                          "RL recipes keep 0): coef x the mean per-micro-batch aux loss is added "
+                                          "to the policy loss; logged as moe/aux_loss either way.")
     weight_decay: float = _f(0.01, "AdamW weight decay.")
     betas: list = _f([0.9, 0.999], "AdamW betas.")
     lr_warmup_steps: int = _f(-1, "Warmup steps; -1 uses lr_warmup_steps_ratio.")

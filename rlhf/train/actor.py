@@ -217,8 +217,8 @@ class PolicyWorker:
         adopt_layout(self, self.parallel, mesh)
         # (not under pp: the schedule splits rows into micro-batches the padding mask cannot follow)
         self.router_stats = _router_stats(self.model, self.hf_config) if trainable and self.pipeline is None else None
-        self.router_replay = _router_replay(self.model, self.hf_config, actor_cfg, self.sp_group, trainable) \
-            if self.pipeline is None else None
+        self.router_replay = _router_replay(self.model, self.hf_config, actor_cfg, self.sp_group, trainable,
+                                            self.pipeline is not None)
         self.optimizer = self.scheduler = None
         self.total_steps = total_steps
         self.entropy_coeff = actor_cfg.entropy_coeff if actor_cfg is not None else 0.0
@@ -249,6 +249,7 @@ class PolicyWorker:
             self.router_stats.mask = None if self.cfg.use_remove_padding else attention_mask
         if self.router_replay is not None:  # the tokens this forward routes, in the batch layout
             self.router_replay.tokens = attention_mask if self.cfg.use_remove_padding else None
+            self.router_replay.pad_mask = None if self.cfg.use_remove_padding else attention_mask
         mm = collate_multi_modal(multi_modal or [])
         if mm is None and self.is_vlm:  # keeps the tower's FSDP2 collectives in step with ranks that have images
             with dummy_image_forward(self.model, self.device):
@@ -435,6 +436,7 @@ class PolicyWorker:
             mb = mini.select(rows)
             if self.router_replay is not None:
                 self.router_replay.reference = mb.routes
+                self.router_replay.collect_aux(True)
             log_probs, entropy = self.forward_log_probs(mb.input_ids, mb.attention_mask,
                                                         response_length=mb.response_length, temperature=temperature,
                                                         compute_entropy=_needs_entropy(cfg),
@@ -442,6 +444,10 @@ class PolicyWorker:
             loss, parts = self._loss(log_probs, entropy, mb.response_mask, mb.old_log_probs, mb.advantages,
                                      mb.rollout_log_probs, mb.ref_log_probs, cov_select=mb.cov_select,
                                      is_weights=mb.rollout_is_weights, **terms)
+            aux = self.router_replay.collect_aux(False) if self.router_replay is not None else None
+            if aux is not None:  # the mean over the mini-batch's micro-batches of all dp ranks
+                loss = loss + cfg.router_aux_loss_coef * aux / (len(micro_list) * self.grad_scale)
+                metrics.add("moe/aux_loss", aux, 1.0)
             (loss * self.grad_scale).backward()
             step_loss += loss.detach().double()
             w = mb.response_mask.sum()
@@ -526,12 +532,19 @@ def _router_stats(model: torch.nn.Module, hf_config) -> Optional[RouterStats]:
     return RouterStats(model, layers, hf_config.num_experts)
 
 
-def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp, trainable: bool
-                  ) -> Optional[RouterReplay]:
+def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp, trainable: bool, pp: bool
+                   ) -> Optional[RouterReplay]:
+    mode = cfg.router_replay if cfg is not None else "none"
+    if pp and (mode != "none" or (trainable and cfg.router_aux_loss_coef)):
+        raise ConfigError("actor.router_replay / router_aux_loss_coef are not supported with parallel.pp > 1; "
+                          "set them to none / 0")
     try:
-        return build_router_replay(model, hf_config, cfg.router_replay if cfg is not None else "none", sp, trainable)
+        replay = None if pp else build_router_replay(model, hf_config, mode, sp, trainable)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if replay is None and trainable and cfg is not None and cfg.router_aux_loss_coef:
+        raise ConfigError("actor.router_aux_loss_coef > 0 needs a Qwen3-MoE actor without parallel.sp / pp; set it to 0")
+    return replay
 
 
 def _needs_entropy(cfg: ActorConfig) -> bool:
