@@ -106,12 +106,13 @@ def exchange_rows(out: Optional[RolloutOutput], bounds: list[tuple[int, int]], n
     recv_split = torch.bincount(src, minlength=dp).tolist()
     got = []
     for buf in bufs:
-        recv = buf.new_empty((need.numel(), *buf.shape[1:]))
-        dist.all_to_all_single(recv, buf.index_select(0, sent), output_split_sizes=recv_split,
-                               input_split_sizes=send_split, group=group)
+        # as bytes: gloo's all-to-all takes no int16
+        raw = buf.index_select(0, sent).view(torch.uint8) if buf.dtype == torch.int16 else buf.index_select(0, sent)
+        recv = raw.new_empty((need.numel(), *raw.shape[1:]))
+        dist.all_to_all_single(recv, raw, output_split_sizes=recv_split, input_split_sizes=send_split, group=group)
         rows = torch.empty_like(recv)
         rows[order] = recv
-        got.append(rows)
+        got.append(rows.view(buf.dtype))
     return _unpack(got, R, n)
 
 
