@@ -446,7 +446,8 @@ class PolicyWorker:
                                      is_weights=mb.rollout_is_weights, **terms)
             aux = self.router_replay.collect_aux(False) if self.router_replay is not None else None
             if aux is not None:  # the mean over the mini-batch's micro-batches of all dp ranks
-                loss = loss + cfg.router_aux_loss_coef * aux / (len(micro_list) * self.grad_scale)
+                if cfg.router_aux_loss_coef:
+                    loss = loss + cfg.router_aux_loss_coef * aux / (len(micro_list) * self.grad_scale)
                 metrics.add("moe/aux_loss", aux, 1.0)
             (loss * self.grad_scale).backward()
             step_loss += loss.detach().double()
