@@ -142,18 +142,22 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=16, help="global rows per update (divisible by 4)")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--response", type=int, default=192)
+    ap.add_argument("--rounds", type=int, default=1, help="launches per layout, alternating (load drift)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         path = write_model(os.path.join(d, "model"))
-        results = {}
-        for layout in LAYOUTS:
-            out, store = os.path.join(d, f"{layout}.json"), os.path.join(d, f"{layout}.store")
-            mp.spawn(child, args=(4, store, path, layout, args, out), nprocs=4, join=True)
-            results[layout] = json.loads(Path(out).read_text())
-            print(json.dumps(results[layout]), flush=True)
-    ratio = results["ep4"]["tokens_per_s"] / results["tp4"]["tokens_per_s"]
-    mem = max(results["ep4"]["peak_rss_growth_mib_per_rank"]) / max(max(results["tp4"]["peak_rss_growth_mib_per_rank"]), 1e-9)
-    print(f"ep4 / tp4: tokens/s x{ratio:.2f}, peak RSS growth per rank x{mem:.2f}, load {os.getloadavg()[0]:.1f}")
+        for r in range(args.rounds):
+            results = {}
+            for layout in LAYOUTS:
+                out, store = os.path.join(d, f"{layout}{r}.json"), os.path.join(d, f"{layout}{r}.store")
+                mp.spawn(child, args=(4, store, path, layout, args, out), nprocs=4, join=True)
+                results[layout] = json.loads(Path(out).read_text())
+                print(json.dumps({**results[layout], "load": os.getloadavg()[0]}), flush=True)
+            ep, tp = results["ep4"], results["tp4"]
+            ratio = ep["tokens_per_s"] / tp["tokens_per_s"]
+            mem = max(ep["peak_rss_growth_mib_per_rank"]) / max(max(tp["peak_rss_growth_mib_per_rank"]), 1e-9)
+            print(f"round {r}: ep4 / tp4 tokens/s x{ratio:.2f}, peak RSS growth per rank x{mem:.2f}, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":
