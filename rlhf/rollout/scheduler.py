@@ -588,6 +588,6 @@ class GenerateRun:
             stats["observation_tokens"] = float(st["observation_tokens"])
             stats["parked_preemptions"] = float(st["parked_preemptions"])
         return {"response_ids": self.out_ids, "response_mask": mask, "log_probs": self.out_logp,
-                "response_lengths": lengths, "routes": None if self.routes is None else self.routes.ids,
+                "response_lengths": lengths, "routes": None if self.routes is None else self.routes.table(),
                 "truncated": ~self.out_stopped, "prompt_index": torch.arange(N, device=lengths.device) // self.n,
                 "stats": stats}

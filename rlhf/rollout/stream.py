@@ -174,7 +174,7 @@ class StreamRun(GenerateRun):
         out = {"response_ids": self.out_ids[rows], "log_probs": self.out_logp[rows], "versions": self.out_ver[rows],
                "lengths": self.out_len[rows], "truncated": ~self.out_stopped[rows]}
         if self.routes is not None:
-            out["routes"] = self.routes.ids[rows]
+            out["routes"] = self.routes.table()[rows]
         out = {k: v.to("cpu", copy=True) for k, v in out.items()}
         p = self.group_of.pop(g)
         self.free_groups.append(g)

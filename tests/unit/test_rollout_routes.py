@@ -112,3 +112,23 @@ def test_r3_replays_the_rollout_routes(mesh, model_dir):
     metrics = worker.update_policy(batch, mini_batch_rows=8, temperature=1.0, max_response_length=R)
     assert metrics["moe/routing_mismatch"] == 0.0 and metrics["moe/routing_mismatch_live"] >= 0.05, metrics
     assert max(float((gate.weight.full_tensor() - b).abs().max()) for gate, b in zip(gates, before)) > 0
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+def test_route_book_positions_and_staged_writes(on_host):
+    """Columns: the prompt right-aligned to W, the response from W; -1 where nothing was written. The
+    staged (host) book copies its inputs at once: the slot tensors change in place afterwards."""
+    from rlhf.rollout.routes import RouteBook, batch_routes
+
+    book = RouteBook(3, 4, 3, (1, 2), torch.device("cpu"), on_host=on_host)
+    book.start_rows([0, 1], 2)
+    book.start_rows([2], 4)
+    book.write_span(0, 0, torch.tensor([[[1, 2]], [[3, 4]]]))  # prompt of row 0 (positions 0, 1)
+    rows, pos = torch.tensor([0, 2]), torch.tensor([2, 4])
+    book.write_steps(rows, pos, torch.tensor([[[5, 6]], [[7, 0]]]))
+    rows.fill_(1)  # compaction moves slots after the step
+    t = book.table()
+    assert t[0, 2:5, 0].tolist() == [[1, 2], [3, 4], [5, 6]] and t[2, 4, 0].tolist() == [7, 0]
+    assert (t[1] == -1).all() and (t[0, :2] == -1).all()
+    assert batch_routes(t, 4, 6).shape == (3, 9, 1, 2) and (batch_routes(t, 4, 6)[:, :2] == -1).all()
+    assert torch.equal(batch_routes(t, 4, 3), t[:, 1:])
