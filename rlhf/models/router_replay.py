@@ -134,10 +134,13 @@ class RouterReplay:
                 self.counts = diff if self.counts is None else self.counts + diff.to(self.counts.device)
             if self.record_into is not None:
                 self._store(top_i, s)
-            if self.aux is not None:
+            # (in every forward with autograd, collected or not: an activation recompute must save the
+            # same tensors as the forward it repeats)
+            if self.aux is not None or torch.is_grad_enabled():
                 mask = None if self.pad_mask is None else self.pad_mask.reshape(-1).to(h.device)
                 add = aux_sums(logits, top_i, logits.shape[-1], mask)
-                self.aux = add if not self.aux else [a + b for a, b in zip(self.aux, add)]
+                if self.aux is not None:
+                    self.aux = add if not self.aux else [a + b for a, b in zip(self.aux, add)]
             return logits, w, top_i
         return forward
 
