@@ -116,8 +116,7 @@ class RLTrainer:
                                      layout=roles.layout if roles is not None else
                                      RolloutLayout.build(cfg.rollout.tp, self.device.type,
                                                          exchange_timeout_s=cfg.trainer.exchange_timeout_s),
-                                     lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None,
-                                     record_routes=cfg.actor.router_replay != "R2")  # MoE: rollout routes (R3)
+                                     lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None, record_routes=cfg.actor.router_replay != "R2")
         # Tool-using multi-turn rollouts: tools, their workers, a turn handler per generate call.
         self.agent = make_agent(cfg.rollout.multi_turn, self.tokenizer, self.rollout.layout)
         self.timer = PhaseTimer(self.device, listeners=self.ops.listeners)

@@ -71,7 +71,8 @@ def test_sampler_routes_are_the_trainers(mesh, model_dir):
     worker = _worker(mesh, model_dir, "R2")
     tool = FakeTool()
     batch, out = _rollout(worker, turns=tool, kv_cache_tokens=64, block_size=8, prefill_tokens=4, max_num_seqs=4)
-    assert out.stats["turns"] >= 2 and out.stats["preemptions"] + out.stats["parked_preemptions"] >= 1 and out.stats["observation_tokens"] > 0
+    st = out.stats
+    assert st["turns"] >= 2 and st["preemptions"] + st["parked_preemptions"] >= 1 and st["observation_tokens"] > 0
     rollout = batch.routes
     assert rollout.shape == (8, P + R, 2, 2) and rollout.dtype == torch.int16
     known = (rollout >= 0).all(-1).all(-1)  # [N, P+R]
