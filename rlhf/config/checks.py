@@ -25,6 +25,8 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.top_k == -1 or cfg.rollout.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
     need(cfg.rollout.tp >= 1, "rollout.tp", "must be >= 1")
+    need(cfg.rollout.ep == 1, "rollout.ep", f"must be 1, got {cfg.rollout.ep}: expert-parallel rollout is not built (a "
+         "rollout replica holds all experts, split over rollout.tp; the trainer's parallel.ep reshards into that)")
     mt = cfg.rollout.multi_turn
     if mt.enable:
         need(bool(mt.tool_config_path), "rollout.multi_turn.tool_config_path", "is required when multi_turn.enable")
@@ -59,6 +61,7 @@ def validate(cfg: Config) -> None:
     need(cfg.trainer.stop_after_steps >= -1, "trainer.stop_after_steps",
          f"must be >= 0 or -1 (off), got {cfg.trainer.stop_after_steps}")
     need(cfg.actor.ppo_epochs >= 1, "actor.ppo_epochs", "must be >= 1")
+    need(cfg.actor.router_aux_loss_coef >= 0, "actor.router_aux_loss_coef", "must be >= 0 (0 = off)")
     a = cfg.actor
     need(a.policy_loss != "dro" or a.dro_beta > 0, "actor.dro_beta",
          "actor.policy_loss 'dro' needs actor.dro_beta > 0 (verl actor.policy_loss.dro_beta); it has no default")

@@ -371,15 +371,21 @@ def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], 
 _MLP_ROWS = 256
 
 
-def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any) -> Tensor:
+def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any, routes: list | None = None) -> Tensor:
     """``x + down(act(gate(g)) * up(g))``, ``g = RMSNorm(x)``; ``x`` ``[M, hidden]``; routed
-    experts in a MoE layer (``rlhf.models.moe``)."""
+    experts in a MoE layer (``rlhf.models.moe``), whose top-k ids ``[M, k]`` go to ``routes``."""
     if tp_group is None and x.shape[0] > _MLP_ROWS:
-        return torch.cat([_mlp(spec, lw, rows, None) for rows in x.split(_MLP_ROWS)])
+        part: list | None = [] if routes is not None else None
+        out = torch.cat([_mlp(spec, lw, rows, None, part) for rows in x.split(_MLP_ROWS)])
+        if part:
+            routes.append(torch.cat(part))
+        return out
     g = rms_norm(x, lw.post_norm, spec.rms_norm_eps)
     eps, a = spec.rms_norm_eps, spec.arch
     if lw.router_w is not None:
         top_w, top_i = moe.route(a.moe, g, lw.router_w)
+        if routes is not None:
+            routes.append(top_i)
         out = moe.experts(g, top_i, top_w, lw.experts_gate_up, lw.experts_down, lambda u, v: arch.gated_act(a, u, v),
                           expert_offset=_rank(tp_group) * lw.experts_gate_up.shape[0])
         if lw.shared_gate_up is not None:  # Qwen2-MoE (a partial sum under tp, like the experts')
@@ -413,6 +419,7 @@ def prefill(
     tp_group: Any = None,
     embeds: Tensor | None = None,
     deepstack: Tensor | None = None,
+    routes: list | None = None,
 ) -> Tensor:
     """Forward of P packed prompts; stores their K/V in the cache; returns last-token logits.
 
@@ -432,6 +439,7 @@ def prefill(
             features placed: ``rlhf.rollout.vision``).
         deepstack: ``[L, Ttot, hidden]`` Qwen3-VL's deepstack features, added to the output of layer
             ``l < L`` (zeros off the image tokens).
+        routes: a MoE's list to receive each sparse layer's top-k expert ids ``[Ttot, k]`` (routing replay).
     Returns:
         ``[P, V]`` float32 logits of the token after each prompt.
     """
@@ -453,7 +461,7 @@ def prefill(
         if grid_index is not None:
             a = a.index_select(0, grid_index)  # [Ttot, H*D]
         x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
-        x = _mlp(spec, lw, x, tp_group)
+        x = _mlp(spec, lw, x, tp_group, routes)
         if deepstack is not None and layer < deepstack.shape[0]:
             x = x + deepstack[layer]
     return _logits(spec, w, x.index_select(0, last_index))
@@ -471,6 +479,7 @@ def prefill_chunk(
     tp_group: Any = None,
     embeds: Tensor | None = None,
     deepstack: Tensor | None = None,
+    routes: list | None = None,
 ) -> Tensor:
     """Chunked prefill: forward of tokens ``[start, start + c)`` of ONE prompt whose earlier
     positions are already in the cache of ``slots[0]``.
@@ -507,7 +516,7 @@ def prefill_chunk(
         a = arch.attend(q, k, v, masks, la)  # [1, Hkv, G * c, D]
         x = _residual_linear(x, a.reshape(h, n, d).transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group,
                              lw.attn_out_norm, spec.rms_norm_eps)
-        x = _mlp(spec, lw, x, tp_group)
+        x = _mlp(spec, lw, x, tp_group, routes)
         if deepstack is not None and layer < deepstack.shape[0]:
             x = x + deepstack[layer]
     return _logits(spec, w, x[-1:])
@@ -524,6 +533,7 @@ def decode(
     sin: Tensor,
     tp_group: Any = None,
     rope_pos: Tensor | None = None,
+    routes: list | None = None,
 ) -> Tensor:
     """One decode step for slots ``[0, B)``: token ``tokens[b]`` at position ``pos[b]``.
 
@@ -552,5 +562,5 @@ def decode(
         cache.write(layer, index, qkv[:, h:])
         a = cache.attend(layer, qkv[:, :h].view(b, hkv, h // hkv, d), plan, la)  # [B, Hkv, G, D]
         x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
-        x = _mlp(spec, lw, x, tp_group)
+        x = _mlp(spec, lw, x, tp_group, routes)
     return _logits(spec, w, x)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from rlhf.models.lora import merged_weights_for_rollout
 from rlhf.rollout.exchange import exchange_rows
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
+from rlhf.rollout.routes import batch_routes
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 from rlhf.rollout.speculative import SPEC_STATS, derived_stats
 from rlhf.rollout.turns import TurnHandler
@@ -114,9 +115,11 @@ class RolloutEngine:
 
     def __init__(self, cfg: RolloutConfig, tokenizer, *, max_prompt_length: int, max_response_length: int,
                  device: torch.device, dtype: Optional[torch.dtype] = None, layout: Optional[RolloutLayout] = None,
-                 lora: Optional[tuple[float, int]] = None):
-        """`lora`: (lora_alpha, lora_rank) when the actor is a PEFT LoRA model."""
+                 lora: Optional[tuple[float, int]] = None, record_routes: bool = False):
+        """`lora`: (lora_alpha, lora_rank) when the actor is a PEFT LoRA model. ``record_routes``: a MoE
+        sampler records each token's experts into ``RolloutBatch.routes`` (``rlhf.rollout.routes``)."""
         self.cfg = cfg
+        self.record_routes = record_routes
         self.lora = lora
         self._lora_base: Optional[dict[str, torch.Tensor]] = None
         self._kept: Optional[Sampler] = None  # the run-long sampler (free_cache_engine=False or CUDA graphs)
@@ -180,7 +183,8 @@ class RolloutEngine:
                           kv_cache_bytes=int(self.cfg.kv_cache_memory * 2**30) or None,
                           prefill_tokens=self.cfg.prefill_tokens, tp_group=self.layout.tp_group,
                           use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-                          reload_in_place=keep, consume_weights=consume, speculative=self.cfg.speculative)
+                          reload_in_place=keep, consume_weights=consume, speculative=self.cfg.speculative,
+                          record_routes=self.record_routes)
         if keep:
             self._kept = sampler
         return sampler
@@ -254,7 +258,7 @@ class RolloutEngine:
                                        on_finished=_rows_to_samples(on_finished, start, n), turns=turns,
                                        multi_modal=prompts.multi_modal[start:end] if prompts.multi_modal else None)
             stats_local = dict(out.stats) if out is not None else {}
-            out = self._exchange(out, len(prompts.prompt_ids), n, local_rows)
+            out = self._exchange(out, len(prompts.prompt_ids), n, local_rows, sampler.route_shape)
             # global over the rollout replicas (one rank each in lay.dp_group), like every logged metric
             out.stats = global_rollout_stats(stats_local, lay.dp_group if lay.dp > 1 else None, turns is not None,
                                              self.cfg.speculative.enable)
@@ -292,12 +296,15 @@ class RolloutEngine:
         return glob, list(range(start, start + len(prompts.keys)))
 
     def _exchange(self, out: Optional[RolloutOutput], num_prompts: int, n: int,
-                  local_rows: list[int]) -> RolloutOutput:
+                  local_rows: list[int], route_shape: Optional[tuple[int, int]] = None) -> RolloutOutput:
         """All rollout replicas' rows -> the rows of ``local_rows`` (each prompt's n samples):
-        packed narrow, each rank receives only its own (``rlhf.rollout.exchange``)."""
+        packed narrow, each rank receives only its own (``rlhf.rollout.exchange``). ``route_shape``:
+        ``(S, k)`` when the sampler records routes (they travel in the batch layout, ``P + R`` wide)."""
         lay = self.layout
+        if out is not None and out.routes is not None:
+            out.routes = batch_routes(out.routes, out.routes.shape[1] - out.response_ids.shape[1], self.P)
         return exchange_rows(out, chunk_bounds(num_prompts, lay.dp), n, local_rows, self.R, lay.dp, lay.dp_group,
-                             self.device)
+                             self.device, None if route_shape is None else (self.P + self.R, *route_shape))
 
     def to_batch(self, prompts: PromptBatch, out: RolloutOutput, n: int) -> RolloutBatch:
         N = len(prompts.prompt_ids) * n
@@ -339,4 +346,6 @@ class RolloutEngine:
             response_texts=texts, ground_truths=[prompts.ground_truths[i] for i in pick],
             data_sources=[prompts.data_sources[i] for i in pick], extra_infos=[prompts.extra_infos[i] for i in pick],
             multi_modal=[prompts.multi_modal[i] for i in pick] if prompts.multi_modal else [])
+        if out.routes is not None:  # [N, P + R, S, k] like input_ids (prompts cut / padded the same way)
+            batch.routes = batch_routes(out.routes.cpu(), out.routes.shape[1] - out.response_ids.shape[1], P)
         return batch.to(self.device)

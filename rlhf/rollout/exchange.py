@@ -9,7 +9,8 @@ only, not every replica's (an all-gather of all rows was several GB per GPU at 2
 Rows travel packed in one int32 tensor ``[rows, 2R + 2]`` (was int64 ids and masks, plus fp32
 log-probs): ``R`` token ids, with the response mask folded into the sign (``-(id + 1)`` where the
 mask is 0: observation tokens and padding), the ``R`` fp32 log-probs as their bits, the length,
-and the truncated flag. Packing and unpacking are exact.
+and the truncated flag. Packing and unpacking are exact. A MoE sampler's routes (``rlhf.rollout.routes``,
+int16 ``[P + R, S, k]`` per row in the batch layout) follow the same rows in a second all-to-all.
 """
 
 from __future__ import annotations
@@ -60,15 +61,27 @@ def row_sources(bounds: list[tuple[int, int]], n: int, width: int, local_rows: l
     return q * width + first_row + torch.arange(n).repeat(len(local_rows))
 
 
+def _route_rows(out: Optional[RolloutOutput], width: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """This replica's routes as ``[width, *shape]`` int16 (-1 rows past its own)."""
+    buf = torch.full((width, *shape), -1, dtype=torch.int16, device=device)
+    if out is not None and out.routes is not None:
+        buf[:out.routes.shape[0]] = out.routes.to(device)
+    return buf
+
+
 def exchange_rows(out: Optional[RolloutOutput], bounds: list[tuple[int, int]], n: int, local_rows: list[int],
-                  R: int, dp: int, group: Optional[dist.ProcessGroup], device: torch.device) -> RolloutOutput:
+                  R: int, dp: int, group: Optional[dist.ProcessGroup], device: torch.device,
+                  route_shape: Optional[tuple[int, ...]] = None) -> RolloutOutput:
     """The rows of ``local_rows`` (each prompt's ``n`` samples, in this order) from the replicas
-    that generated them; ``out``: this replica's rows (None when its chunk is empty)."""
+    that generated them; ``out``: this replica's rows (None when its chunk is empty).
+    ``route_shape``: ``(P + R, S, k)`` of each row's routes when the sampler records them."""
     width = max(e - s for s, e in bounds) * n  # rows of the largest chunk
-    mine = pack_rows(out, width, R, device)
+    bufs = [pack_rows(out, width, R, device)]
+    if route_shape is not None:
+        bufs.append(_route_rows(out, width, route_shape, device))
     need = row_sources(bounds, n, width, local_rows)  # [N_local] (host)
     if dp == 1:
-        return unpack_rows(mine.index_select(0, need.to(device)), R, n)
+        return _unpack([b.index_select(0, need.to(device)) for b in bufs], R, n)
     me = dist.get_rank(group)
     # who needs what: counts, then the padded lists (a few int64 per row)
     count = torch.tensor([need.numel()], dtype=torch.int64, device=device)
@@ -86,13 +99,24 @@ def exchange_rows(out: Optional[RolloutOutput], bounds: list[tuple[int, int]], n
         want = want[want // width == me] % width
         send_rows.append(want)
         send_split.append(int(want.numel()))
-    send = mine.index_select(0, torch.cat(send_rows))
+    sent = torch.cat(send_rows)
     # receive: my rows grouped by source replica, each group in my order
     src = need // width
-    order = torch.argsort(src, stable=True)
+    order = torch.argsort(src, stable=True).to(device)
     recv_split = torch.bincount(src, minlength=dp).tolist()
-    recv = torch.empty((need.numel(), 2 * R + 2), dtype=torch.int32, device=device)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_split, input_split_sizes=send_split, group=group)
-    rows = torch.empty_like(recv)
-    rows[order.to(device)] = recv
-    return unpack_rows(rows, R, n)
+    got = []
+    for buf in bufs:
+        # as bytes: gloo's all-to-all takes no int16
+        raw = buf.index_select(0, sent).view(torch.uint8) if buf.dtype == torch.int16 else buf.index_select(0, sent)
+        recv = raw.new_empty((need.numel(), *raw.shape[1:]))
+        dist.all_to_all_single(recv, raw, output_split_sizes=recv_split, input_split_sizes=send_split, group=group)
+        rows = torch.empty_like(recv)
+        rows[order] = recv
+        got.append(rows.view(buf.dtype))
+    return _unpack(got, R, n)
+
+
+def _unpack(bufs: list[Tensor], R: int, n: int) -> RolloutOutput:
+    out = unpack_rows(bufs[0], R, n)
+    out.routes = bufs[1] if len(bufs) > 1 else None
+    return out

@@ -46,6 +46,9 @@ class RolloutOutput:
     truncated: Tensor  # [N] bool: hit max_new_tokens without a stop
     prompt_index: Tensor  # [N] long: index into `prompts`
     stats: dict[str, float] = field(default_factory=dict)
+    # [N, W + R, S, k] int16 MoE expert ids of every token the sampler fed (``record_routes``), prompts
+    # right-aligned to W columns, -1 where no forward routed the token (rlhf.rollout.routes)
+    routes: Tensor | None = None
 
 
 def graph_blocker(spec: decoder.DecoderSpec, dtype: torch.dtype, device_type: str,
@@ -136,6 +139,9 @@ class Sampler:
             prefix once for its samples' decode queries where it pays (``rlhf.rollout.cascade_attention``).
         speculative: ``rollout.speculative`` settings (``enable``, ``num_draft_tokens``, ``ngram_min`` /
             ``ngram_max``, ``sources``): n-gram drafts verified in one forward (``rlhf.rollout.speculative``).
+        record_routes: a MoE model's sampler records each token's top-k expert ids per sparse layer
+            (``RolloutOutput.routes``: rollout routing replay, ``actor.router_replay=R3``); ignored for
+            a dense model.
     """
 
     def __init__(
@@ -164,6 +170,7 @@ class Sampler:
         free_memory: Callable[[torch.device], int] | None = None,
         cascade_attention: bool = True,
         speculative: Any = None,
+        record_routes: bool = False,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -216,14 +223,18 @@ class Sampler:
         self.static_shapes = use_cuda_graph
         self.speculative = speculative  # rollout.speculative (rlhf.rollout.speculative); None = off
         self.tp_group = tp_group
+        m = self.spec.arch.moe
+        # (sparse layers, top-k) of the recorded routes; step_routes: the last decode step's [live, S, k]
+        self.route_shape = (sum(m.sparse), m.top_k) if record_routes and m is not None else None
+        self.step_routes: Tensor | None = None
         self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
         self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype,
                                                consume=consume_weights, copy=self.reload_in_place)
         self.cache: PagedKVCache | None = None
         self.max_seq_len = 0
         # graph_key (the kernel's real inputs: the gather kernel's window and cache mode, none of
-        # them for flash-attn's block table) -> (CUDAGraph, logits buffer)
-        self._graphs: dict[tuple[int, bool], tuple[Any, Tensor]] = {}
+        # them for flash-attn's block table) -> (CUDAGraph, logits buffer, routes buffers)
+        self._graphs: dict[tuple[int, bool], tuple[Any, Tensor, list | None]] = {}
         self._graph_pool: Any = None
         self._fixed_len = max_seq_len is not None
         if max_seq_len is not None:
@@ -355,20 +366,29 @@ class Sampler:
         if rope_pos is not None:
             self.rope_buf[:live].copy_(rope_pos)
         rope = self.rope_buf
+        routes = [] if self.route_shape is not None else None
         if not self.static_shapes:
-            return decoder.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
-                                  window, self.cos, self.sin, self.tp_group,
-                                  None if rope is None else rope[:live])
+            out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
+                                 window, self.cos, self.sin, self.tp_group, None if rope is None else rope[:live],
+                                 routes)
+            self._keep_routes(routes, live)
+            return out
         window = min(self.max_seq_len, max(64, 1 << (window - 1).bit_length()))
         if not self.use_cuda_graph:
-            return decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
-                                  window, self.cos, self.sin, self.tp_group, rope)[:live]
+            out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
+                                 window, self.cos, self.sin, self.tp_group, rope, routes)[:live]
+            self._keep_routes(routes, live)
+            return out
         key = graph_key(self.decode_attention, window, self.cache.contiguous)
         if key not in self._graphs:
             self._capture(window, key)
-        graph, logits = self._graphs[key]
-        graph.replay()
+        graph, logits, routes = self._graphs[key]
+        graph.replay()  # rewrites the captured route buffers in place too
+        self._keep_routes(routes, live)
         return logits[:live]
+
+    def _keep_routes(self, routes: list | None, live: int) -> None:
+        self.step_routes = None if routes is None else torch.stack(routes, dim=1)[:live]
 
     def _capture(self, window: int, key: tuple) -> None:
         """Capture the all-slot decode step for ``window`` as a CUDA graph (CUDA only).
@@ -378,6 +398,7 @@ class Sampler:
         """
         args = (self.spec, self.weights, self.cache, self.token_buf, self.pos_buf, window, self.cos, self.sin,
                 self.tp_group, self.rope_buf)
+        routes = [] if self.route_shape is not None else None
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -388,5 +409,5 @@ class Sampler:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = decoder.decode(*args)
-        self._graphs[key] = (graph, logits)
+            logits = decoder.decode(*args, routes=routes)
+        self._graphs[key] = (graph, logits, routes)

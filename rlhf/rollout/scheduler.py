@@ -36,6 +36,7 @@ from torch import Tensor
 from rlhf.models import decoder
 from rlhf.rollout import speculative
 from rlhf.rollout.kv_cache import PagedKVCache
+from rlhf.rollout.routes import RouteBook, stack_routes
 from rlhf.rollout.sampling import SamplingParams, position_keys, sample_next, sequence_keys, uniforms
 from rlhf.rollout.turns import ParkingLot, TurnHandler
 
@@ -98,6 +99,10 @@ class GenerateRun:
         self.out_stopped = torch.zeros(N, dtype=torch.bool, device=dev)
         # observation tokens of multi-turn trajectories (the holes of the response mask)
         self.out_obs = torch.zeros((N, R), dtype=torch.bool, device=dev) if turns is not None else None
+        # each fed token's MoE expert ids (Sampler(record_routes=True): rlhf.rollout.routes)
+        self.routes = RouteBook(N, max(self.prompt_lens), R, s.route_shape, dev) if s.route_shape else None
+        for i, length in enumerate(self.prompt_lens if self.routes is not None else []):
+            self.routes.start_rows(list(range(i * n, (i + 1) * n)), length, clear=False)
         self.stop_ids = torch.tensor(sorted({int(t) for t in params.stop_token_ids}), dtype=torch.int64, device=dev)
         stops = [list(map(int, q)) for q in params.stop_sequences]
         self.stop_len = max((len(q) for q in stops), default=0)
@@ -207,7 +212,8 @@ class GenerateRun:
             members = [j for j, u in enumerate(slot_unit) if u in chunk]
             rows = [chunk.index(slot_unit[j]) for j in members]
             slot_ids = torch.tensor([a + j for j in members], dtype=torch.int64, device=dev)
-            out = self._prefill(chunk, units, slot_ids, torch.tensor(rows, dtype=torch.int64, device=dev))
+            out = self._prefill(chunk, units, slot_ids, torch.tensor(rows, dtype=torch.int64, device=dev),
+                                [seqs[j] for j in members])
             logits.index_copy_(0, torch.tensor(chunk, dtype=torch.int64, device=dev), out)
         gen0 = [self.resume_gen[q] for q in seqs]
         self._place(seqs, gen0, list(range(self.admitted, self.admitted + m)))
@@ -281,15 +287,17 @@ class GenerateRun:
             used += len(units[i])
         return chunks
 
-    def _prefill(self, chunk: list[int], units: list[list[int]], slot_ids: Tensor, rows: Tensor) -> Tensor:
-        """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids``."""
+    def _prefill(self, chunk: list[int], units: list[list[int]], slot_ids: Tensor, rows: Tensor,
+                 seqs: list[int]) -> Tensor:
+        """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids`` (output rows
+        ``seqs``, whose routes are recorded)."""
         s, dev = self.s, self.s.device
         lens = [len(units[i]) for i in chunk]
         width, total = max(lens), sum(lens)
         self.stats["prefill_tokens"] += total
         mm = None if self.vision is None else [self.vision.unit(self.unit_prompt[i], units[i]) for i in chunk]
         if len(chunk) == 1 and total > s.prefill_tokens:  # one long prefix: chunked prefill
-            return self._extend(units[chunk[0]], 0, slot_ids, None if mm is None else mm[0])
+            return self._extend(units[chunk[0]], 0, slot_ids, None if mm is None else mm[0], seqs)
         lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
         ids = torch.tensor([t for i in chunk for t in units[i]], dtype=torch.int64, device=dev)
         ends = lengths.cumsum(0)
@@ -298,28 +306,41 @@ class GenerateRun:
         grid_index = None if width * len(chunk) == total else row_of * width + positions
         self.stats["prefill_calls"] += 1
         self.stats["prefill_padded_tokens"] += width * len(chunk)
+        routes = [] if self.routes is not None else None
         if mm is not None:  # the prompts' own rope rows (M-RoPE) and embeddings (image features placed)
             cos, sin = torch.cat([u.cos for u in mm])[None], torch.cat([u.sin for u in mm])[None]
             deep = None if mm[0].deepstack is None else torch.cat([u.deepstack for u in mm], dim=1)
-            return decoder.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
-                                   width, ends - 1, slot_ids, rows, cos, sin, s.tp_group,
-                                   torch.cat([u.embeds for u in mm]), deep)
-        return decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
-                               slot_ids, rows, s.cos, s.sin, s.tp_group)
+            out = decoder.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
+                                  width, ends - 1, slot_ids, rows, cos, sin, s.tp_group,
+                                  torch.cat([u.embeds for u in mm]), deep, routes=routes)
+        else:
+            out = decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
+                                  slot_ids, rows, s.cos, s.sin, s.tp_group, routes=routes)
+        if routes is not None:  # each slot's unit: its tokens' routes from the packed forward
+            r, first = stack_routes(routes), [0] + ends.tolist()
+            for q, u in zip(seqs, rows.tolist()):
+                self.routes.write_span(q, 0, r[first[u]:first[u + 1]])
+        return out
 
-    def _extend(self, tokens: list[int], start: int, slot_ids: Tensor, mm: Any = None) -> Tensor:
+    def _extend(self, tokens: list[int], start: int, slot_ids: Tensor, mm: Any = None,
+                seqs: Optional[list[int]] = None) -> Tensor:
         """Prefill ``tokens`` at positions ``[start, start + len)`` onto the cached positions
         ``[0, start)`` of ``slot_ids[0]`` (K/V written to every slot in ``slot_ids``), in chunks of
         ``prefill_tokens``; logits ``[1, V]`` after the last token. ``mm``: a VLM prompt's inputs
-        (``rlhf.rollout.vision.PromptInputs``, positions from 0; ``start`` must then be 0)."""
+        (``rlhf.rollout.vision.PromptInputs``, positions from 0; ``start`` must then be 0).
+        ``seqs``: the slots' output rows (their routes are recorded)."""
         s = self.s
         ids = torch.tensor(tokens, dtype=torch.int64, device=s.device)
         c = s.prefill_tokens
         cos, sin = (s.cos, s.sin) if mm is None else (mm.cos[None], mm.sin[None])
         for i in range(0, len(tokens), c):
+            routes = [] if self.routes is not None else None
             out = decoder.prefill_chunk(s.spec, s.weights, self.cache, ids[i:i + c], start + i, slot_ids,
                                         cos, sin, s.tp_group, None if mm is None else mm.embeds[i:i + c],
-                                        None if mm is None or mm.deepstack is None else mm.deepstack[:, i:i + c])
+                                        None if mm is None or mm.deepstack is None else mm.deepstack[:, i:i + c],
+                                        routes=routes)
+            for q in seqs if routes is not None else []:
+                self.routes.write_span(q, start + i, stack_routes(routes))
             self.stats["prefill_calls"] += 1
         self.stats["prefill_padded_tokens"] += len(tokens)
         return out
@@ -375,7 +396,7 @@ class GenerateRun:
             cache.grow([slot], [length + 1])
             last = self.out_ids[q, p.length - 1:g].tolist()  # the stop token is not cached yet
             slot_t = torch.tensor([slot], dtype=torch.int64, device=self.s.device)
-            logits.append(self._extend(last, length - len(last), slot_t))
+            logits.append(self._extend(last, length - len(last), slot_t, seqs=[q]))
             self.stats["prefill_tokens"] += len(last)
             seqs.append(q), gens.append(g), orders.append(p.order)
         if seqs:
@@ -441,6 +462,8 @@ class GenerateRun:
             sl = self.slots
             rope = sl.pos[:b] + self.vision.deltas[sl.seq[:b] // self.n]
         logits = s.decode_logits(b, window, rope)
+        if self.routes is not None:  # the fed tokens (positions pos) took these experts
+            self.routes.write_steps(self.slots.seq[:b], self.slots.pos[:b], s.step_routes)
         self.stats["decode_steps"] += 1  # advances every live slot's host position by one
         self.stats["slot_steps"] += b
         self._sample_and_retire(0, b, logits)
@@ -579,6 +602,6 @@ class GenerateRun:
             stats["observation_tokens"] = float(st["observation_tokens"])
             stats["parked_preemptions"] = float(st["parked_preemptions"])
         return {"response_ids": self.out_ids, "response_mask": mask, "log_probs": self.out_logp,
-                "response_lengths": lengths,
+                "response_lengths": lengths, "routes": None if self.routes is None else self.routes.table(),
                 "truncated": ~self.out_stopped, "prompt_index": torch.arange(N, device=lengths.device) // self.n,
                 "stats": stats}

@@ -29,6 +29,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from rlhf.rollout.sampling import SamplingParams, sequence_keys
+from rlhf.rollout.routes import RouteBook
 from rlhf.rollout.scheduler import GenerateRun
 
 STOP = "stop"  # poll_weights' answer when the run must end
@@ -55,7 +56,7 @@ class StreamDriver(Protocol):
 
     def on_group(self, prompt: StreamPrompt, out: dict[str, torch.Tensor]) -> None:
         """A finished group: ``response_ids`` / ``log_probs`` / ``versions`` [n, R], ``lengths`` /
-        ``truncated`` [n] (host tensors)."""
+        ``truncated`` [n] (host tensors); ``routes`` [n, W + R, S, k] when the sampler records them."""
 
 
 class StreamRun(GenerateRun):
@@ -73,6 +74,8 @@ class StreamRun(GenerateRun):
         self.group_of: dict[int, StreamPrompt] = {}
         self.rows_done = [0] * groups
         self.out_ver = torch.zeros_like(self.out_ids)  # [groups*n, R] version of each sampled token
+        if self.routes is not None:  # prompts come later: the book is as wide as the longest allowed
+            self.routes = RouteBook(groups * self.n, max_prompt_len, self.R, sampler.route_shape, sampler.device)
         self.pending: Optional[tuple[int, Any]] = None  # weights waiting for the in-flight ones (no partial)
         self.counts = {"pauses": 0, "paused_sequences": 0, "weight_loads": 0, "groups": 0}
 
@@ -141,6 +144,8 @@ class StreamRun(GenerateRun):
         self.out_ver[rows] = 0
         self.out_len[rows] = 0
         self.out_stopped[rows] = False
+        if self.routes is not None:
+            self.routes.start_rows(list(range(g * n, (g + 1) * n)), len(p.ids))
         for q in range(g * n, (g + 1) * n):
             self.resume_gen[q] = self.turn_start[q] = 0
         self.rows_done[g] = 0
@@ -168,6 +173,8 @@ class StreamRun(GenerateRun):
         # copies: the group slot's rows are reused by the next prompt (.to(cpu) alone is a view on CPU)
         out = {"response_ids": self.out_ids[rows], "log_probs": self.out_logp[rows], "versions": self.out_ver[rows],
                "lengths": self.out_len[rows], "truncated": ~self.out_stopped[rows]}
+        if self.routes is not None:
+            out["routes"] = self.routes.table()[rows]
         out = {k: v.to("cpu", copy=True) for k, v in out.items()}
         p = self.group_of.pop(g)
         self.free_groups.append(g)

@@ -122,6 +122,8 @@ class RolloutConfig:
     min_p: float = _f(0.0, "Min-p sampling threshold; 0 disables.")
     stop: list = _f([], "Extra stop strings (EOS always stops).")
     tp: int = _f(1, "Tensor-parallel size of the rollout layout (divides parallel.tp x pp x dp).")
+    ep: int = _f(1, "Expert-parallel size of the rollout layout; only 1: a rollout replica holds its experts whole "
+                    "(split over rollout.tp), whatever parallel.ep the trainer uses.")
     max_num_seqs: int = _f(256, "Most sequences decoded at once per rank.")
     nnodes: int = _f(0, "trainer.mode fully_async (verl's name): nodes of the rollout role; the rollout ranks are "
                         "nnodes x n_gpus_per_node (0 = parallel.rollout_ranks).")
@@ -156,7 +158,11 @@ class ActorConfig:
     lr: float = _f(1e-6, "Peak learning rate (verl actor.optim.lr).")
     router_replay: Literal["none", "R2", "R3"] = _f(
         "none", "MoE routing replay (verl router_replay.mode): R2 = every update forward uses the experts the "
-        "old-log-prob pass chose (gate weights from the live router); R3 (the rollout's routes) is not built yet.")
+        "old-log-prob pass chose (gate weights from the live router); R3 = every trainer forward (old / ref "
+        "log-probs, update) uses the experts the sampler chose for each token.")
+    router_aux_loss_coef: float = _f(0.0, "MoE load-balancing loss coefficient (transformers' router_aux_loss_coef; "
+                                          "RL recipes keep 0): coef x the mean per-micro-batch aux loss is added "
+                                          "to the policy loss; logged as moe/aux_loss either way.")
     weight_decay: float = _f(0.01, "AdamW weight decay.")
     betas: list = _f([0.9, 0.999], "AdamW betas.")
     lr_warmup_steps: int = _f(-1, "Warmup steps; -1 uses lr_warmup_steps_ratio.")

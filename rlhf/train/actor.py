@@ -46,7 +46,7 @@ from rlhf.models.packed import packed_forward_log_probs
 from rlhf.models.prefix_grouping import resolve_mode
 from rlhf.models.parallel import all_reduce_sum, fsdp_mesh, mesh_group, sp_group
 from rlhf.models.parallelize import ParallelModel, clip_grad_norm_, parallelize_model
-from rlhf.models.router_replay import RouterReplay
+from rlhf.models.router_replay import RouterReplay, build_router_replay
 from rlhf.models.ulysses import check_sp
 from rlhf.models.vlm import dummy_image_forward, padded_inputs
 from rlhf.models.vocab_parallel import log_probs_from_logits
@@ -223,8 +223,8 @@ class PolicyWorker:
         adopt_layout(self, self.parallel, mesh)
         # (not under pp: the schedule splits rows into micro-batches the padding mask cannot follow)
         self.router_stats = _router_stats(self.model, self.hf_config) if trainable and self.pipeline is None else None
-        self.router_replay = _router_replay(self.model, self.hf_config, actor_cfg, self.sp_group) \
-            if trainable and self.pipeline is None else None
+        self.router_replay = _router_replay(self.model, self.hf_config, actor_cfg, self.sp_group, trainable,
+                                            self.pipeline is not None)
         self.optimizer = self.scheduler = None
         self.total_steps = total_steps
         self.entropy_coeff = actor_cfg.entropy_coeff if actor_cfg is not None else 0.0
@@ -255,6 +255,7 @@ class PolicyWorker:
             self.router_stats.mask = None if self.cfg.use_remove_padding else attention_mask
         if self.router_replay is not None:  # the tokens this forward routes, in the batch layout
             self.router_replay.tokens = attention_mask if self.cfg.use_remove_padding else None
+            self.router_replay.pad_mask = None if self.cfg.use_remove_padding else attention_mask
         mm = collate_multi_modal(multi_modal or [])
         if mm is None and self.is_vlm:  # keeps the tower's FSDP2 collectives in step with ranks that have images
             with dummy_image_forward(self.model, self.device):
@@ -307,14 +308,12 @@ class PolicyWorker:
         Without pp: micro-batches of ``micro_batch_size`` rows. With pp: pipelined calls of
         ``micro_batch_size x pp_microbatches`` rows (one pipeline flush per call).
         ``record_routes`` (the old-log-prob pass of a MoE actor): the routers' choices go to
-        ``batch.routes`` (``rlhf.models.router_replay``).
+        ``batch.routes``, unless it holds the rollout's routes, which are replayed (R3) or compared
+        (``rlhf.models.router_replay``).
         """
         self.model.eval()
-        replay = self.router_replay if record_routes else None
-        if replay is not None:
-            n, length = batch.input_ids.shape
-            batch.routes = torch.zeros(n, length, len(replay.slot), replay.top_k, dtype=torch.int16,
-                                       device=batch.input_ids.device)
+        replay = self.router_replay
+        recording = replay is not None and replay.begin_pass(batch, record_routes)
         lps, ents = [], []
         if self.pipeline is not None:
             chunks = list(split_rows(len(batch), micro_batch_size * self.pipeline.n_microbatches))
@@ -329,12 +328,16 @@ class PolicyWorker:
                     temperature=temperature, compute_entropy=False)
                 continue
             mm = {"multi_modal": [batch.multi_modal[i] for i in rows.tolist()]} if batch.multi_modal else {}
-            if replay is not None:
+            if recording:
                 replay.record_into = torch.zeros_like(batch.routes[rows])
+            elif replay is not None:
+                replay.reference = None if batch.routes is None else batch.routes[rows]
             lp, ent = fwd(batch.input_ids[rows], batch.attention_mask[rows], response_length=batch.response_length,
                           temperature=temperature, compute_entropy=compute_entropy, **mm)
-            if replay is not None:
+            if recording:
                 batch.routes[rows], replay.record_into = replay.record_into, None
+            elif replay is not None:
+                replay.reference = None
             lps.append(lp)
             ents.append(ent)
         order = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in chunks])
@@ -440,6 +443,7 @@ class PolicyWorker:
             mb = mini.select(rows)
             if self.router_replay is not None:
                 self.router_replay.reference = mb.routes
+                self.router_replay.collect_aux(True)
             log_probs, entropy = self.forward_log_probs(mb.input_ids, mb.attention_mask,
                                                         response_length=mb.response_length, temperature=temperature,
                                                         compute_entropy=_needs_entropy(cfg),
@@ -447,6 +451,11 @@ class PolicyWorker:
             loss, parts = self._loss(log_probs, entropy, mb.response_mask, mb.old_log_probs, mb.advantages,
                                      mb.rollout_log_probs, mb.ref_log_probs, cov_select=mb.cov_select,
                                      is_weights=mb.rollout_is_weights, **terms)
+            aux = self.router_replay.collect_aux(False) if self.router_replay is not None else None
+            if aux is not None:  # the mean over the mini-batch's micro-batches of all dp ranks
+                if cfg.router_aux_loss_coef:
+                    loss = loss + cfg.router_aux_loss_coef * aux / (len(micro_list) * self.grad_scale)
+                metrics.add("moe/aux_loss", aux, 1.0)
             (loss * self.grad_scale).backward()
             step_loss += loss.detach().double()
             w = mb.response_mask.sum()
@@ -531,20 +540,19 @@ def _router_stats(model: torch.nn.Module, hf_config) -> Optional[RouterStats]:
     return RouterStats(model, layers, hf_config.num_experts)
 
 
-def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp) -> Optional[RouterReplay]:
-    """Route recording / replay for a MoE actor (None for a dense model, under sp, or without a config)."""
+def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp, trainable: bool, pp: bool
+                   ) -> Optional[RouterReplay]:
     mode = cfg.router_replay if cfg is not None else "none"
-    if mode == "R3":
-        raise ConfigError("actor.router_replay=R3 needs the rollout's routes, which the sampler does not record "
-                          "yet; use R2 (the old-log-prob pass's routes) or none")
-    moe = is_moe(hf_config)
-    if cfg is None or not moe or sp is not None:
-        if mode != "none" and sp is not None:
-            raise ConfigError(f"actor.router_replay={mode} is not supported with parallel.sp > 1; set it to none")
-        return None
-    layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
-    spec = MoESpec.from_config(hf_config)  # (Mixtral has no norm_topk_prob key: it always renormalises)
-    return RouterReplay(model, layers, spec.top_k, spec.norm_topk_prob, mode == "R2")
+    if pp and (mode != "none" or (trainable and cfg.router_aux_loss_coef)):
+        raise ConfigError("actor.router_replay / router_aux_loss_coef are not supported with parallel.pp > 1; "
+                          "set them to none / 0")
+    try:
+        replay = None if pp else build_router_replay(model, hf_config, mode, sp, trainable)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if replay is None and trainable and cfg is not None and cfg.router_aux_loss_coef:
+        raise ConfigError("actor.router_aux_loss_coef > 0 needs a mixture-of-experts actor without parallel.sp / pp; set it to 0")
+    return replay
 
 
 def _needs_entropy(cfg: ActorConfig) -> bool:

@@ -101,7 +101,7 @@ class RLTrainer:
         self.need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # With LoRA the reference is the actor with its adapters disabled: no second base copy.
         self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False, parallel_cfg=cfg.parallel,
-                                lora=False) if self.need_ref and cfg.model.lora_rank == 0 else None
+                                lora=False, actor_cfg=cfg.actor) if self.need_ref and cfg.model.lora_rank == 0 else None
         # Worker processes with a per-call timeout: a hung reward function scores 0 instead of hanging the job.
         self.scorer = make_scorer(cfg.reward.reward_fn, num_workers=cfg.reward.num_workers,
                                   timeout_s=cfg.reward.timeout_s, reward_kwargs=cfg.reward.reward_kwargs,
@@ -118,7 +118,7 @@ class RLTrainer:
                                      layout=roles.layout if roles is not None else
                                      RolloutLayout.build(cfg.rollout.tp, self.device.type,
                                                          exchange_timeout_s=cfg.trainer.exchange_timeout_s),
-                                     lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None)
+                                     lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None, record_routes=cfg.actor.router_replay != "R2")
         # Tool-using multi-turn rollouts: tools, their workers, a turn handler per generate call.
         self.agent = make_agent(cfg.rollout.multi_turn, self.tokenizer, self.rollout.layout)
         self.timer = PhaseTimer(self.device, listeners=self.ops.listeners)

@@ -77,15 +77,20 @@ def _row(i: int, j: int):
     return ids, mask, logp, length
 
 
+ROUTES_EX = (4 + R_EX, 2, 2)  # MoE routes per row: [P + R, sparse layers, top-k] int16
+
+
 def _rows(prompts):
     from rlhf.rollout.sampler import RolloutOutput
 
     rows = [_row(i, j) for i in prompts for j in range(N_EX)]
+    routes = torch.stack([torch.arange(40, dtype=torch.int16).view(ROUTES_EX) + 100 * i + 10 * j
+                          for i in prompts for j in range(N_EX)])
     return RolloutOutput(response_ids=torch.stack([r[0] for r in rows]), response_mask=torch.stack([r[1] for r in rows]),
                          log_probs=torch.stack([r[2] for r in rows]),
                          response_lengths=torch.tensor([r[3] for r in rows]),
                          truncated=torch.tensor([r[3] == R_EX for r in rows]),
-                         prompt_index=torch.arange(len(prompts)).repeat_interleave(N_EX))
+                         prompt_index=torch.arange(len(prompts)).repeat_interleave(N_EX), routes=routes)
 
 
 def _exchange(rank: int, world: int) -> None:
@@ -115,6 +120,12 @@ def _exchange(rank: int, world: int) -> None:
         assert torch.equal(getattr(got, k).cpu(), getattr(ref, k)), k
     # only this rank's rows arrive, packed in int32: (2R + 2) x 4 bytes each
     assert moved == [len(WANTS[rank]) * N_EX * (2 * R_EX + 2) * 4], moved
+    assert got.routes is None  # not asked for
+    # a MoE sampler's routes (R3) follow their rows in a second all-to-all, int16
+    mine.routes = mine.routes.to(dev)
+    got = exchange_rows(mine, bounds, N_EX, WANTS[rank], R_EX, world, None, dev, ROUTES_EX)
+    assert torch.equal(got.routes.cpu(), ref.routes) and torch.equal(got.response_ids.cpu(), ref.response_ids)
+    assert moved[-1] == len(WANTS[rank]) * N_EX * 40 * 2, moved
 
 
 def test_rollout_rows_reach_only_the_ranks_that_train_on_them_packed_narrow():

@@ -152,7 +152,7 @@ def test_cuda_graphs_are_keyed_by_the_kernels_real_inputs(flash, monkeypatch):
     def capture(window, key):
         captured.append(window)
         g = _ReplayGraph(s, window)
-        s._graphs[key] = (g, g.logits)
+        s._graphs[key] = (g, g.logits, None)  # (graph, logits, route buffers)
 
     monkeypatch.setattr(s, "_capture", capture)
     out = s.generate(prompts, params)

@@ -64,3 +64,33 @@ def test_r2_replays_the_old_routes(mesh, model_dir, packed):
     metrics = worker.update_policy(batch, mini_batch_rows=8, temperature=1.0, max_response_length=8)
     assert metrics["moe/routing_mismatch"] == 0.0 and metrics["moe/routing_mismatch_live"] >= 0.05, metrics
     assert max(float((gate.weight.full_tensor() - b).abs().max()) for gate, b in zip(gates, before)) > 0  # router grads
+
+
+def test_aux_loss_is_transformers_load_balancing_loss(mesh, model_dir):
+    """actor.router_aux_loss_coef: the collected loss equals transformers' (padded and padding-free forwards),
+    reaches the update's loss and metrics, and its gradient reaches the routers."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.schema.config import ActorConfig, ModelConfig
+    from rlhf.train.actor import PolicyWorker
+
+    batch = random_rollout_batch(4, 2, 6, 8, 64, holes=True)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).float()
+    ref = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_router_logits=True).aux_loss
+    for packed in (True, False):
+        cfg = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8, grad_clip=1e9, weight_decay=0.0,
+                          router_aux_loss_coef=0.5)
+        worker = PolicyWorker(ModelConfig(path=model_dir, use_remove_padding=packed, mixed_precision=False), mesh,
+                              torch.device("cpu"), actor_cfg=cfg, total_steps=1)
+        worker.router_replay.collect_aux(True)
+        worker.forward_log_probs(batch.input_ids, batch.attention_mask, response_length=8, temperature=1.0)
+        got = worker.router_replay.collect_aux(False)
+        torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-6)
+    batch.old_log_probs = batch.rollout_log_probs
+    batch.advantages = torch.zeros_like(batch.response_mask)  # the policy loss has no gradient: only aux
+    worker.optimizer = torch.optim.SGD(worker.model.parameters(), lr=1.0)
+    gate = next(m for n, m in worker.model.named_modules() if n.endswith("mlp.gate"))
+    before = gate.weight.full_tensor().clone()
+    metrics = worker.update_policy(batch, mini_batch_rows=8, temperature=1.0, max_response_length=8)
+    assert metrics["moe/aux_loss"] == pytest.approx(float(ref), rel=1e-5)
+    assert float((gate.weight.full_tensor() - before).abs().max()) > 0

@@ -57,7 +57,7 @@ class RolloutWorker:
         dtype = rollout_dtype(cfg.rollout.dtype, self.device.type, m.dtype)
         self.engine = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                     max_response_length=cfg.data.max_response_length, device=self.device, dtype=dtype,
-                                    layout=roles.layout)
+                                    layout=roles.layout, record_routes=cfg.actor.router_replay != "R2")
         self.weights = WeightReceiver(roles.partner, self.device,
                                       (m.lora_alpha, m.lora_rank) if m.lora_rank else None, roles.pair_group)
         self.dp_rank, self.dp = roles.mesh["dp"].get_local_rank(), roles.mesh["dp"].size()

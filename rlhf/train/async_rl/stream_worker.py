@@ -66,7 +66,8 @@ class StreamWorker:
             base, self.done = int(trained["base"]), set(trained["consumed"])
         self.engine = RolloutEngine(cfg.rollout, self.tokenizer, max_prompt_length=cfg.data.max_prompt_length,
                                     max_response_length=cfg.data.max_response_length, device=self.device,
-                                    dtype=rollout_dtype(cfg.rollout.dtype, self.device.type, m.dtype))
+                                    dtype=rollout_dtype(cfg.rollout.dtype, self.device.type, m.dtype),
+                                    record_routes=cfg.actor.router_replay != "R2")
         a = cfg.async_training
         self.B = cfg.data.train_batch_size
         self.G = len(roles.rollout_ranks)
@@ -126,7 +127,7 @@ class StreamWorker:
         mask = torch.arange(R)[None, :] < out["lengths"][:, None]
         ro = RolloutOutput(response_ids=out["response_ids"], response_mask=mask, log_probs=out["log_probs"],
                            response_lengths=out["lengths"], truncated=out["truncated"],
-                           prompt_index=torch.zeros(n, dtype=torch.long))
+                           prompt_index=torch.zeros(n, dtype=torch.long), routes=out.get("routes"))
         batch = self.engine.to_batch(pb, ro, n).to(torch.device("cpu"))
         batch.token_versions = out["versions"] * mask
         fields = {k: v for k, v in vars(batch).items()}
