@@ -78,7 +78,8 @@ def check_launch(cfg: Config, hf_config, world: int) -> ParallelDims:
     from rlhf.models.parallel import ParallelDims
     from rlhf.models.parallelize import validate_layout
 
-    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world, sp=cfg.parallel.sp)
+    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world, sp=cfg.parallel.sp,
+                                ep=cfg.parallel.ep)
     dims.check_batch(train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n,
                      mini_batch_size=cfg.actor.ppo_mini_batch_size)
     validate_layout(cfg.parallel, hf_config, world, rollout_tp=cfg.rollout.tp,
@@ -120,42 +121,35 @@ def _rows(tokens_budget: int, micro_rows: int, dynamic: bool, seq_len: int) -> i
 
 def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") -> Simulation:
     """Run one rank (``rank``) of a ``world``-rank job of ``cfg`` on a fake process group."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from rlhf.models.loading import DTYPES, model_config
-    from rlhf.ops.flops import model_flops_per_token
+    from rlhf.models.loading import DTYPES, language_config, model_config
     from rlhf.ops.sim_memory import LiveBytes
+    from rlhf.ops.sim_packed import flash_attention_shapes, packed_layout_on_host
     from rlhf.rollout.engine import rollout_dtype
     from rlhf.rollout.kv_cache import PagedKVCache
     from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights, kv_replicas
     from rlhf.train.actor import PolicyWorker
-    from rlhf.models.parallelize import clip_grad_norm_
 
     if not 0 <= rank < world:
         raise ConfigError(f"--rank {rank} is not a rank of --world {world}")
-    hf = model_config(cfg.model.path, cfg.model.trust_remote_code)
+    full = model_config(cfg.model.path, cfg.model.trust_remote_code)
+    hf = language_config(full)  # a vision-language model's language model sizes the layout and the passes
     dims = check_launch(cfg, hf, world)
     notes: list[str] = []
-    if cfg.parallel.sp > 1:
-        raise ConfigError("rlhf.simulate: parallel.sp > 1 is not simulated (packed rows have data-dependent "
-                          "shapes that fake tensors cannot carry); plan it with python -m rlhf.planner")
-    if cfg.parallel.pp > 1:
-        raise ConfigError("rlhf.simulate: parallel.pp > 1 is not simulated (the pipeline schedule and the reshard's "
-                          "stage exchange send metadata that no fake peer holds); plan it with python -m rlhf.planner")
     if cfg.trainer.mode != "colocated":
         notes.append(f"trainer.mode {cfg.trainer.mode}: simulated as the colocated layout on the whole world")
     if cfg.algorithm.adv_estimator == "gae":
         notes.append("the critic (adv_estimator gae) is not simulated")
     if cfg.model.use_remove_padding:
-        notes.append("padding-free micro-batches simulated as full-length padded rows (the same shapes)")
-    cfg.model.use_remove_padding = False
+        notes.append("padding-free micro-batches: full-length rows packed up to the token budget")
     if dist.is_initialized():
         raise RuntimeError("rlhf.simulate needs a process without a process group")
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         mesh = dims.build_mesh("cpu")  # the fake group's tensors live on the host whatever the run's device
-        build = _meta_builder(hf, DTYPES[cfg.model.dtype], "sdpa")
+        build = _meta_builder(full, DTYPES[cfg.model.dtype], "sdpa")
         meta = torch.device("meta")
         with _mixed_precision_as_on(device):
             actor = PolicyWorker(cfg.model, mesh, meta, trainable=True, actor_cfg=cfg.actor, total_steps=1,
@@ -166,11 +160,9 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
         layout = RolloutLayout.build(cfg.rollout.tp, device)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         counter = LiveBytes(ranks_per_node=8)
-        d, a, r = cfg.data, cfg.actor, cfg.rollout
-        P, R = d.max_prompt_length, d.max_response_length
-        L = P + R
-        flops: dict[str, float] = {}
-        with fake:
+        hidden_dtype = torch.bfloat16 if device == "cuda" and cfg.model.mixed_precision else DTYPES[cfg.model.dtype]
+        ctx = _Ctx(cfg, hf, dims, actor, counter, hidden_dtype)
+        with fake, packed_layout_on_host(), flash_attention_shapes():
             for w in (actor, ref):
                 if w is not None:
                     w.model.to_empty(device="cpu")
@@ -180,8 +172,8 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                     counter.adopt(ref.model.parameters(), "parameters")
                 _warm_optimizer(actor, counter)
                 counter.phase("rollout")
-                rdt = rollout_dtype(r.dtype, device, cfg.model.dtype)
-                with counter.category("rollout weights"):
+                rdt = rollout_dtype(cfg.rollout.dtype, device, cfg.model.dtype)
+                with counter.category("rollout weights"), _stage_exchange(actor, build, layout, rdt):
                     weights, _ = gather_rollout_weights(actor.model, dtype=rdt, pp_group=actor.pp_group,
                                                         tp_rank=layout.tp_rank, tp_size=layout.tp,
                                                         tp_group=layout.tp_group)
@@ -189,43 +181,18 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                     kv = _kv_cache(cfg, hf, world, layout.tp, kv_replicas(layout.tp, hf), rdt, PagedKVCache)
                 del weights, kv
                 counter.phase("log-probs")
-                lp_rows = _rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu,
-                                a.use_dynamic_bsz, L)
-                ids = torch.randint(0, hf.vocab_size, (lp_rows, L))
-                mask = torch.ones(lp_rows, L, dtype=torch.long)
-                entropy = a.entropy_coeff != 0
-                with torch.no_grad():
-                    actor.model.eval()
-                    # the trainer's old-log-prob pass always computes the entropy (a logged metric)
-                    out = actor.forward_log_probs(ids, mask, response_length=R, temperature=r.temperature or 1.0,
-                                                  compute_entropy=True)
-                del out, ids, mask
-                layers_share = 1.0 / (dims.tp * dims.pp)
-                flops["log-probs"] = model_flops_per_token(hf, L, False) * lp_rows * L * layers_share
+                with unset_fake_temporarily():  # real token ids: a packed pass reads its layout off them
+                    lp_ids, lp_mask = ctx.batch(ctx.log_prob_rows())
+                ctx.log_prob_pass(lp_ids, lp_mask)
                 counter.phase("update")
-                rows = _rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, L)
-                ids = torch.randint(0, hf.vocab_size, (rows, L))
-                mask = torch.ones(rows, L, dtype=torch.long)
-                actor.model.train()
-                lp, ent = actor.forward_log_probs(ids, mask, response_length=R,
-                                                  temperature=r.temperature or 1.0, compute_entropy=entropy)
-                # the policy loss' elementwise terms are [rows, R]: negligible next to the logits
-                loss = -(lp * torch.ones_like(lp)).mean() * actor.grad_scale
-                if ent is not None:
-                    loss = loss - a.entropy_coeff * ent.mean()
-                loss.backward()
-                del lp, ent, loss, ids, mask
-                params = list(actor.model.parameters())
-                counter.relabel([p.grad for p in params if p.grad is not None], "gradients")
-                with counter.category("optimizer"):
-                    clip_grad_norm_(params, a.grad_clip or 1e9, stage_ranks=actor.stage_ranks,
-                                    group=actor.mesh_group)
-                    actor.optimizer.step()
-                actor.optimizer.zero_grad(set_to_none=True)
-                flops["update"] = model_flops_per_token(hf, L, True) * rows * L * layers_share * (
-                    4 / 3 if cfg.model.enable_gradient_checkpointing else 1)
+                with unset_fake_temporarily():
+                    ids, mask = ctx.batch(ctx.update_rows())
+                ctx.update(ids, mask)
+        flops = ctx.flops(lp_ids.shape[0], ids.shape[0])
         lay = {"world": world, "rank": rank, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp,
-               "rollout_tp": layout.tp, "device": device, "lp_rows": lp_rows, "seq_len": L,
+               "ep": dims.ep, "pp_stage": actor.pipeline.pp_rank if actor.pipeline is not None else 0,
+               "rollout_tp": layout.tp, "device": device, "lp_rows": lp_ids.shape[0], "update_rows": ids.shape[0],
+               "seq_len": ids.shape[1], "packed": cfg.model.use_remove_padding,
                "model": hf.architectures[0] if getattr(hf, "architectures", None) else hf.model_type}
         peaks = {k: v for k, v in counter.peaks.items() if k != "start"}
         return Simulation(layout=lay, peaks=peaks, comm={k: dict(v) for k, v in counter.comm.items() if k != "start"},
@@ -234,6 +201,136 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                           notes=notes)
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions keyed by meshes that compare equal across process groups; a
+    later simulation in this process (another pipeline stage) must not get this one's destroyed groups."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for fn in (prop.propagate_op_sharding, getattr(prop, "_propagate_tensor_meta_cached", None)):
+        clear = getattr(getattr(fn, "cache", fn), "cache_clear", None)
+        if clear is not None:
+            clear()
+    _gen_transform_infos.cache_clear()
+
+
+@contextmanager
+def _stage_exchange(actor, build, layout, dtype):
+    """Under pp, the reshard's stage exchange gets every peer stage's tensor list (rlhf/ops/sim_pipeline.py)."""
+    from rlhf.ops.sim_pipeline import peer_stage_tensors, stage_exchange_from
+
+    p = actor.pipeline
+    if p is None:
+        yield
+        return
+    do_slice = layout.tp == 1 or len({r % layout.tp for r in dist.get_process_group_ranks(actor.pp_group)}) == 1
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        peers = peer_stage_tensors(build(), p.pp, p.virtual_stages, dtype=dtype, tp_rank=layout.tp_rank,
+                                   tp_size=layout.tp, do_slice=do_slice)
+    with stage_exchange_from(peers):
+        yield
+
+
+class _Ctx:
+    """The log-prob and update micro-batches of one simulated rank, as the trainer sizes them."""
+
+    def __init__(self, cfg: Config, hf, dims, actor, counter, hidden_dtype: torch.dtype) -> None:
+        self.cfg, self.hf, self.dims, self.actor, self.counter = cfg, hf, dims, actor, counter
+        self.hidden_dtype = hidden_dtype
+        d = cfg.data
+        self.R = d.max_response_length
+        self.L = d.max_prompt_length + d.max_response_length
+        # rows this dp rank holds in a step and in a mini-batch
+        self.local_rows = max(1, d.train_batch_size * cfg.rollout.n // dims.dp)
+        self.mini_rows = max(1, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // dims.dp)
+
+    def _rows(self, budget: int, micro: int) -> int:
+        """Rows of one micro-batch: the token budget's worth of full-length rows (times sp: verl's
+        per-GPU budget is one sp group's), or the configured row count."""
+        a, pp = self.cfg.actor, self.actor.pipeline
+        if pp is not None:  # pipelined calls of micro x pp_microbatches rows
+            return min(self.local_rows, micro * pp.n_microbatches) if micro else self.local_rows
+        if a.use_dynamic_bsz:
+            return max(1, budget * self.dims.sp // self.L)
+        return max(1, micro)
+
+    def log_prob_rows(self) -> int:
+        a = self.cfg.actor
+        return self._rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu)
+
+    def update_rows(self) -> int:
+        a = self.cfg.actor
+        if self.actor.pipeline is not None:  # one pipelined forward-backward per mini-batch
+            return self.mini_rows
+        return self._rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu)
+
+    def batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.actor.pipeline is not None:
+            rows += (-rows) % self.actor.pipeline.n_microbatches
+        return (torch.randint(0, self.hf.vocab_size, (rows, self.L)),
+                torch.ones(rows, self.L, dtype=torch.long))
+
+    def _runner(self):
+        from rlhf.ops.sim_pipeline import StageRunner
+
+        p, hf = self.actor.pipeline, self.hf
+        tied = hf.vocab_size * hf.hidden_size // (self.dims.tp * self.dims.dp * self.dims.sp)
+        return StageRunner(p, hf.hidden_size, self.hidden_dtype, category=self.counter.category, tied_numel=tied)
+
+    def log_prob_pass(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        # the trainer's old-log-prob pass always computes the entropy (a logged metric)
+        temp = self.cfg.rollout.temperature or 1.0
+        with torch.no_grad():
+            self.actor.model.eval()
+            if self.actor.pipeline is not None:
+                self.actor._pp_mode(temp, True)
+                out = self._runner().forward(ids, mask)
+            else:
+                out = self.actor.forward_log_probs(ids, mask, response_length=self.R, temperature=temp,
+                                                   compute_entropy=True)
+        del out
+
+    def update(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        from rlhf.models.parallelize import clip_grad_norm_
+
+        a, actor, R = self.cfg.actor, self.actor, self.R
+        temp = self.cfg.rollout.temperature or 1.0
+        entropy = a.entropy_coeff != 0
+        actor.model.train()
+
+        def loss_of(lp, ent):
+            # the policy loss' elementwise terms are [rows, R]: negligible next to the logits
+            loss = -(lp * torch.ones_like(lp)).mean() * actor.grad_scale
+            return loss - a.entropy_coeff * ent.mean() if ent is not None else loss
+
+        if actor.pipeline is not None:
+            actor._pp_mode(temp, entropy)
+            self._runner().forward_backward(ids, mask, lambda y: loss_of(y[..., 0][:, -R:], y[..., 1][:, -R:])
+                                            if entropy else loss_of(y[:, -R:], None))
+        else:
+            lp, ent = actor.forward_log_probs(ids, mask, response_length=R, temperature=temp,
+                                              compute_entropy=entropy)
+            loss_of(lp, ent).backward()
+            del lp, ent
+        params = list(actor.model.parameters())
+        self.counter.relabel([p.grad for p in params if p.grad is not None], "gradients")
+        with self.counter.category("optimizer"):
+            clip_grad_norm_(params, a.grad_clip or 1e9, stage_ranks=actor.stage_ranks, group=actor.mesh_group)
+            actor.optimizer.step()
+        actor.optimizer.zero_grad(set_to_none=True)
+
+    def flops(self, lp_rows: int, rows: int) -> dict[str, float]:
+        from rlhf.ops.flops import model_flops_per_token
+
+        share = 1.0 / (self.dims.tp * self.dims.pp * self.dims.sp)  # sp ranks split a micro-batch's tokens
+        ckpt = 4 / 3 if self.cfg.model.enable_gradient_checkpointing else 1
+        return {"log-probs": model_flops_per_token(self.hf, self.L, False) * lp_rows * self.L * share,
+                "update": model_flops_per_token(self.hf, self.L, True) * rows * self.L * share * ckpt}
 
 
 def _warm_optimizer(worker, counter) -> None:
@@ -298,9 +395,11 @@ def roofline(sim: Simulation, cfg: Config, hf, *, gpu: str = "h100") -> dict[str
 
 def format_simulation(sim: Simulation) -> str:
     lay = sim.layout
-    lines = [f"[sim] {lay['model']}: rank {lay['rank']} of world {lay['world']} = dp {lay['dp']} x tp {lay['tp']} x "
-             f"pp {lay['pp']}, rollout.tp {lay['rollout_tp']}, device {lay['device']} (fake process group, fake "
-             f"tensors)", "[sim] peak memory per phase, by category (GiB):"]
+    extra = "".join(f" x {k} {lay[k]}" for k in ("sp", "ep") if lay.get(k, 1) > 1)
+    stage = f" (stage {lay['pp_stage']})" if lay["pp"] > 1 else ""
+    lines = [f"[sim] {lay['model']}: rank {lay['rank']}{stage} of world {lay['world']} = dp {lay['dp']} x tp "
+             f"{lay['tp']} x pp {lay['pp']}{extra}, rollout.tp {lay['rollout_tp']}, device {lay['device']} (fake "
+             f"process group, fake tensors)", "[sim] peak memory per phase, by category (GiB):"]
     for ph, d in sim.peaks.items():
         parts = ", ".join(f"{k} {v / GIB:.3f}" for k, v in d.items() if k != "total" and v)
         mark = "  <- peak" if ph == sim.peak_phase else ""
@@ -325,15 +424,36 @@ def format_simulation(sim: Simulation) -> str:
     return "\n".join(lines)
 
 
+def stage_ranks(pp: int, world: int) -> list[int]:
+    """One rank of every pipeline stage: the mesh is (pp, dp, sp, tp), pp outermost."""
+    return [s * (world // pp) for s in range(pp)]
+
+
+def _in_child(argv: list[str], rank: int) -> Simulation:
+    """One rank's simulation in a fresh process (DTensor keeps caches a second fake group would trip on)."""
+    import os
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "rlhf.simulate", *argv, "--rank", str(rank), "--json"],
+                         capture_output=True, text=True, env=dict(os.environ))
+    if out.returncode:
+        sys.stderr.write(out.stderr)
+        sys.exit(out.returncode)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    data.pop("peak_phase")
+    return Simulation(**data)
+
+
 def main(argv=None) -> None:
     from rlhf.config.load import load_config
-    from rlhf.models.loading import model_config
+    from rlhf.models.loading import language_config, model_config
 
     ap = argparse.ArgumentParser(description="Run one rank of a large world on a fake process group "
                                              "(fake tensors) and report its memory and collectives.")
     ap.add_argument("--config", help="yaml config file")
     ap.add_argument("--world", type=int, default=8, help="ranks of the simulated job (default 8)")
-    ap.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0)")
+    ap.add_argument("--rank", type=int, default=None,
+                    help="the rank to simulate (default: rank 0, and with parallel.pp > 1 one rank of every stage)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the run's device (mixed precision)")
     ap.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100", help="roofline hardware")
     ap.add_argument("--json", action="store_true", help="also print the result as one JSON line")
@@ -341,14 +461,21 @@ def main(argv=None) -> None:
     args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        sim = simulate(cfg, world=args.world, rank=args.rank, device=args.device)
-        sim.roofline = roofline(sim, cfg, model_config(cfg.model.path), gpu=args.gpu)
+        if args.rank is None and cfg.parallel.pp > 1:  # every distinct stage, each in its own process
+            check_launch(cfg, language_config(model_config(cfg.model.path, cfg.model.trust_remote_code)), args.world)
+            child = [*(["--config", args.config] if args.config else []), "--world", str(args.world), "--device",
+                     args.device, "--gpu", args.gpu, *args.overrides]
+            sims = [_in_child(child, r) for r in stage_ranks(cfg.parallel.pp, args.world)]
+        else:
+            sims = [simulate(cfg, world=args.world, rank=args.rank or 0, device=args.device)]
+            sims[0].roofline = roofline(sims[0], cfg, language_config(model_config(cfg.model.path)), gpu=args.gpu)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(format_simulation(sim))
+    print("\n".join(format_simulation(sim) for sim in sims))
     if args.json:
-        print(json.dumps(sim.to_json()))
+        for sim in sims:
+            print(json.dumps(sim.to_json()))
 
 
 if __name__ == "__main__":

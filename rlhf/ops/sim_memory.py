@@ -31,7 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 # What a phase's peak is split into; anything made while no other category is current is "activations".
-CATEGORIES = ("parameters", "gradients", "optimizer", "rollout weights", "kv cache", "activations")  # activations: and temporaries, FSDP2 all-gathered blocks
+# "activations" also holds temporaries and FSDP2's all-gathered blocks; "pipeline buffers" the pp
+# schedule's per-micro-batch receive buffers (rlhf/ops/sim_pipeline.py)
+CATEGORIES = ("parameters", "gradients", "optimizer", "rollout weights", "kv cache", "pipeline buffers",
+              "activations")
 
 
 def _plain(t: torch.Tensor) -> bool:
