@@ -4,10 +4,12 @@
     python bench/simulate_vs_real.py --layouts tp2
 
 For each layout a random Qwen2 of ~100M parameters (bench/memory_plan.py's "100M") is written,
-``torchrun`` runs trainer construction plus one full step (rollout, log-probs, update) on 2 gloo
-ranks, and the trainer's own per-phase peaks (``perf/max_memory_gb/<phase>``: the resident set's
-high-water mark, reset at each phase start, max over ranks; rlhf/ops/memory.py) are taken as
-growth over the process's resident set just before the trainer is built. Then
+``torchrun`` runs trainer construction and two steps (rollout, log-probs, update) on 2 gloo
+ranks (glibc told to return freed blocks over 64 KiB at once, so the resident set follows the
+live allocations), and the trainer's own per-phase peaks of the second step
+(``perf/max_memory_gb/<phase>``: the resident set's high-water mark, reset at each phase start,
+max over ranks; rlhf/ops/memory.py; AdamW's state exists by then, as in the simulation) are taken
+as growth over the process's resident set just before the trainer is built. Then
 ``python -m rlhf.simulate`` runs every rank of the same config at world 2, device cpu (fake
 process group, fake tensors) and its per-phase peaks (max over ranks) are compared:
 ``rollout`` with ``rollout``, ``logprobs`` with ``log-probs``, ``update`` with ``update``.
@@ -48,8 +50,9 @@ def child(workdir: Path, out: Path, extra: list[str]) -> None:
 
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    trainer = RLTrainer(load_config(None, [*overrides(workdir), *extra]))
-    metrics = trainer.train_step(1)
+    trainer = RLTrainer(load_config(None, [*overrides(workdir), "trainer.total_training_steps=2", *extra]))
+    trainer.train_step(1)
+    metrics = trainer.train_step(2)  # the second step: AdamW's state exists, as the simulation assumes
     if dist.get_rank() == 0:
         peaks = {k.rsplit("/", 1)[1]: v * GIB - base for k, v in (metrics or {}).items()
                  if k.startswith("perf/max_memory_gb/")}
@@ -78,7 +81,10 @@ def run_case(name: str, tmp: Path) -> dict:
         write_tiny_model(str(workdir / "model"), num_heads=8, num_kv_heads=4, **SIZES["100M"])
         make_addition_task(workdir / "data", n_train=64, n_val=8, n_sft=0, seed=0)
     out = tmp / f"{name}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # glibc returns every freed block over 64 KiB to the kernel at once, so the resident set follows
+    # the live allocations instead of keeping earlier phases' freed buffers on its free lists
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="65536",
+               MALLOC_TRIM_THRESHOLD_="0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(Path(__file__).resolve()), "--child", str(workdir), str(out), *LAYOUTS[name]]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)

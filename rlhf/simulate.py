@@ -12,21 +12,27 @@ dtypes only) through one step's phases at the configured shapes:
 * ``load``: this rank's parameter shards (and the reference's with ``actor.use_kl_loss``);
 * ``rollout``: the reshard to the rollout layout (``rlhf.rollout.reshard.gather_rollout_weights``
   over the ``rollout.tp`` groups) and the sampler's paged KV cache at its budget;
-* ``log-probs``: one forward-only micro-batch of the log-prob pass;
-* ``update``: one training micro-batch (forward, backward, FSDP2 reduce-scatter), the grad-norm
-  clip and the AdamW step (its state is made here, as in the first real step).
+* ``log-probs``: one forward-only micro-batch of the log-prob pass (with pp: one pipelined call);
+* ``update``: one training micro-batch (forward, backward, FSDP2 reduce-scatter; with pp: one
+  mini-batch's pipelined forward-backward), the grad-norm clip and the AdamW step (its state
+  exists from the start, as after the first real step).
 
 Per phase: the peak of live bytes by category (``rlhf/ops/sim_memory.py`` counts storages) and
 the bytes each collective type moved. A roofline estimate of each phase's time follows, from
 datasheet FLOP/s and link bandwidths (``rlhf/ops/hardware.py``), labelled as an estimate.
 
+Pipeline parallelism (``parallel.pp > 1``): without ``--rank``, one rank of every stage, each in
+its own process; a stage runs what its schedule would run on it (the receive buffers, the
+1F1B / GPipe order, FSDP2's no-sync backwards, the stage-boundary sends; rlhf/ops/sim_pipeline.py)
+and the reshard's stage exchange gets every peer stage's tensors. Padding-free and Ulysses
+(``parallel.sp``) passes pack full-length rows up to the token budget and run the real packed
+forward, the token layout computed on the host (rlhf/ops/sim_packed.py), attention with
+flash-attn's allocations, the all-to-alls counted.
+
 The simulated device is the run's (``--device cuda``, the default, keeps FSDP2's bf16 mixed
-precision as on a GPU). Not simulated yet, and said so in the output: Ulysses (``parallel.sp``:
-packed rows have data-dependent shapes that fake tensors cannot carry; rows are padded to full
-length instead, the same shapes as a full packed micro-batch), the critic, trainer.mode
-one_step_off roles, the sampler's own activations, and pipeline parallelism (``parallel.pp > 1``: the
-schedule and the reshard's stage exchange send Python metadata that no fake peer holds; the layout
-checks still run, so an impossible pp layout fails with the launch's error).
+precision as on a GPU). Not simulated, and said so in the output: the critic, trainer.mode
+one_step_off / fully_async roles (simulated as the colocated layout) and the sampler's own
+activations.
 """
 
 from __future__ import annotations
@@ -125,7 +131,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from rlhf.models.loading import DTYPES, language_config, model_config
-    from rlhf.ops.sim_memory import LiveBytes
+    from rlhf.ops.sim_memory import LiveBytes, fsdp_storage_resizes
     from rlhf.ops.sim_packed import flash_attention_shapes, packed_layout_on_host
     from rlhf.rollout.engine import rollout_dtype
     from rlhf.rollout.kv_cache import PagedKVCache
@@ -162,7 +168,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
         counter = LiveBytes(ranks_per_node=8)
         hidden_dtype = torch.bfloat16 if device == "cuda" and cfg.model.mixed_precision else DTYPES[cfg.model.dtype]
         ctx = _Ctx(cfg, hf, dims, actor, counter, hidden_dtype)
-        with fake, packed_layout_on_host(), flash_attention_shapes():
+        with fake, packed_layout_on_host(), flash_attention_shapes(), fsdp_storage_resizes(counter):
             for w in (actor, ref):
                 if w is not None:
                     w.model.to_empty(device="cpu")
@@ -280,7 +286,7 @@ class _Ctx:
 
         p, hf = self.actor.pipeline, self.hf
         tied = hf.vocab_size * hf.hidden_size // (self.dims.tp * self.dims.dp * self.dims.sp)
-        return StageRunner(p, hf.hidden_size, self.hidden_dtype, category=self.counter.category, tied_numel=tied)
+        return StageRunner(p, hf.hidden_size, self.hidden_dtype, counter=self.counter, tied_numel=tied)
 
     def log_prob_pass(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
         # the trainer's old-log-prob pass always computes the entropy (a logged metric)

@@ -13,7 +13,11 @@ replaced:
 * the order of forwards and backwards: ``GPipe`` runs every micro-batch's forward, then every
   backward; ``1F1B`` runs ``min(k, stages - stage_index)`` warm-up forwards, then one backward
   and one forward in turn (``Schedule1F1B._step_microbatches``), so stage ``s`` holds the
-  activations of that many micro-batches at once;
+  activations of that many micro-batches at once. Past the warm-up and the first backward
+  every 1F1B step repeats the same allocations and transfers, so only ``warm-up + 2``
+  micro-batches run (2 in a forward-only pass) and the last run one's step is counted for
+  the micro-batches left out (``LiveBytes.repeated``): the memory peak is reached by then and
+  the collective bytes are those of all ``k``;
 * FSDP2 inside a stage: every backward but the last keeps the stage's parameters unsharded and
   its gradients unreduced (``set_reshard_after_backward(False)``,
   ``set_requires_gradient_sync(False)``: ``backward_maybe_with_nosync``); the last one
@@ -97,20 +101,20 @@ class StageRunner:
     of ``rows // k`` rows each; ``hidden_dtype``: what travels between stages (bf16 under FSDP2 mixed
     precision)."""
 
-    def __init__(self, pipeline, hidden_size: int, hidden_dtype: torch.dtype,
-                 category: Optional[Callable[[str], object]] = None, tied_numel: int = 0) -> None:
+    def __init__(self, pipeline, hidden_size: int, hidden_dtype: torch.dtype, counter=None,
+                 tied_numel: int = 0) -> None:
         self.p = pipeline
+        self.counter = counter  # rlhf.ops.sim_memory.LiveBytes: categories, and the steps not run
         pipeline.device = torch.device("cpu")  # built for the meta device; the fake tensors live on the host
         self.H = hidden_size
         self.tied_numel = tied_numel  # a middle stage's share of the tied-embedding all-reduce
         self.dtype = hidden_dtype
-        self.category = category
 
     def _peer(self, offset: int) -> int:
         return dist.get_global_rank(self.p.pp_group, (self.p.pp_rank + offset) % self.p.pp)
 
     def _buffers(self, k: int, b: int, L: int) -> list[torch.Tensor]:
-        ctx = self.category("pipeline buffers") if self.category else _null()
+        ctx = self.counter.category("pipeline buffers") if self.counter is not None else _null()
         with ctx:
             return [torch.empty(b, L, self.H, dtype=self.dtype) for _ in range(k)]
 
@@ -135,15 +139,22 @@ class StageRunner:
         _, kwargs = self.p._step_args(ids, mask)
         kwargs["labels"] = ids
         out = None
+        shape = (B, L, 2) if self.p.compute_entropy else (B, L)
+        run = min(k, 2)
         with torch.no_grad():
             for stage in self.p.stages:
                 recv = [] if stage.is_first else self._buffers(k, b, L)
-                outs = [self._chunk(stage, ids, kwargs, i, b, recv, False)[1] for i in range(k)]
-                if stage.is_last:
-                    out = torch.cat(outs).float()
+                outs = []
+                for i in range(run):
+                    with self._repeated(k - run if i == run - 1 else 0):
+                        outs.append(self._chunk(stage, ids, kwargs, i, b, recv, False)[1])
+                if stage.is_last:  # the schedule's merged output of all k micro-batches
+                    out = torch.empty(shape, dtype=torch.float32)
                 del recv, outs
-        shape = (B, L, 2) if self.p.compute_entropy else (B, L)
         return self.p._broadcast_from_last(out, shape, torch.float32)
+
+    def _repeated(self, times: int):
+        return self.counter.repeated(times) if self.counter is not None and times > 0 else _null()
 
     def forward_backward(self, ids: torch.Tensor, mask: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -156,6 +167,7 @@ class StageRunner:
             recv = [] if stage.is_first else self._buffers(k, b, L)
             grads = [] if stage.is_last else self._buffers(k, b, L)
             depth = in_flight(self.p.schedule_name, k, self.p.num_stages, stage.stage_index)
+            run = min(k, depth + 2)  # warm-up, then two 1B1F steps: the second one repeats k - run times
             live: dict[int, tuple] = {}
 
             def fwd(i: int) -> None:
@@ -164,7 +176,7 @@ class StageRunner:
 
             def bwd(i: int) -> None:
                 x, y = live.pop(i)
-                _fsdp_sync(stage, i == k - 1)
+                _fsdp_sync(stage, i == run - 1)
                 if stage.is_last:
                     y.backward()
                 else:
@@ -177,11 +189,12 @@ class StageRunner:
             for _ in range(depth):
                 fwd(nxt)
                 nxt += 1
-            for i in range(k):
-                bwd(i)
-                if nxt < k:
-                    fwd(nxt)
-                    nxt += 1
+            for i in range(run):
+                with self._repeated(k - run if i == 1 and nxt < run else 0):
+                    bwd(i)
+                    if nxt < run:
+                        fwd(nxt)
+                        nxt += 1
             del recv, grads, live
         if self.p.tied_across_ranks:
             self._sync_tied_grads()
