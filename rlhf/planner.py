@@ -458,12 +458,15 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     rows_train = train_tokens / seq_len
     rows_lp = lp_tokens / seq_len
     V = s.vocab_size / tp
-    temp_copy = 1 if (r.temperature or 1.0) != 1.0 else 0
-    # update: compute-dtype logits, fp32 copy (if bf16), /T copy, logsumexp's exp, gradient (+ entropy)
-    n_train = (cb / 4) + (cb != 4) + temp_copy + 1 + 1 + 2 * (a.entropy_coeff != 0)
-    comp["logits (update)"] = rows_train * (R + 1) * V * 4 * n_train
-    # forward-only log-probs with entropy: logits, /T copy, logsumexp's exp, softmax, softmax * z
-    comp["logits (log-prob pass)"] = rows_lp * (R + 1) * V * 4 * ((cb / 4) + (cb != 4) + temp_copy + 3)
+    # fp32 [tokens, V/tp] tensors alive at once next to the compute-dtype logits, as the simulation's
+    # live-storage count of rlhf.models.vocab_parallel.log_probs_from_logits measures them (docs/memory.md):
+    # forward-only with entropy: z = logits/T, exp(z - lse), softmax x z (the fp32 cast and logsumexp's
+    # exp are freed before), one more under tp (the vocab-parallel softmax); update: the backward of
+    # logsumexp and the gather next to the saved z, one less under tp without entropy (its custom backward)
+    n_lp = 3 + (tp > 1)
+    n_train = 4.5 - (tp > 1 and a.entropy_coeff == 0)
+    comp["logits (update)"] = rows_train * (R + 1) * V * 4 * ((cb / 4) + n_train)
+    comp["logits (log-prob pass)"] = rows_lp * (R + 1) * V * 4 * ((cb / 4) + n_lp)
     comp["forward activations (log-prob pass)"] = lp_tokens * per_tok * cb
 
     acts = ckpt_acts if m.enable_gradient_checkpointing else full_acts

@@ -435,19 +435,25 @@ def stage_ranks(pp: int, world: int) -> list[int]:
     return [s * (world // pp) for s in range(pp)]
 
 
-def _in_child(argv: list[str], rank: int) -> Simulation:
-    """One rank's simulation in a fresh process (DTensor keeps caches a second fake group would trip on)."""
+def _in_children(argv: list[str], ranks: list[int]) -> list[Simulation]:
+    """Each rank's simulation in a fresh process, all at once (DTensor keeps caches that a second
+    fake group in one process would trip on; the stages are independent)."""
     import os
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "rlhf.simulate", *argv, "--rank", str(rank), "--json"],
-                         capture_output=True, text=True, env=dict(os.environ))
-    if out.returncode:
-        sys.stderr.write(out.stderr)
-        sys.exit(out.returncode)
-    data = json.loads(out.stdout.strip().splitlines()[-1])
-    data.pop("peak_phase")
-    return Simulation(**data)
+    procs = [subprocess.Popen([sys.executable, "-m", "rlhf.simulate", *argv, "--rank", str(r), "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+             for r in ranks]
+    sims = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode:
+            sys.stderr.write(err)
+            sys.exit(p.returncode)
+        data = json.loads(out.strip().splitlines()[-1])
+        data.pop("peak_phase")
+        sims.append(Simulation(**data))
+    return sims
 
 
 def main(argv=None) -> None:
@@ -459,7 +465,8 @@ def main(argv=None) -> None:
     ap.add_argument("--config", help="yaml config file")
     ap.add_argument("--world", type=int, default=8, help="ranks of the simulated job (default 8)")
     ap.add_argument("--rank", type=int, default=None,
-                    help="the rank to simulate (default: rank 0, and with parallel.pp > 1 one rank of every stage)")
+                    help="the rank to simulate (default: rank 0; with parallel.pp > 1 one rank of every stage, "
+                         "in parallel processes)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the run's device (mixed precision)")
     ap.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100", help="roofline hardware")
     ap.add_argument("--json", action="store_true", help="also print the result as one JSON line")
@@ -471,7 +478,7 @@ def main(argv=None) -> None:
             check_launch(cfg, language_config(model_config(cfg.model.path, cfg.model.trust_remote_code)), args.world)
             child = [*(["--config", args.config] if args.config else []), "--world", str(args.world), "--device",
                      args.device, "--gpu", args.gpu, *args.overrides]
-            sims = [_in_child(child, r) for r in stage_ranks(cfg.parallel.pp, args.world)]
+            sims = _in_children(child, stage_ranks(cfg.parallel.pp, args.world))
         else:
             sims = [simulate(cfg, world=args.world, rank=args.rank or 0, device=args.device)]
             sims[0].roofline = roofline(sims[0], cfg, language_config(model_config(cfg.model.path)), gpu=args.gpu)
