@@ -444,11 +444,20 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         train_tokens, lp_tokens = a.ppo_max_token_len_per_gpu, a.log_prob_max_token_len_per_gpu
     else:
         train_tokens, lp_tokens = a.ppo_micro_batch_size_per_gpu * seq_len, a.log_prob_micro_batch_size_per_gpu * seq_len
+    depth = 1  # micro-batches whose activations a rank holds at once
+    if pp > 1:  # one pipelined call per mini-batch, pp_microbatches micro-batches; 1F1B's first stage
+        # holds min(k, pp) in flight (GPipe: all k), and the schedule keeps the stage unsharded from the
+        # first backward to the last (rlhf/ops/sim_pipeline.py)
+        k = cfg.parallel.pp_microbatches
+        train_tokens = a.ppo_mini_batch_size * r.n / dp / k * seq_len
+        lp_tokens = a.log_prob_micro_batch_size_per_gpu * seq_len
+        depth = k if cfg.parallel.pp_schedule == "GPipe" else min(k, pp)
+        unsharded_update = stage / tp * cb
     layers_rank = s.num_layers // pp
     per_tok = activation_elems_per_token_layer(s, tp, cb)
-    full_acts = train_tokens * per_tok * layers_rank * cb
+    full_acts = train_tokens * per_tok * layers_rank * cb * depth
     # With checkpointing: the block inputs, plus one block recomputed during its backward.
-    ckpt_acts = train_tokens * (s.hidden_size * layers_rank + per_tok) * cb
+    ckpt_acts = train_tokens * (s.hidden_size * layers_rank * depth + per_tok) * cb
     # ep > 1: one sparse layer's dispatched and returned token rows (send + receive, each [tokens x k, hidden]).
     comp["all-to-all buffers (ep)"] = 4 * train_tokens * s.experts_per_tok * s.hidden_size * cb if ep > 1 else 0.0
     comp["activations (no checkpointing)"] = full_acts
