@@ -43,7 +43,7 @@ NOT_SIMULATED = ("rollout activations", "rollout fusing (q|k|v, gate|up)", "deco
 GIB = 1024 ** 3
 
 
-def run(name: str) -> dict:
+def run(name: str, sim_json: str | None = None) -> dict:
     from rlhf.config.load import load_config
     from rlhf.planner import ModelShape, plan_memory
 
@@ -53,13 +53,17 @@ def run(name: str) -> dict:
     overrides = [f"model.path={model}", *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "rlhf.simulate", "--config", cfg_file, "--world", str(world), "--json",
-                          *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if out.returncode:
-        raise RuntimeError(f"{name}: simulate failed: {out.stderr[-2000:]}")
+    if sim_json:  # the output of an earlier `python -m rlhf.simulate ... --json` of this recipe
+        stdout = Path(sim_json).read_text()
+    else:
+        out = subprocess.run([sys.executable, "-m", "rlhf.simulate", "--config", cfg_file, "--world", str(world),
+                              "--json", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        if out.returncode:
+            raise RuntimeError(f"{name}: simulate failed: {out.stderr[-2000:]}")
+        stdout = out.stdout
     seconds = time.perf_counter() - t0
     # with pp, one JSON line per stage: the plan is the worst stage's, so each phase's worst stage
-    sims = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+    sims = [json.loads(line) for line in stdout.strip().splitlines() if line.startswith("{")]
     sim = {"peaks": {ph: max((s["peaks"][ph] for s in sims if ph in s["peaks"]), key=lambda p: p["total"])
                      for ph in sims[0]["peaks"]}, "notes": sims[0]["notes"]}
     cfg = load_config(str(ROOT / cfg_file), overrides)
@@ -82,9 +86,12 @@ def run(name: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help=f"comma-separated subset of {', '.join(RECIPES)}")
+    ap.add_argument("--sim-json", action="append", default=[], metavar="RECIPE=FILE",
+                    help="use a saved `python -m rlhf.simulate --json` output for RECIPE instead of running it")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(RECIPES)
-    results = [run(n) for n in names]
+    saved = dict(item.split("=", 1) for item in args.sim_json)
+    results = [run(n, saved.get(n)) for n in names]
     print("| recipe | world | phase | planned (GiB) | simulated (GiB) | sim / plan | >15% |")
     print("|---|---|---|---|---|---|---|")
     for res in results:

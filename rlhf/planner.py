@@ -343,23 +343,24 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     notes: list[str] = []
 
     stage = _stage_params(s, pp)
-    params_rank = stage / tp / dp
+    fsdp = dp * dims.sp  # FSDP2 shards over the flattened dp x sp mesh (rlhf/models/ulysses.py)
+    params_rank = stage / tp / fsdp
     lora = m.lora_rank > 0
     adapters = s.num_layers // pp * s.lora_params_per_layer(m.lora_rank, m.target_modules) if lora else 0
-    trainable_rank = (adapters if lora else stage) / tp / dp
+    trainable_rank = (adapters if lora else stage) / tp / fsdp
     comp: dict[str, float] = {}
-    comp["parameters"] = (params_rank + adapters / tp / dp) * mb
+    comp["parameters"] = (params_rank + adapters / tp / fsdp) * mb
     comp["gradients"] = trainable_rank * mb
     # No-sync accumulation keeps the stage's unsharded gradients (fp32 reduce dtype under mixed
     # precision) from the first micro-batch to the last: opt-in, or always inside a pipeline schedule.
     no_sync = m.unsharded_grad_accumulation or pp > 1
     grad_bytes = 4 if cuda and m.mixed_precision else mb
-    comp["unsharded grads (no-sync accumulation)"] = (trainable_rank * dp) * grad_bytes if no_sync else 0.0
+    comp["unsharded grads (no-sync accumulation)"] = (trainable_rank * fsdp) * grad_bytes if no_sync else 0.0
     comp["optimizer (AdamW m+v)"] = 2 * trainable_rank * mb
     need_ref = (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora
     comp["reference"] = params_rank * mb if need_ref else 0.0
     critic = cfg.algorithm.adv_estimator == "gae"
-    critic_params = (stage - (0 if s.tie_word_embeddings or pp > 1 else s.embed_params())) / tp / dp if critic else 0
+    critic_params = (stage - (0 if s.tie_word_embeddings or pp > 1 else s.embed_params())) / tp / fsdp if critic else 0
     comp["critic (params+grads+adam)"] = 4 * critic_params * mb
     # FSDP2 all-gathers the root (embeddings / head: kept for the whole forward+backward) and two blocks.
     root = (s.embed_params() + s.head_params()) / tp if pp == 1 else (s.embed_params() + s.hidden_size) / tp
@@ -392,7 +393,9 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         notes.append("model.param_offload: parameters, gradients and optimizer state live in host memory")
 
     # Rollout: full weights over rollout.tp; KV-cache slots for this replica's sequences.
-    rollout_copy = s.num_params() / r.tp * rb
+    # the reshard splits the attention / MLP projections over rollout.tp; embedding and head stay whole
+    ends = s.embed_params() + s.head_params()
+    rollout_copy = ((s.num_params() - ends) / r.tp + ends) * rb
     comp["rollout weights"] = rollout_copy
     seq_len = d.max_prompt_length + d.max_response_length
     replicas = role_world // r.tp
