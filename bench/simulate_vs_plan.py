@@ -61,6 +61,8 @@ def run(name: str, sim_json: str | None = None) -> dict:
         if out.returncode:
             raise RuntimeError(f"{name}: simulate failed: {out.stderr[-2000:]}")
         stdout = out.stdout
+        if os.environ.get("SIM_SAVE_DIR"):  # keep the raw simulation for later --sim-json runs
+            Path(os.environ["SIM_SAVE_DIR"], f"{name}.txt").write_text(stdout)
     seconds = time.perf_counter() - t0
     # with pp, one JSON line per stage: the plan is the worst stage's, so each phase's worst stage
     sims = [json.loads(line) for line in stdout.strip().splitlines() if line.startswith("{")]

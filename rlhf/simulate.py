@@ -120,11 +120,6 @@ def _meta_builder(hf_config, dtype: torch.dtype, attn: str):
     return build
 
 
-def _rows(tokens_budget: int, micro_rows: int, dynamic: bool, seq_len: int) -> int:
-    """Rows of one micro-batch: the token budget's worth of full-length rows, or the row count."""
-    return max(1, tokens_budget // seq_len) if dynamic else max(1, micro_rows)
-
-
 def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") -> Simulation:
     """Run one rank (``rank``) of a ``world``-rank job of ``cfg`` on a fake process group."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
@@ -194,10 +189,12 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                 with unset_fake_temporarily():
                     ids, mask = ctx.batch(ctx.update_rows())
                 ctx.update(ids, mask)
-        flops = ctx.flops(lp_ids.shape[0], ids.shape[0])
+        lp_tokens, tokens = int(lp_mask.sum()), int(mask.sum())  # real (host) masks
+        flops = ctx.flops(lp_tokens, tokens)
         lay = {"world": world, "rank": rank, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp,
                "ep": dims.ep, "pp_stage": actor.pipeline.pp_rank if actor.pipeline is not None else 0,
                "rollout_tp": layout.tp, "device": device, "lp_rows": lp_ids.shape[0], "update_rows": ids.shape[0],
+               "lp_tokens": lp_tokens, "update_tokens": tokens,
                "seq_len": ids.shape[1], "packed": cfg.model.use_remove_padding,
                "model": hf.architectures[0] if getattr(hf, "architectures", None) else hf.model_type}
         peaks = {k: v for k, v in counter.peaks.items() if k != "start"}
@@ -255,31 +252,39 @@ class _Ctx:
         self.local_rows = max(1, d.train_batch_size * cfg.rollout.n // dims.dp)
         self.mini_rows = max(1, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // dims.dp)
 
-    def _rows(self, budget: int, micro: int) -> int:
-        """Rows of one micro-batch: the token budget's worth of full-length rows (times sp: verl's
-        per-GPU budget is one sp group's), or the configured row count."""
+    def _rows(self, budget: int, micro: int) -> tuple[int, int]:
+        """Rows of one micro-batch and the real tokens of its last row. Under ``use_dynamic_bsz`` a
+        packed micro-batch is filled to its token budget (times sp: verl's per-GPU budget is one sp
+        group's): full-length rows and one shorter last row, as variable-length data can fill it;
+        padded rows cost their full length, so only whole ones fit."""
         a, pp = self.cfg.actor, self.actor.pipeline
         if pp is not None:  # pipelined calls of micro x pp_microbatches rows
-            return min(self.local_rows, micro * pp.n_microbatches) if micro else self.local_rows
-        if a.use_dynamic_bsz:
-            return max(1, budget * self.dims.sp // self.L)
-        return max(1, micro)
+            return (min(self.local_rows, micro * pp.n_microbatches) if micro else self.local_rows), self.L
+        if not a.use_dynamic_bsz:
+            return max(1, micro), self.L
+        tokens = budget * self.dims.sp
+        full, rest = divmod(tokens, self.L)
+        if self.cfg.model.use_remove_padding and rest > self.cfg.data.max_prompt_length:
+            return full + 1, rest
+        return max(1, full), self.L
 
-    def log_prob_rows(self) -> int:
+    def log_prob_rows(self) -> tuple[int, int]:
         a = self.cfg.actor
         return self._rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu)
 
-    def update_rows(self) -> int:
+    def update_rows(self) -> tuple[int, int]:
         a = self.cfg.actor
         if self.actor.pipeline is not None:  # one pipelined forward-backward per mini-batch
-            return self.mini_rows
+            return self.mini_rows, self.L
         return self._rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu)
 
-    def batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, rows_last: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, last = rows_last
         if self.actor.pipeline is not None:
             rows += (-rows) % self.actor.pipeline.n_microbatches
-        return (torch.randint(0, self.hf.vocab_size, (rows, self.L)),
-                torch.ones(rows, self.L, dtype=torch.long))
+        mask = torch.ones(rows, self.L, dtype=torch.long)
+        mask[-1, last:] = 0  # a shorter last row: its response ends early (right padding)
+        return torch.randint(0, self.hf.vocab_size, (rows, self.L)), mask
 
     def _runner(self):
         from rlhf.ops.sim_pipeline import StageRunner
@@ -330,13 +335,13 @@ class _Ctx:
             actor.optimizer.step()
         actor.optimizer.zero_grad(set_to_none=True)
 
-    def flops(self, lp_rows: int, rows: int) -> dict[str, float]:
+    def flops(self, lp_tokens: int, tokens: int) -> dict[str, float]:
         from rlhf.ops.flops import model_flops_per_token
 
         share = 1.0 / (self.dims.tp * self.dims.pp * self.dims.sp)  # sp ranks split a micro-batch's tokens
         ckpt = 4 / 3 if self.cfg.model.enable_gradient_checkpointing else 1
-        return {"log-probs": model_flops_per_token(self.hf, self.L, False) * lp_rows * self.L * share,
-                "update": model_flops_per_token(self.hf, self.L, True) * rows * self.L * share * ckpt}
+        return {"log-probs": model_flops_per_token(self.hf, self.L, False) * lp_tokens * share,
+                "update": model_flops_per_token(self.hf, self.L, True) * tokens * share * ckpt}
 
 
 def _warm_optimizer(worker, counter) -> None:
@@ -423,7 +428,8 @@ def format_simulation(sim: Simulation) -> str:
         for ph, d in sim.roofline.items():
             if ph != "_hardware":
                 extra = f", decode {d['decode_s']:.1f} s" if "decode_s" in d else ""
-                unit = "for one generation wave of the slots (decode-bound)" if ph == "rollout" else "per micro-batch"
+                unit = "for one generation wave of the slots (decode-bound)" if ph == "rollout" else \
+                    "per pipelined call" if lay["pp"] > 1 else "per micro-batch"
                 lines.append(f"[sim]   {ph:10s}~{d['estimate_s']:.3f} s {unit} (compute {d['compute_s']:.3f} "
                              f"s, collectives {d['comm_s']:.3f} s{extra})")
     lines += [f"[sim] note: {n}" for n in sim.notes]
