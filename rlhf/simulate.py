@@ -139,6 +139,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     hf = language_config(full)  # a vision-language model's language model sizes the layout and the passes
     dims = check_launch(cfg, hf, world)
     notes: list[str] = []
+    held: list = []  # tensors that live to the end of the simulated step
     if cfg.trainer.mode != "colocated":
         notes.append(f"trainer.mode {cfg.trainer.mode}: simulated as the colocated layout on the whole world")
     if cfg.algorithm.adv_estimator == "gae":
@@ -180,6 +181,10 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                                                         tp_group=layout.tp_group)
                 with counter.category("kv cache"):
                     kv = _kv_cache(cfg, hf, world, layout.tp, kv_replicas(layout.tp, hf), rdt, PagedKVCache)
+                if device == "cuda" and cfg.rollout.compile:  # the sampler lives on for its CUDA graphs
+                    held.append((weights, kv))
+                    notes.append("rollout.compile on cuda: the sampler's weights and KV cache stay allocated "
+                                 "through the training phases (its CUDA-graph pool is not simulated)")
                 del weights, kv
                 counter.phase("log-probs")
                 with unset_fake_temporarily():  # real token ids: a packed pass reads its layout off them
