@@ -499,13 +499,16 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         if comp["decode gather buffers (no flash-attn)"]:
             carried["cuda-graph pool (decode gather buffers)"] = comp["decode gather buffers (no flash-attn)"]
     persistent = {**training_state, **({} if one_step_off else carried)}
+    lp_fwd, lp_logits = comp["forward activations (log-prob pass)"], comp["logits (log-prob pass)"]
     phases = {
         "load": {"load (host slice being placed)": comp["load (host slice being placed)"],
                  "parameters": comp["parameters"]},
         "rollout": {**training_state, **rollout_state},
+        # forward-only: the last layer's activations are freed before the head runs, so the larger of
+        # the two is what the pass adds (the simulation's live-storage peak, docs/memory.md)
         "log-probs": {**persistent, "fsdp unsharded": unsharded_frozen,
-                      "forward activations (log-prob pass)": comp["forward activations (log-prob pass)"],
-                      "logits (log-prob pass)": comp["logits (log-prob pass)"]},
+                      "forward activations (log-prob pass)": lp_fwd if lp_fwd > lp_logits else 0.0,
+                      "logits (log-prob pass)": lp_logits if lp_logits >= lp_fwd else 0.0},
         "update": {**persistent, "gradients": comp["gradients"],
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
                    "fsdp unsharded (+grads)": unsharded_update,
