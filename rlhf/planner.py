@@ -500,6 +500,14 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
             carried["cuda-graph pool (decode gather buffers)"] = comp["decode gather buffers (no flash-attn)"]
     persistent = {**training_state, **({} if one_step_off else carried)}
     lp_fwd, lp_logits = comp["forward activations (log-prob pass)"], comp["logits (log-prob pass)"]
+    # With checkpointing the logits' backward runs before any block is recomputed (and frees the
+    # logits first): next to the block inputs, the larger of a block's recompute + gradient work
+    # and the logits is alive (the simulation's peak); without it every activation is saved.
+    up_acts, up_logits = acts + act_work, comp["logits (update)"]
+    if m.enable_gradient_checkpointing:
+        work = act_work + train_tokens * per_tok * cb
+        up_acts = acts - train_tokens * per_tok * cb + (work if work > up_logits else 0.0)
+        up_logits = up_logits if up_logits >= work else 0.0
     phases = {
         "load": {"load (host slice being placed)": comp["load (host slice being placed)"],
                  "parameters": comp["parameters"]},
@@ -512,7 +520,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         "update": {**persistent, "gradients": comp["gradients"],
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
                    "fsdp unsharded (+grads)": unsharded_update,
-                   "activations": acts + act_work, "logits (update)": comp["logits (update)"],
+                   "activations": up_acts, "logits (update)": up_logits,
                    "all-to-all buffers (ep)": comp["all-to-all buffers (ep)"]},
     }
     if one_step_off:  # rollout ranks hold only the rollout state; training ranks send weights instead
