@@ -345,23 +345,24 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     notes: list[str] = []
 
     stage = _stage_params(s, pp)
-    params_rank = stage / tp / dp
+    fsdp = dp * dims.sp  # FSDP2 shards over the flattened dp x sp mesh (rlhf/models/ulysses.py)
+    params_rank = stage / tp / fsdp
     lora = m.lora_rank > 0
     adapters = s.num_layers // pp * s.lora_params_per_layer(m.lora_rank, m.target_modules) if lora else 0
-    trainable_rank = (adapters if lora else stage) / tp / dp
+    trainable_rank = (adapters if lora else stage) / tp / fsdp
     comp: dict[str, float] = {}
-    comp["parameters"] = (params_rank + adapters / tp / dp) * mb
+    comp["parameters"] = (params_rank + adapters / tp / fsdp) * mb
     comp["gradients"] = trainable_rank * mb
     # No-sync accumulation keeps the stage's unsharded gradients (fp32 reduce dtype under mixed
     # precision) from the first micro-batch to the last: opt-in, or always inside a pipeline schedule.
     no_sync = m.unsharded_grad_accumulation or pp > 1
     grad_bytes = 4 if cuda and m.mixed_precision else mb
-    comp["unsharded grads (no-sync accumulation)"] = (trainable_rank * dp) * grad_bytes if no_sync else 0.0
+    comp["unsharded grads (no-sync accumulation)"] = (trainable_rank * fsdp) * grad_bytes if no_sync else 0.0
     comp["optimizer (AdamW m+v)"] = 2 * trainable_rank * mb
     need_ref = (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora
     comp["reference"] = params_rank * mb if need_ref else 0.0
     critic = cfg.algorithm.adv_estimator == "gae"
-    critic_params = (stage - (0 if s.tie_word_embeddings or pp > 1 else s.embed_params())) / tp / dp if critic else 0
+    critic_params = (stage - (0 if s.tie_word_embeddings or pp > 1 else s.embed_params())) / tp / fsdp if critic else 0
     comp["critic (params+grads+adam)"] = 4 * critic_params * mb
     # FSDP2 all-gathers the root (embeddings / head: kept for the whole forward+backward) and two blocks.
     root = (s.embed_params() + s.head_params()) / tp if pp == 1 else (s.embed_params() + s.hidden_size) / tp
@@ -394,7 +395,9 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         notes.append("model.param_offload: parameters, gradients and optimizer state live in host memory")
 
     # Rollout: full weights over rollout.tp; KV-cache slots for this replica's sequences.
-    rollout_copy = s.num_params() / r.tp * rb
+    # the reshard splits the attention / MLP projections over rollout.tp; embedding and head stay whole
+    ends = s.embed_params() + s.head_params()
+    rollout_copy = ((s.num_params() - ends) / r.tp + ends) * rb
     comp["rollout weights"] = rollout_copy
     seq_len = d.max_prompt_length + d.max_response_length
     replicas = role_world // r.tp
@@ -446,11 +449,20 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         train_tokens, lp_tokens = a.ppo_max_token_len_per_gpu, a.log_prob_max_token_len_per_gpu
     else:
         train_tokens, lp_tokens = a.ppo_micro_batch_size_per_gpu * seq_len, a.log_prob_micro_batch_size_per_gpu * seq_len
+    depth = 1  # micro-batches whose activations a rank holds at once
+    if pp > 1:  # one pipelined call per mini-batch, pp_microbatches micro-batches; 1F1B's first stage
+        # holds min(k, pp) in flight (GPipe: all k), and the schedule keeps the stage unsharded from the
+        # first backward to the last (rlhf/ops/sim_pipeline.py)
+        k = cfg.parallel.pp_microbatches
+        train_tokens = a.ppo_mini_batch_size * r.n / dp / k * seq_len
+        lp_tokens = a.log_prob_micro_batch_size_per_gpu * seq_len
+        depth = k if cfg.parallel.pp_schedule == "GPipe" else min(k, pp)
+        unsharded_update = stage / tp * cb
     layers_rank = s.num_layers // pp
     per_tok = activation_elems_per_token_layer(s, tp, cb)
-    full_acts = train_tokens * per_tok * layers_rank * cb
+    full_acts = train_tokens * per_tok * layers_rank * cb * depth
     # With checkpointing: the block inputs, plus one block recomputed during its backward.
-    ckpt_acts = train_tokens * (s.hidden_size * layers_rank + per_tok) * cb
+    ckpt_acts = train_tokens * (s.hidden_size * layers_rank * depth + per_tok) * cb
     # ep > 1: one sparse layer's dispatched and returned token rows (send + receive, each [tokens x k, hidden]).
     comp["all-to-all buffers (ep)"] = 4 * train_tokens * s.experts_per_tok * s.hidden_size * cb if ep > 1 else 0.0
     comp["activations (no checkpointing)"] = full_acts
@@ -460,12 +472,15 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     rows_train = train_tokens / seq_len
     rows_lp = lp_tokens / seq_len
     V = s.vocab_size / tp
-    temp_copy = 1 if (r.temperature or 1.0) != 1.0 else 0
-    # update: compute-dtype logits, fp32 copy (if bf16), /T copy, logsumexp's exp, gradient (+ entropy)
-    n_train = (cb / 4) + (cb != 4) + temp_copy + 1 + 1 + 2 * (a.entropy_coeff != 0)
-    comp["logits (update)"] = rows_train * (R + 1) * V * 4 * n_train
-    # forward-only log-probs with entropy: logits, /T copy, logsumexp's exp, softmax, softmax * z
-    comp["logits (log-prob pass)"] = rows_lp * (R + 1) * V * 4 * ((cb / 4) + (cb != 4) + temp_copy + 3)
+    # fp32 [tokens, V/tp] tensors alive at once next to the compute-dtype logits, as the simulation's
+    # live-storage count of rlhf.models.vocab_parallel.log_probs_from_logits measures them (docs/memory.md):
+    # forward-only with entropy: z = logits/T, exp(z - lse), softmax x z (the fp32 cast and logsumexp's
+    # exp are freed before), one more under tp (the vocab-parallel softmax); update: the backward of
+    # logsumexp and the gather next to the saved z, one less under tp without entropy (its custom backward)
+    n_lp = 3 + (tp > 1)
+    n_train = 4.5 - (tp > 1 and a.entropy_coeff == 0)
+    comp["logits (update)"] = rows_train * (R + 1) * V * 4 * ((cb / 4) + n_train)
+    comp["logits (log-prob pass)"] = rows_lp * (R + 1) * V * 4 * ((cb / 4) + n_lp)
     comp["forward activations (log-prob pass)"] = lp_tokens * per_tok * cb
 
     acts = ckpt_acts if m.enable_gradient_checkpointing else full_acts
@@ -486,17 +501,28 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         if comp["decode gather buffers (no flash-attn)"]:
             carried["cuda-graph pool (decode gather buffers)"] = comp["decode gather buffers (no flash-attn)"]
     persistent = {**training_state, **({} if one_step_off else carried)}
+    lp_fwd, lp_logits = comp["forward activations (log-prob pass)"], comp["logits (log-prob pass)"]
+    # With checkpointing the logits' backward runs before any block is recomputed (and frees the
+    # logits first): next to the block inputs, the larger of a block's recompute + gradient work
+    # and the logits is alive (the simulation's peak); without it every activation is saved.
+    up_acts, up_logits = acts + act_work, comp["logits (update)"]
+    if m.enable_gradient_checkpointing:
+        work = act_work + train_tokens * per_tok * cb
+        up_acts = acts - train_tokens * per_tok * cb + (work if work > up_logits else 0.0)
+        up_logits = up_logits if up_logits >= work else 0.0
     phases = {
         "load": {"load (host slice being placed)": comp["load (host slice being placed)"],
                  "parameters": comp["parameters"]},
         "rollout": {**training_state, **rollout_state},
+        # forward-only: the last layer's activations are freed before the head runs, so the larger of
+        # the two is what the pass adds (the simulation's live-storage peak, docs/memory.md)
         "log-probs": {**persistent, "fsdp unsharded": unsharded_frozen,
-                      "forward activations (log-prob pass)": comp["forward activations (log-prob pass)"],
-                      "logits (log-prob pass)": comp["logits (log-prob pass)"]},
+                      "forward activations (log-prob pass)": lp_fwd if lp_fwd > lp_logits else 0.0,
+                      "logits (log-prob pass)": lp_logits if lp_logits >= lp_fwd else 0.0},
         "update": {**persistent, "gradients": comp["gradients"],
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
                    "fsdp unsharded (+grads)": unsharded_update,
-                   "activations": acts + act_work, "logits (update)": comp["logits (update)"],
+                   "activations": up_acts, "logits (update)": up_logits,
                    "all-to-all buffers (ep)": comp["all-to-all buffers (ep)"]},
     }
     if one_step_off:  # rollout ranks hold only the rollout state; training ranks send weights instead

@@ -12,21 +12,27 @@ dtypes only) through one step's phases at the configured shapes:
 * ``load``: this rank's parameter shards (and the reference's with ``actor.use_kl_loss``);
 * ``rollout``: the reshard to the rollout layout (``rlhf.rollout.reshard.gather_rollout_weights``
   over the ``rollout.tp`` groups) and the sampler's paged KV cache at its budget;
-* ``log-probs``: one forward-only micro-batch of the log-prob pass;
-* ``update``: one training micro-batch (forward, backward, FSDP2 reduce-scatter), the grad-norm
-  clip and the AdamW step (its state is made here, as in the first real step).
+* ``log-probs``: one forward-only micro-batch of the log-prob pass (with pp: one pipelined call);
+* ``update``: one training micro-batch (forward, backward, FSDP2 reduce-scatter; with pp: one
+  mini-batch's pipelined forward-backward), the grad-norm clip and the AdamW step (its state
+  exists from the start, as after the first real step).
 
 Per phase: the peak of live bytes by category (``rlhf/ops/sim_memory.py`` counts storages) and
 the bytes each collective type moved. A roofline estimate of each phase's time follows, from
 datasheet FLOP/s and link bandwidths (``rlhf/ops/hardware.py``), labelled as an estimate.
 
+Pipeline parallelism (``parallel.pp > 1``): without ``--rank``, one rank of every stage, each in
+its own process; a stage runs what its schedule would run on it (the receive buffers, the
+1F1B / GPipe order, FSDP2's no-sync backwards, the stage-boundary sends; rlhf/ops/sim_pipeline.py)
+and the reshard's stage exchange gets every peer stage's tensors. Padding-free and Ulysses
+(``parallel.sp``) passes pack full-length rows up to the token budget and run the real packed
+forward, the token layout computed on the host (rlhf/ops/sim_packed.py), attention with
+flash-attn's allocations, the all-to-alls counted.
+
 The simulated device is the run's (``--device cuda``, the default, keeps FSDP2's bf16 mixed
-precision as on a GPU). Not simulated yet, and said so in the output: Ulysses (``parallel.sp``:
-packed rows have data-dependent shapes that fake tensors cannot carry; rows are padded to full
-length instead, the same shapes as a full packed micro-batch), the critic, trainer.mode
-one_step_off roles, the sampler's own activations, and pipeline parallelism (``parallel.pp > 1``: the
-schedule and the reshard's stage exchange send Python metadata that no fake peer holds; the layout
-checks still run, so an impossible pp layout fails with the launch's error).
+precision as on a GPU). Not simulated, and said so in the output: the critic, trainer.mode
+one_step_off / fully_async roles (simulated as the colocated layout) and the sampler's own
+activations.
 """
 
 from __future__ import annotations
@@ -78,7 +84,8 @@ def check_launch(cfg: Config, hf_config, world: int) -> ParallelDims:
     from rlhf.models.parallel import ParallelDims
     from rlhf.models.parallelize import validate_layout
 
-    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world, sp=cfg.parallel.sp)
+    dims = ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world, sp=cfg.parallel.sp,
+                                ep=cfg.parallel.ep)
     dims.check_batch(train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n,
                      mini_batch_size=cfg.actor.ppo_mini_batch_size)
     validate_layout(cfg.parallel, hf_config, world, rollout_tp=cfg.rollout.tp,
@@ -113,50 +120,40 @@ def _meta_builder(hf_config, dtype: torch.dtype, attn: str):
     return build
 
 
-def _rows(tokens_budget: int, micro_rows: int, dynamic: bool, seq_len: int) -> int:
-    """Rows of one micro-batch: the token budget's worth of full-length rows, or the row count."""
-    return max(1, tokens_budget // seq_len) if dynamic else max(1, micro_rows)
-
-
 def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") -> Simulation:
     """Run one rank (``rank``) of a ``world``-rank job of ``cfg`` on a fake process group."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from rlhf.models.loading import DTYPES, model_config
-    from rlhf.ops.flops import model_flops_per_token
-    from rlhf.ops.sim_memory import LiveBytes
+    from rlhf.models.loading import DTYPES, language_config, model_config
+    from rlhf.ops.sim_memory import LiveBytes, fsdp_storage_resizes
+    from rlhf.ops.sim_packed import flash_attention_shapes, packed_layout_on_host
     from rlhf.rollout.engine import rollout_dtype
     from rlhf.rollout.kv_cache import PagedKVCache
     from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights, kv_replicas
     from rlhf.train.actor import PolicyWorker
-    from rlhf.models.parallelize import clip_grad_norm_
 
     if not 0 <= rank < world:
         raise ConfigError(f"--rank {rank} is not a rank of --world {world}")
-    hf = model_config(cfg.model.path, cfg.model.trust_remote_code)
+    full = model_config(cfg.model.path, cfg.model.trust_remote_code)
+    hf = language_config(full)  # a vision-language model's language model sizes the layout and the passes
     dims = check_launch(cfg, hf, world)
     notes: list[str] = []
-    if cfg.parallel.sp > 1:
-        raise ConfigError("rlhf.simulate: parallel.sp > 1 is not simulated (packed rows have data-dependent "
-                          "shapes that fake tensors cannot carry); plan it with python -m rlhf.planner")
-    if cfg.parallel.pp > 1:
-        raise ConfigError("rlhf.simulate: parallel.pp > 1 is not simulated (the pipeline schedule and the reshard's "
-                          "stage exchange send metadata that no fake peer holds); plan it with python -m rlhf.planner")
+    held: list = []  # tensors that live to the end of the simulated step
     if cfg.trainer.mode != "colocated":
         notes.append(f"trainer.mode {cfg.trainer.mode}: simulated as the colocated layout on the whole world")
     if cfg.algorithm.adv_estimator == "gae":
         notes.append("the critic (adv_estimator gae) is not simulated")
     if cfg.model.use_remove_padding:
-        notes.append("padding-free micro-batches simulated as full-length padded rows (the same shapes)")
-    cfg.model.use_remove_padding = False
-    cfg.model.prefix_grouping = False  # a padding-free layout too
+        notes.append("padding-free micro-batches: full-length rows packed up to the token budget")
+    # grouping prompts reads their token values (fake tensors have none); it only lowers the real peak
+    cfg.model.prefix_grouping = False
     if dist.is_initialized():
         raise RuntimeError("rlhf.simulate needs a process without a process group")
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         mesh = dims.build_mesh("cpu")  # the fake group's tensors live on the host whatever the run's device
-        build = _meta_builder(hf, DTYPES[cfg.model.dtype], "sdpa")
+        build = _meta_builder(full, DTYPES[cfg.model.dtype], "sdpa")
         meta = torch.device("meta")
         with _mixed_precision_as_on(device):
             actor = PolicyWorker(cfg.model, mesh, meta, trainable=True, actor_cfg=cfg.actor, total_steps=1,
@@ -167,11 +164,9 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
         layout = RolloutLayout.build(cfg.rollout.tp, device)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         counter = LiveBytes(ranks_per_node=8)
-        d, a, r = cfg.data, cfg.actor, cfg.rollout
-        P, R = d.max_prompt_length, d.max_response_length
-        L = P + R
-        flops: dict[str, float] = {}
-        with fake:
+        hidden_dtype = torch.bfloat16 if device == "cuda" and cfg.model.mixed_precision else DTYPES[cfg.model.dtype]
+        ctx = _Ctx(cfg, hf, dims, actor, counter, hidden_dtype)
+        with fake, packed_layout_on_host(), flash_attention_shapes(), fsdp_storage_resizes(counter):
             for w in (actor, ref):
                 if w is not None:
                     w.model.to_empty(device="cpu")
@@ -181,52 +176,33 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                     counter.adopt(ref.model.parameters(), "parameters")
                 _warm_optimizer(actor, counter)
                 counter.phase("rollout")
-                rdt = rollout_dtype(r.dtype, device, cfg.model.dtype)
-                with counter.category("rollout weights"):
+                rdt = rollout_dtype(cfg.rollout.dtype, device, cfg.model.dtype)
+                with counter.category("rollout weights"), _stage_exchange(actor, build, layout, rdt):
                     weights, _ = gather_rollout_weights(actor.model, dtype=rdt, pp_group=actor.pp_group,
                                                         tp_rank=layout.tp_rank, tp_size=layout.tp,
                                                         tp_group=layout.tp_group)
                 with counter.category("kv cache"):
                     kv = _kv_cache(cfg, hf, world, layout.tp, kv_replicas(layout.tp, hf), rdt, PagedKVCache)
+                if device == "cuda" and cfg.rollout.compile:  # the sampler lives on for its CUDA graphs
+                    held.append((weights, kv))
+                    notes.append("rollout.compile on cuda: the sampler's weights and KV cache stay allocated "
+                                 "through the training phases (its CUDA-graph pool is not simulated)")
                 del weights, kv
                 counter.phase("log-probs")
-                lp_rows = _rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu,
-                                a.use_dynamic_bsz, L)
-                ids = torch.randint(0, hf.vocab_size, (lp_rows, L))
-                mask = torch.ones(lp_rows, L, dtype=torch.long)
-                entropy = a.entropy_coeff != 0
-                with torch.no_grad():
-                    actor.model.eval()
-                    # the trainer's old-log-prob pass always computes the entropy (a logged metric)
-                    out = actor.forward_log_probs(ids, mask, response_length=R, temperature=r.temperature or 1.0,
-                                                  compute_entropy=True)
-                del out, ids, mask
-                layers_share = 1.0 / (dims.tp * dims.pp)
-                flops["log-probs"] = model_flops_per_token(hf, L, False) * lp_rows * L * layers_share
+                with unset_fake_temporarily():  # real token ids: a packed pass reads its layout off them
+                    lp_ids, lp_mask = ctx.batch(ctx.log_prob_rows())
+                ctx.log_prob_pass(lp_ids, lp_mask)
                 counter.phase("update")
-                rows = _rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, L)
-                ids = torch.randint(0, hf.vocab_size, (rows, L))
-                mask = torch.ones(rows, L, dtype=torch.long)
-                actor.model.train()
-                lp, ent = actor.forward_log_probs(ids, mask, response_length=R,
-                                                  temperature=r.temperature or 1.0, compute_entropy=entropy)
-                # the policy loss' elementwise terms are [rows, R]: negligible next to the logits
-                loss = -(lp * torch.ones_like(lp)).mean() * actor.grad_scale
-                if ent is not None:
-                    loss = loss - a.entropy_coeff * ent.mean()
-                loss.backward()
-                del lp, ent, loss, ids, mask
-                params = list(actor.model.parameters())
-                counter.relabel([p.grad for p in params if p.grad is not None], "gradients")
-                with counter.category("optimizer"):
-                    clip_grad_norm_(params, a.grad_clip or 1e9, stage_ranks=actor.stage_ranks,
-                                    group=actor.mesh_group)
-                    actor.optimizer.step()
-                actor.optimizer.zero_grad(set_to_none=True)
-                flops["update"] = model_flops_per_token(hf, L, True) * rows * L * layers_share * (
-                    4 / 3 if cfg.model.enable_gradient_checkpointing else 1)
+                with unset_fake_temporarily():
+                    ids, mask = ctx.batch(ctx.update_rows())
+                ctx.update(ids, mask)
+        lp_tokens, tokens = int(lp_mask.sum()), int(mask.sum())  # real (host) masks
+        flops = ctx.flops(lp_tokens, tokens)
         lay = {"world": world, "rank": rank, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp,
-               "rollout_tp": layout.tp, "device": device, "lp_rows": lp_rows, "seq_len": L,
+               "ep": dims.ep, "pp_stage": actor.pipeline.pp_rank if actor.pipeline is not None else 0,
+               "rollout_tp": layout.tp, "device": device, "lp_rows": lp_ids.shape[0], "update_rows": ids.shape[0],
+               "lp_tokens": lp_tokens, "update_tokens": tokens,
+               "seq_len": ids.shape[1], "packed": cfg.model.use_remove_padding,
                "model": hf.architectures[0] if getattr(hf, "architectures", None) else hf.model_type}
         peaks = {k: v for k, v in counter.peaks.items() if k != "start"}
         return Simulation(layout=lay, peaks=peaks, comm={k: dict(v) for k, v in counter.comm.items() if k != "start"},
@@ -235,6 +211,144 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                           notes=notes)
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions keyed by meshes that compare equal across process groups; a
+    later simulation in this process (another pipeline stage) must not get this one's destroyed groups."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for fn in (prop.propagate_op_sharding, getattr(prop, "_propagate_tensor_meta_cached", None)):
+        clear = getattr(getattr(fn, "cache", fn), "cache_clear", None)
+        if clear is not None:
+            clear()
+    _gen_transform_infos.cache_clear()
+
+
+@contextmanager
+def _stage_exchange(actor, build, layout, dtype):
+    """Under pp, the reshard's stage exchange gets every peer stage's tensor list (rlhf/ops/sim_pipeline.py)."""
+    from rlhf.ops.sim_pipeline import peer_stage_tensors, stage_exchange_from
+
+    p = actor.pipeline
+    if p is None:
+        yield
+        return
+    do_slice = layout.tp == 1 or len({r % layout.tp for r in dist.get_process_group_ranks(actor.pp_group)}) == 1
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        peers = peer_stage_tensors(build(), p.pp, p.virtual_stages, dtype=dtype, tp_rank=layout.tp_rank,
+                                   tp_size=layout.tp, do_slice=do_slice)
+    with stage_exchange_from(peers):
+        yield
+
+
+class _Ctx:
+    """The log-prob and update micro-batches of one simulated rank, as the trainer sizes them."""
+
+    def __init__(self, cfg: Config, hf, dims, actor, counter, hidden_dtype: torch.dtype) -> None:
+        self.cfg, self.hf, self.dims, self.actor, self.counter = cfg, hf, dims, actor, counter
+        self.hidden_dtype = hidden_dtype
+        d = cfg.data
+        self.R = d.max_response_length
+        self.L = d.max_prompt_length + d.max_response_length
+        # rows this dp rank holds in a step and in a mini-batch
+        self.local_rows = max(1, d.train_batch_size * cfg.rollout.n // dims.dp)
+        self.mini_rows = max(1, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // dims.dp)
+
+    def _rows(self, budget: int, micro: int) -> tuple[int, int]:
+        """Rows of one micro-batch and the real tokens of its last row. Under ``use_dynamic_bsz`` a
+        packed micro-batch is filled to its token budget (times sp: verl's per-GPU budget is one sp
+        group's): full-length rows and one shorter last row, as variable-length data can fill it;
+        padded rows cost their full length, so only whole ones fit."""
+        a, pp = self.cfg.actor, self.actor.pipeline
+        if pp is not None:  # pipelined calls of micro x pp_microbatches rows
+            return (min(self.local_rows, micro * pp.n_microbatches) if micro else self.local_rows), self.L
+        if not a.use_dynamic_bsz:
+            return max(1, micro), self.L
+        tokens = budget * self.dims.sp
+        full, rest = divmod(tokens, self.L)
+        if self.cfg.model.use_remove_padding and rest > self.cfg.data.max_prompt_length:
+            return full + 1, rest
+        return max(1, full), self.L
+
+    def log_prob_rows(self) -> tuple[int, int]:
+        a = self.cfg.actor
+        return self._rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu)
+
+    def update_rows(self) -> tuple[int, int]:
+        a = self.cfg.actor
+        if self.actor.pipeline is not None:  # one pipelined forward-backward per mini-batch
+            return self.mini_rows, self.L
+        return self._rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu)
+
+    def batch(self, rows_last: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, last = rows_last
+        if self.actor.pipeline is not None:
+            rows += (-rows) % self.actor.pipeline.n_microbatches
+        mask = torch.ones(rows, self.L, dtype=torch.long)
+        mask[-1, last:] = 0  # a shorter last row: its response ends early (right padding)
+        return torch.randint(0, self.hf.vocab_size, (rows, self.L)), mask
+
+    def _runner(self):
+        from rlhf.ops.sim_pipeline import StageRunner
+
+        p, hf = self.actor.pipeline, self.hf
+        tied = hf.vocab_size * hf.hidden_size // (self.dims.tp * self.dims.dp * self.dims.sp)
+        return StageRunner(p, hf.hidden_size, self.hidden_dtype, counter=self.counter, tied_numel=tied)
+
+    def log_prob_pass(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        # the trainer's old-log-prob pass always computes the entropy (a logged metric)
+        temp = self.cfg.rollout.temperature or 1.0
+        with torch.no_grad():
+            self.actor.model.eval()
+            if self.actor.pipeline is not None:
+                self.actor._pp_mode(temp, True)
+                out = self._runner().forward(ids, mask)
+            else:
+                out = self.actor.forward_log_probs(ids, mask, response_length=self.R, temperature=temp,
+                                                   compute_entropy=True)
+        del out
+
+    def update(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        from rlhf.models.parallelize import clip_grad_norm_
+
+        a, actor, R = self.cfg.actor, self.actor, self.R
+        temp = self.cfg.rollout.temperature or 1.0
+        entropy = a.entropy_coeff != 0
+        actor.model.train()
+
+        def loss_of(lp, ent):
+            # the policy loss' elementwise terms are [rows, R]: negligible next to the logits
+            loss = -(lp * torch.ones_like(lp)).mean() * actor.grad_scale
+            return loss - a.entropy_coeff * ent.mean() if ent is not None else loss
+
+        if actor.pipeline is not None:
+            actor._pp_mode(temp, entropy)
+            self._runner().forward_backward(ids, mask, lambda y: loss_of(y[..., 0][:, -R:], y[..., 1][:, -R:])
+                                            if entropy else loss_of(y[:, -R:], None))
+        else:
+            lp, ent = actor.forward_log_probs(ids, mask, response_length=R, temperature=temp,
+                                              compute_entropy=entropy)
+            loss_of(lp, ent).backward()
+            del lp, ent
+        params = list(actor.model.parameters())
+        self.counter.relabel([p.grad for p in params if p.grad is not None], "gradients")
+        with self.counter.category("optimizer"):
+            clip_grad_norm_(params, a.grad_clip or 1e9, stage_ranks=actor.stage_ranks, group=actor.mesh_group)
+            actor.optimizer.step()
+        actor.optimizer.zero_grad(set_to_none=True)
+
+    def flops(self, lp_tokens: int, tokens: int) -> dict[str, float]:
+        from rlhf.ops.flops import model_flops_per_token
+
+        share = 1.0 / (self.dims.tp * self.dims.pp * self.dims.sp)  # sp ranks split a micro-batch's tokens
+        ckpt = 4 / 3 if self.cfg.model.enable_gradient_checkpointing else 1
+        return {"log-probs": model_flops_per_token(self.hf, self.L, False) * lp_tokens * share,
+                "update": model_flops_per_token(self.hf, self.L, True) * tokens * share * ckpt}
 
 
 def _warm_optimizer(worker, counter) -> None:
@@ -299,9 +413,11 @@ def roofline(sim: Simulation, cfg: Config, hf, *, gpu: str = "h100") -> dict[str
 
 def format_simulation(sim: Simulation) -> str:
     lay = sim.layout
-    lines = [f"[sim] {lay['model']}: rank {lay['rank']} of world {lay['world']} = dp {lay['dp']} x tp {lay['tp']} x "
-             f"pp {lay['pp']}, rollout.tp {lay['rollout_tp']}, device {lay['device']} (fake process group, fake "
-             f"tensors)", "[sim] peak memory per phase, by category (GiB):"]
+    extra = "".join(f" x {k} {lay[k]}" for k in ("sp", "ep") if lay.get(k, 1) > 1)
+    stage = f" (stage {lay['pp_stage']})" if lay["pp"] > 1 else ""
+    lines = [f"[sim] {lay['model']}: rank {lay['rank']}{stage} of world {lay['world']} = dp {lay['dp']} x tp "
+             f"{lay['tp']} x pp {lay['pp']}{extra}, rollout.tp {lay['rollout_tp']}, device {lay['device']} (fake "
+             f"process group, fake tensors)", "[sim] peak memory per phase, by category (GiB):"]
     for ph, d in sim.peaks.items():
         parts = ", ".join(f"{k} {v / GIB:.3f}" for k, v in d.items() if k != "total" and v)
         mark = "  <- peak" if ph == sim.peak_phase else ""
@@ -319,22 +435,51 @@ def format_simulation(sim: Simulation) -> str:
         for ph, d in sim.roofline.items():
             if ph != "_hardware":
                 extra = f", decode {d['decode_s']:.1f} s" if "decode_s" in d else ""
-                unit = "for one generation wave of the slots (decode-bound)" if ph == "rollout" else "per micro-batch"
+                unit = "for one generation wave of the slots (decode-bound)" if ph == "rollout" else \
+                    "per pipelined call" if lay["pp"] > 1 else "per micro-batch"
                 lines.append(f"[sim]   {ph:10s}~{d['estimate_s']:.3f} s {unit} (compute {d['compute_s']:.3f} "
                              f"s, collectives {d['comm_s']:.3f} s{extra})")
     lines += [f"[sim] note: {n}" for n in sim.notes]
     return "\n".join(lines)
 
 
+def stage_ranks(pp: int, world: int) -> list[int]:
+    """One rank of every pipeline stage: the mesh is (pp, dp, sp, tp), pp outermost."""
+    return [s * (world // pp) for s in range(pp)]
+
+
+def _in_children(argv: list[str], ranks: list[int]) -> list[Simulation]:
+    """Each rank's simulation in a fresh process, all at once (DTensor keeps caches that a second
+    fake group in one process would trip on; the stages are independent)."""
+    import os
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-m", "rlhf.simulate", *argv, "--rank", str(r), "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+             for r in ranks]
+    sims = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode:
+            sys.stderr.write(err)
+            sys.exit(p.returncode)
+        data = json.loads(out.strip().splitlines()[-1])
+        data.pop("peak_phase")
+        sims.append(Simulation(**data))
+    return sims
+
+
 def main(argv=None) -> None:
     from rlhf.config.load import load_config
-    from rlhf.models.loading import model_config
+    from rlhf.models.loading import language_config, model_config
 
     ap = argparse.ArgumentParser(description="Run one rank of a large world on a fake process group "
                                              "(fake tensors) and report its memory and collectives.")
     ap.add_argument("--config", help="yaml config file")
     ap.add_argument("--world", type=int, default=8, help="ranks of the simulated job (default 8)")
-    ap.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0)")
+    ap.add_argument("--rank", type=int, default=None,
+                    help="the rank to simulate (default: rank 0; with parallel.pp > 1 one rank of every stage, "
+                         "in parallel processes)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the run's device (mixed precision)")
     ap.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100", help="roofline hardware")
     ap.add_argument("--json", action="store_true", help="also print the result as one JSON line")
@@ -342,14 +487,21 @@ def main(argv=None) -> None:
     args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        sim = simulate(cfg, world=args.world, rank=args.rank, device=args.device)
-        sim.roofline = roofline(sim, cfg, model_config(cfg.model.path), gpu=args.gpu)
+        if args.rank is None and cfg.parallel.pp > 1:  # every distinct stage, each in its own process
+            check_launch(cfg, language_config(model_config(cfg.model.path, cfg.model.trust_remote_code)), args.world)
+            child = [*(["--config", args.config] if args.config else []), "--world", str(args.world), "--device",
+                     args.device, "--gpu", args.gpu, *args.overrides]
+            sims = _in_children(child, stage_ranks(cfg.parallel.pp, args.world))
+        else:
+            sims = [simulate(cfg, world=args.world, rank=args.rank or 0, device=args.device)]
+            sims[0].roofline = roofline(sims[0], cfg, language_config(model_config(cfg.model.path)), gpu=args.gpu)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(format_simulation(sim))
+    print("\n".join(format_simulation(sim) for sim in sims))
     if args.json:
-        print(json.dumps(sim.to_json()))
+        for sim in sims:
+            print(json.dumps(sim.to_json()))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ Why not ``torch.distributed._tools.FSDPMemTracker``: on torch 2.13 with fake ten
 AdamW over DTensors it reported an optimizer state 13x the size the state dict holds, and no
 activations in the forward (its module hooks miss HF's dict outputs); a plain count of live
 storages is simpler (tests/unit/test_simulate.py checks its parameter and AdamW bytes exactly).
-Not yet compared with a real run's allocator peak.
+FSDP2 frees and re-allocates unsharded parameters in place (``storage.resize_``), which no
+dispatch mode sees: :func:`fsdp_storage_resizes` reports those to the counter.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 # What a phase's peak is split into; anything made while no other category is current is "activations".
-CATEGORIES = ("parameters", "gradients", "optimizer", "rollout weights", "kv cache", "activations")  # activations: and temporaries, FSDP2 all-gathered blocks
+# "activations" also holds temporaries and FSDP2's all-gathered blocks; "pipeline buffers" the pp
+# schedule's per-micro-batch receive buffers (rlhf/ops/sim_pipeline.py)
+CATEGORIES = ("parameters", "gradients", "optimizer", "rollout weights", "kv cache", "pipeline buffers",
+              "activations")
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -90,6 +94,23 @@ class LiveBytes(TorchDispatchMode):
         if self._total > self.peaks[self._phase]["total"]:
             self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
 
+    def resized(self, t: torch.Tensor) -> None:
+        """``t``'s storage was resized in place (FSDP2 frees an unsharded parameter with
+        ``storage.resize_(0)`` and brings it back with ``resize_(n)``, no new storage): count its new size."""
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self.live:
+            if st.nbytes():
+                self._add(t, self.current)
+            return
+        n, cat = self.live[key]
+        delta = st.nbytes() - n
+        self.live[key] = (n + delta, cat)
+        self.by_cat[cat] += delta
+        self._total += delta
+        if self._total > self.peaks[self._phase]["total"]:
+            self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
+
     def adopt(self, tensors: Iterable[torch.Tensor], cat: str) -> None:
         """Register tensors made before counting began (or outside this mode) under ``cat``."""
         self.relabel(tensors, cat)  # (taking a DTensor's local view already registered it, as "activations")
@@ -121,6 +142,18 @@ class LiveBytes(TorchDispatchMode):
     @property
     def total(self) -> int:
         return self._total
+
+    @contextmanager
+    def repeated(self, times: int) -> Iterator[None]:
+        """Count the collectives of the block ``1 + times`` times: work that would run ``times`` more
+        times identically (e.g. pipeline micro-batches past the peak) without running it."""
+        ph = self._phase
+        tables = (self.comm[ph], self.calls[ph], self.comm_cross[ph])
+        before = [dict(t) for t in tables]
+        yield
+        for t, b in zip(tables, before):
+            for k, v in list(t.items()):
+                t[k] += (v - b.get(k, 0)) * max(times, 0)
 
     def _crosses_nodes(self, args, kwargs) -> bool:
         """Whether the collective's group spans more than one node of ``ranks_per_node`` consecutive
@@ -158,3 +191,29 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and _plain(t) and t.device.type != "meta":
                 self._add(t, self.current)
         return out
+
+
+@contextmanager
+def fsdp_storage_resizes(counter: LiveBytes) -> Iterator[None]:
+    """Inside: FSDP2's in-place storage frees and re-allocations of unsharded parameters are counted.
+    ``UntypedStorage.resize_`` does not pass through a dispatch mode, so FSDP2's two helpers that
+    call it (``alloc_storage`` / ``free_storage``) report to ``counter`` after they run; without this
+    every unsharded parameter would stay counted from its first all-gather on."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    real_alloc, real_free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc(t: torch.Tensor) -> None:
+        real_alloc(t)
+        counter.resized(t)
+
+    def free(t: torch.Tensor) -> None:
+        real_free(t)
+        counter.resized(t)
+
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage, _fsdp_param_group.alloc_storage = alloc, free, alloc
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = real_alloc, real_free
+        _fsdp_param_group.alloc_storage = real_alloc

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from rlhf.config.load import load_config
@@ -70,10 +71,60 @@ def test_world_64_rank_holds_its_shards_and_sends_fsdp_traffic(model_dir):
     assert sim.peak_phase in sim.peaks and sim.peaks["update"]["activations"] > 0
 
 
+def test_pipeline_stage_holds_its_layers_buffers_and_every_stage_after_the_reshard(model_dir):
+    from rlhf.models.loading import model_config
+    from rlhf.ops.sim_pipeline import peer_stage_tensors
+    from rlhf.simulate import _meta_builder, simulate, stage_ranks
+
+    assert stage_ranks(2, 8) == [0, 4]
+    # the last of 2 stages (rank 4 of pp 2 x dp 4), 1F1B over 2 micro-batches of 16 rows (64 x 2 / 4 / 2)
+    cfg = _cfg(model_dir, "parallel.pp=2", "model.use_remove_padding=false", "model.fsdp_unit=block",
+               "parallel.pp_microbatches=2", "rollout.tp=1")
+    sim = simulate(cfg, world=8, rank=4, device="cpu")
+    assert sim.layout["pp"] == 2 and sim.layout["pp_stage"] == 1
+    H, I, V, kv, L = 64, 128, 256, 4 * 8, 32
+
+    def rows(n):
+        return math.ceil(n / 4) * 4
+
+    layer = sum(rows(o) * H for o in (H, kv, kv, I, I)) + rows(H) * H + rows(H) * I + sum(rows(n) for n in (H, kv, kv))
+    layer += 2 * rows(H)
+    # 2 of 4 layers, the final norm and the lm_head (the tied embedding's copy on the last stage), / dp 4
+    assert sim.peaks["log-probs"]["parameters"] == 4 * (2 * layer + rows(H) + rows(V) * H) // 4
+    # the schedule's receive buffers: one [16, L, H] fp32 activation per micro-batch (no gradient
+    # buffers on the last stage); activations and gradients cross the stage boundary once per micro-batch
+    assert sim.peaks["update"]["pipeline buffers"] == 2 * 16 * L * H * 4
+    assert sim.calls["update"]["recv"] == 2 and sim.calls["update"]["send"] == 2
+    assert sim.comm["update"]["recv"] == 2 * 16 * L * H * 4
+    # after the reshard every stage holds the whole model: its own layers and the peers' from the exchange
+    peers = peer_stage_tensors(_meta_builder(model_config(str(model_dir)), torch.float32, "sdpa")(), 2, 1,
+                               dtype=torch.float32, tp_rank=0, tp_size=1, do_slice=True)
+    whole = sum(4 * math.prod(shape) for entries in peers for _, shape, _ in entries)
+    assert sim.peaks["rollout"]["rollout weights"] == whole
+    assert sim.calls["rollout"]["broadcast"] == 2  # one flat broadcast per stage
+
+
+def test_ulysses_rank_exchanges_heads_around_attention(model_dir):
+    from rlhf.simulate import simulate
+
+    # sp 2 x dp 4; a packed micro-batch of the 64-token budget x sp = 4 rows of 32 tokens, 64 tokens per rank
+    cfg = _cfg(model_dir, "parallel.sp=2", "model.use_remove_padding=true", "model.fsdp_unit=block",
+               "actor.use_dynamic_bsz=true", "actor.log_prob_max_token_len_per_gpu=64")
+    sim = simulate(cfg, world=8, rank=1, device="cpu")
+    assert sim.layout["sp"] == 2 and sim.layout["lp_rows"] == 4
+    # per layer: q, k, v to heads and the output back; [8 heads | 4 kv heads, 64 tokens, head_dim 8] fp32
+    assert sim.calls["log-probs"]["alltoall"] == 4 * 4
+    assert sim.comm["log-probs"]["alltoall"] == 4 * (8 + 4 + 4 + 8) * 64 * 8 * 4
+    # the per-token log-probs (and entropies) of the sp slices are summed: [4 rows x 16 response tokens]
+    assert sim.calls["log-probs"]["all_reduce"] == 2
+
+
 @pytest.mark.parametrize("overrides, world", [
     (["parallel.tp=8", "rollout.tp=1"], 64),  # tp wider than the 4 kv heads
     (["parallel.pp=8", "model.use_remove_padding=false", "rollout.tp=1"], 64),  # 8 stages of 4 layers
     (["parallel.tp=2", "rollout.tp=1"], 63),  # a world that does not factor
+    (["parallel.sp=16", "model.use_remove_padding=true", "rollout.tp=1"], 64),  # sp wider than the 8 heads
+    (["parallel.sp=2", "parallel.pp=2", "model.use_remove_padding=true", "rollout.tp=1"], 64),  # sp with pp
 ])
 def test_impossible_layout_fails_with_the_launch_error(model_dir, overrides, world, capsys):
     from rlhf.models.loading import model_config
@@ -83,7 +134,7 @@ def test_impossible_layout_fails_with_the_launch_error(model_dir, overrides, wor
 
     cfg = _cfg(model_dir, *overrides)
     with pytest.raises(ConfigError) as launch:  # what RLTrainer.__init__ raises at this world
-        ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world)
+        ParallelDims.resolve(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world, sp=cfg.parallel.sp)
         validate_layout(cfg.parallel, model_config(str(model_dir)), world, rollout_tp=cfg.rollout.tp,
                         train_batch_size=cfg.data.train_batch_size, mini_batch_size=cfg.actor.ppo_mini_batch_size,
                         n=cfg.rollout.n, use_remove_padding=cfg.model.use_remove_padding)

@@ -1,0 +1,127 @@
+"""Simulated vs measured: one GRPO step of the ~100M model on 2 CPU / gloo ranks, per phase.
+
+    python bench/simulate_vs_real.py                    # dp2, tp2, pp2
+    python bench/simulate_vs_real.py --layouts tp2
+
+For each layout a random Qwen2 of ~100M parameters (bench/memory_plan.py's "100M") is written,
+``torchrun`` runs trainer construction and two steps (rollout, log-probs, update) on 2 gloo
+ranks (glibc told to return freed blocks over 64 KiB at once, so the resident set follows the
+live allocations), and the trainer's own per-phase peaks of the second step
+(``perf/max_memory_gb/<phase>``: the resident set's high-water mark, reset at each phase start,
+max over ranks; rlhf/ops/memory.py; AdamW's state exists by then, as in the simulation) are taken
+as growth over the process's resident set just before the trainer is built. Then
+``python -m rlhf.simulate`` runs every rank of the same config at world 2, device cpu (fake
+process group, fake tensors) and its per-phase peaks (max over ranks) are compared:
+``rollout`` with ``rollout``, ``logprobs`` with ``log-probs``, ``update`` with ``update``.
+
+What the two count differently: the measured resident set also holds what is not a tensor the
+simulation makes (the Python objects of the model, the tokenizer and data, glibc's free lists,
+gloo's buffers); the simulation counts live tensor storages only. Short sequences (16 + 32
+tokens), so the model state (parameters, AdamW, gradients, rollout copy) dominates both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.memory_plan import SIZES, overrides  # noqa: E402
+
+LAYOUTS = {"dp2": [], "tp2": ["parallel.tp=2", "rollout.tp=2"],
+           "pp2": ["parallel.pp=2", "model.use_remove_padding=false", "parallel.pp_microbatches=2"]}
+PHASES = {"rollout": "rollout", "log-probs": "logprobs", "update": "update"}
+GIB = 1024 ** 3
+
+
+def child(workdir: Path, out: Path, extra: list[str]) -> None:
+    import torch  # noqa: F401  (imports belong to the baseline)
+    import torch.distributed as dist
+
+    from rlhf.config.load import load_config
+    from rlhf.train.trainer import RLTrainer
+
+    with open("/proc/self/statm") as f:
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    trainer = RLTrainer(load_config(None, [*overrides(workdir), "trainer.total_training_steps=2", *extra]))
+    trainer.train_step(1)
+    metrics = trainer.train_step(2)  # the second step: AdamW's state exists, as the simulation assumes
+    if dist.get_rank() == 0:
+        peaks = {k.rsplit("/", 1)[1]: v * GIB - base for k, v in (metrics or {}).items()
+                 if k.startswith("perf/max_memory_gb/")}
+        out.write_text(json.dumps({"base": base, "growth": peaks}))
+
+
+def simulated(workdir: Path, extra: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    sims = []
+    for rank in range(2):
+        p = subprocess.run([sys.executable, "-m", "rlhf.simulate", "--world", "2", "--rank", str(rank), "--device",
+                            "cpu", "--json", *overrides(workdir), *extra], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=1800)
+        if p.returncode:
+            raise RuntimeError(p.stderr[-3000:])
+        sims.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    return {ph: max(s["peaks"][ph]["total"] for s in sims) for ph in PHASES}
+
+
+def run_case(name: str, tmp: Path) -> dict:
+    from rlhf.data.synthetic import make_addition_task
+    from rlhf.models.tiny import write_tiny_model
+
+    workdir = tmp / "100M"
+    if not (workdir / "model").exists():
+        write_tiny_model(str(workdir / "model"), num_heads=8, num_kv_heads=4, **SIZES["100M"])
+        make_addition_task(workdir / "data", n_train=64, n_val=8, n_sft=0, seed=0)
+    out = tmp / f"{name}.json"
+    # glibc returns every freed block over 64 KiB to the kernel at once, so the resident set follows
+    # the live allocations instead of keeping earlier phases' freed buffers on its free lists
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="65536",
+               MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(__file__).resolve()), "--child", str(workdir), str(out), *LAYOUTS[name]]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if p.returncode:
+        raise RuntimeError(p.stderr[-3000:])
+    measured = json.loads(out.read_text())["growth"]
+    sim = simulated(workdir, LAYOUTS[name])
+    rows = []
+    for ph, real_ph in PHASES.items():
+        m = measured.get(real_ph)
+        rows.append({"layout": name, "phase": ph, "simulated_MiB": round(sim[ph] / 2 ** 20),
+                     "measured_MiB": round(m / 2 ** 20) if m is not None else None,
+                     "sim_over_measured": round(sim[ph] / m, 3) if m else None})
+    return {"layout": name, "rows": rows, "peak_sim_MiB": round(max(sim.values()) / 2 ** 20),
+            "peak_measured_MiB": round(max(measured.get(p, 0) for p in PHASES.values()) / 2 ** 20)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    args, extra = ap.parse_known_args()
+    if args.child:
+        child(Path(args.child[0]), Path(args.child[1]), args.child[2:] + extra)
+        return
+    with tempfile.TemporaryDirectory() as d:
+        results = [run_case(n, Path(d)) for n in args.layouts.split(",")]
+    print("| layout | phase | simulated (MiB) | measured growth (MiB) | sim / measured |")
+    print("|---|---|---|---|---|")
+    for res in results:
+        for r in res["rows"]:
+            print(f"| {r['layout']} | {r['phase']} | {r['simulated_MiB']} | {r['measured_MiB']} | "
+                  f"{r['sim_over_measured']} |")
+        print(f"| {res['layout']} | step peak | {res['peak_sim_MiB']} | {res['peak_measured_MiB']} | "
+              f"{round(res['peak_sim_MiB'] / max(res['peak_measured_MiB'], 1), 3)} |")
+    print(json.dumps({"load": open("/proc/loadavg").read().split()[:3], "results": results}))
+
+
+if __name__ == "__main__":
+    main()
