@@ -6,7 +6,7 @@ Simulates rank 0 of 8 (``python -m rlhf.simulate`` in a fresh process each, devi
 logits) of a model whose logits dwarf everything else (vocab 65,536, hidden 64, 2 layers), 4 rows
 of 64 + 192 tokens, and prints each phase's peak minus parameters, gradients and AdamW state in
 units of ``rows x response x vocab / tp x 4`` bytes: the constants of the planner's logits terms
-(rlhf/planner.py, docs/memory.md). The remainder (hidden states, FSDP2 blocks) is ~0.05 units.
+(rlhf/planner/plan.py, docs/memory.md). The remainder (hidden states, FSDP2 blocks) is ~0.05 units.
 """
 
 from __future__ import annotations

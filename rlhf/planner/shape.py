@@ -1,0 +1,164 @@
+"""The model's sizes as the memory planner sees them, read from an HF config.json dict (no weights)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from rlhf.models.arch import vl_language_config_dict
+from rlhf.schema.config import ConfigError
+
+RANKS_PER_NODE = 8  # GPUs of one node: the ranks that load on one host at once
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1024 ** 3
+
+
+_CHECKPOINT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a supported decoder read from an HF config.json dict.
+
+    Per family: Gemma 2/3 have four RMSNorms per block (and Gemma 3 per-head q/k norms); Phi-3
+    fuses q|k|v and gate|up (same counts, other module names); Qwen3-MoE's sparse blocks hold
+    ``num_experts`` experts of ``moe_intermediate_size`` and a router, of which a token uses
+    ``experts_per_tok`` (:meth:`num_active_params`); experts are split over tp like the rest.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2: q/k/v projections have a bias
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: per-head RMSNorm of q and k
+    norms_per_layer: int = 2  # Gemma: 4 (sandwich norms)
+    fused: bool = False  # Phi-3: qkv_proj / gate_up_proj
+    num_experts: int = 0  # Qwen3-MoE
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    sparse_layers: int = 0  # blocks with routed experts (the others keep the dense MLP)
+    checkpoint_bytes: int = 4  # bytes per weight in the checkpoint files (config.json's dtype; bf16 = 2)
+
+    @classmethod
+    def from_config_dict(cls, d: dict, source: str = "config.json") -> "ModelShape":
+        d = vl_language_config_dict(d)  # a Qwen-VL: its language model (the vision tower is not counted)
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else f"model_type {d.get('model_type')!r}"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"{source}: the memory planner does not know architecture {arch}; "
+                              f"known: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            layers = int(d["num_hidden_layers"])
+            moe = arch == "Qwen3MoeForCausalLM"
+            skip, step = set(d.get("mlp_only_layers") or []), int(d.get("decoder_sparse_step") or 1)
+            return cls(architecture=arch, vocab_size=int(d["vocab_size"]), hidden_size=hidden,
+                       intermediate_size=int(d["intermediate_size"]), num_layers=layers,
+                       num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                       head_dim=int(d.get("head_dim") or hidden // heads),
+                       tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in _GEMMA)),
+                       qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
+                       o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias", False)),
+                       mlp_bias=bool(d.get("mlp_bias", False)),
+                       qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
+                       norms_per_layer=4 if arch in _GEMMA else 2, fused=arch == "Phi3ForCausalLM",
+                       num_experts=int(d.get("num_experts") or d["num_local_experts"]) if moe else 0,
+                       experts_per_tok=int(d["num_experts_per_tok"]) if moe else 0,
+                       moe_intermediate_size=int(d["moe_intermediate_size"]) if moe else 0,
+                       sparse_layers=sum(i not in skip and (i + 1) % step == 0 for i in range(layers)) if moe else 0,
+                       checkpoint_bytes=_CHECKPOINT_BYTES.get(str(d.get("dtype") or d.get("torch_dtype")), 4))
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing key {e.args[0]!r} needed by the memory planner") from None
+
+    @classmethod
+    def from_model_dir(cls, path: str, key: str = "model.path") -> "ModelShape":
+        from rlhf.models.loading import check_model_dir  # the entry scripts' message for a bad model.path
+
+        f = check_model_dir(path, key) / "config.json"
+        return cls.from_config_dict(json.loads(f.read_text()), source=str(f))
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linears(self, dense_mlp: bool = True) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each ``nn.Linear`` of one decoder block (a sparse MoE
+        block, ``dense_mlp=False``, has attention linears only: its experts are 3-D parameters)."""
+        H, I = self.hidden_size, self.intermediate_size
+        if self.fused:
+            out = {"qkv_proj": (H, self.q_dim + 2 * self.kv_dim), "o_proj": (self.q_dim, H)}
+            return {**out, "gate_up_proj": (H, 2 * I), "down_proj": (I, H)} if dense_mlp else out
+        out = {"q_proj": (H, self.q_dim), "k_proj": (H, self.kv_dim), "v_proj": (H, self.kv_dim),
+               "o_proj": (self.q_dim, H)}
+        return {**out, "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)} if dense_mlp else out
+
+    def _attn_and_norm_params(self) -> int:
+        n = sum(i * o for i, o in self.linears(dense_mlp=False).values())
+        n += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + self.hidden_size * self.o_bias
+        return n + self.norms_per_layer * self.hidden_size + 2 * self.head_dim * self.qk_norm
+
+    def _dense_mlp_params(self) -> int:
+        H, I = self.hidden_size, self.intermediate_size
+        return 3 * H * I + (2 * I + H) * self.mlp_bias
+
+    def _experts_params(self, experts: int) -> int:
+        """``experts`` experts (gate, up, down) and the router of one sparse block."""
+        return experts * 3 * self.hidden_size * self.moe_intermediate_size + self.num_experts * self.hidden_size
+
+    def layer_params(self) -> int:
+        """Parameters of the largest decoder block."""
+        mlp = self._experts_params(self.num_experts) if self.sparse_layers else self._dense_mlp_params()
+        return self._attn_and_norm_params() + mlp
+
+    def decoder_params(self, active: bool = False) -> int:
+        """All decoder blocks (``active``: only the experts a token is routed to)."""
+        sparse = self._experts_params(self.experts_per_tok if active else self.num_experts)
+        mlp = self.sparse_layers * sparse + (self.num_layers - self.sparse_layers) * self._dense_mlp_params()
+        return self.num_layers * self._attn_and_norm_params() + mlp
+
+    @property
+    def mlp_width(self) -> int:
+        """Intermediate activations of one token's MLP (MoE: over its routed experts)."""
+        return self.experts_per_tok * self.moe_intermediate_size if self.sparse_layers else self.intermediate_size
+
+    def embed_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def head_params(self) -> int:
+        """LM head + final norm (the head is the embedding when tied)."""
+        return self.hidden_size + (0 if self.tie_word_embeddings else self.embed_params())
+
+    def num_params(self) -> int:
+        return self.embed_params() + self.decoder_params() + self.head_params()
+
+    def largest_param(self) -> int:
+        """Elements of the largest single weight (the embedding, a fused MLP matrix or a block's experts)."""
+        mlp = self.intermediate_size * self.hidden_size * (2 if self.fused else 1)
+        experts = self.num_experts * 2 * self.moe_intermediate_size * self.hidden_size
+        return max(self.embed_params(), mlp, experts)
+
+    def num_active_params(self) -> int:
+        """Parameters one token goes through (MoE: routed experts only; dense: all)."""
+        return self.embed_params() + self.decoder_params(active=True) + self.head_params()
+
+    def lora_params_per_layer(self, rank: int, target_modules) -> int:
+        linears = self.linears(dense_mlp=not self.sparse_layers)
+        names = list(linears) if target_modules == "all-linear" else [str(t) for t in target_modules]
+        return sum(rank * (i + o) for name, (i, o) in linears.items() if name in names)
