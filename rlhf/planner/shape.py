@@ -11,7 +11,10 @@ from rlhf.schema.config import ConfigError
 RANKS_PER_NODE = 8  # GPUs of one node: the ranks that load on one host at once
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
+_MOE = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024 ** 3
@@ -25,9 +28,11 @@ class ModelShape:
     """Sizes of a supported decoder read from an HF config.json dict.
 
     Per family: Gemma 2/3 have four RMSNorms per block (and Gemma 3 per-head q/k norms); Phi-3
-    fuses q|k|v and gate|up (same counts, other module names); Qwen3-MoE's sparse blocks hold
-    ``num_experts`` experts of ``moe_intermediate_size`` and a router, of which a token uses
-    ``experts_per_tok`` (:meth:`num_active_params`); experts are split over tp like the rest.
+    fuses q|k|v and gate|up (same counts, other module names); a MoE's sparse blocks hold
+    ``num_experts`` experts of ``moe_intermediate_size`` (Mixtral, OLMoE: ``intermediate_size``) and a
+    router, of which a token uses ``experts_per_tok`` (:meth:`num_active_params`), plus Qwen2-MoE's
+    shared expert with its gate, which every token uses; OLMoE normalises the whole q and k
+    projections (``q_norm [heads * head_dim]``); experts are split over tp like the rest.
     """
 
     architecture: str
@@ -45,10 +50,12 @@ class ModelShape:
     qk_norm: bool  # Qwen3: per-head RMSNorm of q and k
     norms_per_layer: int = 2  # Gemma: 4 (sandwich norms)
     fused: bool = False  # Phi-3: qkv_proj / gate_up_proj
-    num_experts: int = 0  # Qwen3-MoE
+    num_experts: int = 0  # MoE (rlhf.models.moe_archs)
     experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     sparse_layers: int = 0  # blocks with routed experts (the others keep the dense MLP)
+    shared_expert_size: int = 0  # Qwen2-MoE: the shared expert's width (0: none)
+    full_qk_norm: bool = False  # OLMoE: one RMSNorm over all heads of q and of k
     checkpoint_bytes: int = 4  # bytes per weight in the checkpoint files (config.json's dtype; bf16 = 2)
 
     @classmethod
@@ -63,21 +70,23 @@ class ModelShape:
             heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
             layers = int(d["num_hidden_layers"])
-            moe = arch == "Qwen3MoeForCausalLM"
+            moe = arch in _MOE
             skip, step = set(d.get("mlp_only_layers") or []), int(d.get("decoder_sparse_step") or 1)
             return cls(architecture=arch, vocab_size=int(d["vocab_size"]), hidden_size=hidden,
                        intermediate_size=int(d["intermediate_size"]), num_layers=layers,
                        num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
                        head_dim=int(d.get("head_dim") or hidden // heads),
                        tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in _GEMMA)),
-                       qkv_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
-                       o_bias=arch != "Qwen2ForCausalLM" and bool(d.get("attention_bias", False)),
+                       qkv_bias=arch in _QKV_BIAS or bool(d.get("attention_bias", False)),
+                       o_bias=arch not in _QKV_BIAS and bool(d.get("attention_bias", False)),
                        mlp_bias=bool(d.get("mlp_bias", False)),
                        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
+                       full_qk_norm=arch == "OlmoeForCausalLM",
                        norms_per_layer=4 if arch in _GEMMA else 2, fused=arch == "Phi3ForCausalLM",
                        num_experts=int(d.get("num_experts") or d["num_local_experts"]) if moe else 0,
                        experts_per_tok=int(d["num_experts_per_tok"]) if moe else 0,
-                       moe_intermediate_size=int(d["moe_intermediate_size"]) if moe else 0,
+                       moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if moe else 0,
+                       shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0) if moe else 0,
                        sparse_layers=sum(i not in skip and (i + 1) % step == 0 for i in range(layers)) if moe else 0,
                        checkpoint_bytes=_CHECKPOINT_BYTES.get(str(d.get("dtype") or d.get("torch_dtype")), 4))
         except KeyError as e:
@@ -112,15 +121,19 @@ class ModelShape:
     def _attn_and_norm_params(self) -> int:
         n = sum(i * o for i, o in self.linears(dense_mlp=False).values())
         n += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + self.hidden_size * self.o_bias
-        return n + self.norms_per_layer * self.hidden_size + 2 * self.head_dim * self.qk_norm
+        qk = (self.q_dim + self.kv_dim) if self.full_qk_norm else 2 * self.head_dim * self.qk_norm
+        return n + self.norms_per_layer * self.hidden_size + qk
 
     def _dense_mlp_params(self) -> int:
         H, I = self.hidden_size, self.intermediate_size
         return 3 * H * I + (2 * I + H) * self.mlp_bias
 
     def _experts_params(self, experts: int) -> int:
-        """``experts`` experts (gate, up, down) and the router of one sparse block."""
-        return experts * 3 * self.hidden_size * self.moe_intermediate_size + self.num_experts * self.hidden_size
+        """``experts`` experts (gate, up, down) and the router of one sparse block (and the shared
+        expert with its one-output gate, which every token uses)."""
+        H, S = self.hidden_size, self.shared_expert_size
+        shared = 3 * H * S + H if S else 0
+        return experts * 3 * H * self.moe_intermediate_size + self.num_experts * H + shared
 
     def layer_params(self) -> int:
         """Parameters of the largest decoder block."""
@@ -136,7 +149,9 @@ class ModelShape:
     @property
     def mlp_width(self) -> int:
         """Intermediate activations of one token's MLP (MoE: over its routed experts)."""
-        return self.experts_per_tok * self.moe_intermediate_size if self.sparse_layers else self.intermediate_size
+        if not self.sparse_layers:
+            return self.intermediate_size
+        return self.experts_per_tok * self.moe_intermediate_size + self.shared_expert_size
 
     def embed_params(self) -> int:
         return self.vocab_size * self.hidden_size

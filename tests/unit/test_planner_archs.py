@@ -1,4 +1,4 @@
-"""Planner (and FLOP counter) on Gemma 2, Gemma 3, Phi-3 and Qwen3-MoE: parameter counts against HF,
+"""Planner (and FLOP counter) on Gemma 2, Gemma 3, Phi-3 and the MoE families: parameter counts against HF,
 published sizes, MoE total vs active parameters, experts over tp, and the dry-run plan."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from tests._archs import ARCHS, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 CLASS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM"}
+         "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+         "olmoe": "OlmoeForCausalLM"}
 # name: (total, active per token)
 PUBLISHED = {"gemma-2-2b": (2_614_341_888, 2_614_341_888), "gemma-3-1b-it": (999_885_952, 999_885_952),
              "Phi-3-mini-4k-instruct": (3_821_079_552, 3_821_079_552),
@@ -30,7 +31,7 @@ def _shape(kind: str) -> ModelShape:
     return ModelShape.from_config_dict({**tiny_config(kind).to_dict(), "architectures": [CLASS[kind]]})
 
 
-@pytest.mark.parametrize("kind", [k for k in ARCHS if k in CLASS])  # the planner: not the newer MoEs yet
+@pytest.mark.parametrize("kind", [k for k in ARCHS if k in CLASS])
 def test_counts_equal_instantiated_hf_model(kind):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config(kind))
