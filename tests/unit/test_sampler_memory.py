@@ -188,9 +188,9 @@ def test_prefill_mlp_over_row_chunks_matches_one_pass(monkeypatch):
     rows: list[int] = []
     mlp = decoder._mlp
 
-    def spy(spec, lw, x, tp_group):
+    def spy(spec, lw, x, tp_group, *rest):
         rows.append(x.shape[0])
-        return mlp(spec, lw, x, tp_group)
+        return mlp(spec, lw, x, tp_group, *rest)
 
     monkeypatch.setattr(decoder, "_mlp", spy)
     monkeypatch.setattr(decoder, "_MLP_ROWS", 4)  # the 20-token prefill in 5 chunks, 10-slot decode steps in 3
