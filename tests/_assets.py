@@ -42,7 +42,7 @@ def write_tool_assets(d: Path, *, steps: int = 100, n_demos: int = 16, seed: int
             {"role": "assistant", "content": tool_call(f"{a}+{b}")}, {"role": "tool", "content": answer},
             {"role": "assistant", "content": f"#### {answer}"}]})
     examples, _ = tokenize_sft(rows, tok, SFTSettings(max_length=256))
-    n_tok = torch.tensor(float(sum(sum(m) for _, _, m in examples)))
+    n_tok = torch.tensor(float(sum(sum(e[2]) for e in examples)))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(d / "model")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

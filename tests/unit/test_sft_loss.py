@@ -44,7 +44,7 @@ def test_sft_loss_equals_plain_cross_entropy_on_response_tokens(packed):
     ref_model, model = _model(), _model()
     ref = plain_cross_entropy(ref_model, ex)
     ref.backward()
-    n_tok = torch.tensor(float(sum(sum(m) for _, _, m in ex)), dtype=torch.float64)
+    n_tok = torch.tensor(float(sum(sum(e[2]) for e in ex)), dtype=torch.float64)
     loss = sft_loss(model, ex, 0, n_tok, torch.device("cpu"), packed=packed)
     loss.backward()
     # log-probs are taken in fp32 by the RL passes, so agreement is to fp32 rounding
@@ -55,7 +55,7 @@ def test_sft_loss_equals_plain_cross_entropy_on_response_tokens(packed):
 
 def test_micro_batches_sum_to_the_whole_batch():
     ex = _examples()
-    n_tok = torch.tensor(float(sum(sum(m) for _, _, m in ex)), dtype=torch.float64)
+    n_tok = torch.tensor(float(sum(sum(e[2]) for e in ex)), dtype=torch.float64)
     whole, split = _model(), _model()
     l_whole = sft_loss(whole, ex, 0, n_tok, torch.device("cpu"), packed=False)
     l_whole.backward()

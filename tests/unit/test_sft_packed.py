@@ -35,12 +35,12 @@ def test_layout_holds_prompt_then_response_with_the_loss_mask_on_the_response():
     for i, (p, r, m) in enumerate(ex):
         assert ids[i][attn[i].bool()].tolist() == p + r
         assert rmask[i, :len(r)].tolist() == m and rmask[i, len(r):].sum() == 0
-    assert rmask.sum() == sum(sum(m) for _, _, m in ex)
+    assert rmask.sum() == sum(sum(e[2]) for e in ex)
 
 
 def test_packed_loss_and_gradients_equal_the_padded_pass():
     ex = _examples()
-    n_tok = torch.tensor(float(sum(sum(m) for _, _, m in ex)), dtype=torch.float64)
+    n_tok = torch.tensor(float(sum(sum(e[2]) for e in ex)), dtype=torch.float64)
     results = []
     for packed in (False, True):
         model = _model()
