@@ -480,6 +480,7 @@ def prefill_chunk(
     embeds: Tensor | None = None,
     deepstack: Tensor | None = None,
     routes: list | None = None,
+    rope_shift: int = 0,
 ) -> Tensor:
     """Chunked prefill: forward of tokens ``[start, start + c)`` of ONE prompt whose earlier
     positions are already in the cache of ``slots[0]``.
@@ -495,13 +496,15 @@ def prefill_chunk(
         input_ids: ``[c]`` the chunk's tokens; ``embeds`` ``[c, hidden]`` their embeddings when given,
             ``deepstack`` ``[L, c, hidden]`` their deepstack features (as ``prefill``).
         cos, sin: rope tables, rows indexed by cache position (a VLM prompt's own rows).
+        rope_shift: added to the cache positions to pick the rope rows: a VLM's text after its
+            prompt rotates by cache position + the prompt's M-RoPE delta (a resumed multi-turn sequence).
     Returns:
         ``[1, V]`` float32 logits of the token after the chunk.
     """
     n = input_ids.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     positions = torch.arange(start, start + n, device=input_ids.device)
-    c, s = cos[:, positions, None], sin[:, positions, None]  # [K, c, 1, R]
+    c, s = cos[:, positions + rope_shift, None], sin[:, positions + rope_shift, None]  # [K, c, 1, R]
     index = cache.prefill_index(slots, start, n)
     window = start + n
     g = h // hkv

@@ -349,9 +349,6 @@ class Sampler:
         self._ensure_capacity(max(len(p) for p in prompts) + max_new)
         vis = None
         if self.vlm_config is not None:
-            if turns is not None:
-                raise NotImplementedError("rollout sampler: multi-turn rollouts of a vision-language model are "
-                                          "not supported yet (issue 37)")
             vis = vision.VisionPrompts(self, prompts, multi_modal or [None] * len(prompts))
         elif multi_modal and any(m is not None for m in multi_modal):
             raise ValueError(f"generate: images given but model_type {self.config.model_type!r} is a text LM")

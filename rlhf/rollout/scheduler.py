@@ -38,6 +38,7 @@ from rlhf.rollout import speculative
 from rlhf.rollout.kv_cache import PagedKVCache
 from rlhf.rollout.routes import RouteBook, stack_routes
 from rlhf.rollout.sampling import SamplingParams, position_keys, sample_next, sequence_keys, uniforms
+from rlhf.rollout.turn_steps import TurnSteps
 from rlhf.rollout.turns import ParkingLot, TurnHandler
 
 
@@ -61,7 +62,7 @@ class Slots:
         return [t for t in (self.token, self.pos, self.gen, self.seq, self.u, self.window) if t is not None]
 
 
-class GenerateRun:
+class GenerateRun(TurnSteps):
     """State of one ``generate`` call (kept out of ``Sampler`` so calls cannot leak state)."""
 
     def __init__(self, s: Any, prompts: list[list[int]], params: SamplingParams, step: int, keys: list[int],
@@ -186,7 +187,7 @@ class GenerateRun:
     def _admit(self, seqs: list[int]) -> None:
         """Prefill the prefixes of ``seqs`` (the queue front) into slots [live, live + m)."""
         t0 = time.perf_counter()
-        s, dev, n, cache = self.s, self.s.device, self.n, self.cache
+        s, dev, n = self.s, self.s.device, self.n
         m, a = len(seqs), self.live
         for _ in seqs:
             self.queue.popleft()
@@ -323,7 +324,7 @@ class GenerateRun:
         return out
 
     def _extend(self, tokens: list[int], start: int, slot_ids: Tensor, mm: Any = None,
-                seqs: Optional[list[int]] = None) -> Tensor:
+                seqs: Optional[list[int]] = None, rope_shift: int = 0) -> Tensor:
         """Prefill ``tokens`` at positions ``[start, start + len)`` onto the cached positions
         ``[0, start)`` of ``slot_ids[0]`` (K/V written to every slot in ``slot_ids``), in chunks of
         ``prefill_tokens``; logits ``[1, V]`` after the last token. ``mm``: a VLM prompt's inputs
@@ -338,7 +339,7 @@ class GenerateRun:
             out = decoder.prefill_chunk(s.spec, s.weights, self.cache, ids[i:i + c], start + i, slot_ids,
                                         cos, sin, s.tp_group, None if mm is None else mm.embeds[i:i + c],
                                         None if mm is None or mm.deepstack is None else mm.deepstack[:, i:i + c],
-                                        routes=routes)
+                                        routes=routes, rope_shift=rope_shift)
             for q in seqs if routes is not None else []:
                 self.routes.write_span(q, start + i, stack_routes(routes))
             self.stats["prefill_calls"] += 1
@@ -346,78 +347,6 @@ class GenerateRun:
         return out
 
     # ------------------------------------------------------------------ multi-turn
-
-    def _take_observations(self, wait: bool) -> None:
-        """Poll the handler; write each observation into its trajectory (a hole of the mask)."""
-        lot, R = self.lot, self.R
-        for q, obs in lot.poll(wait):
-            p = lot.parked[q]
-            end = p.length + len(obs)
-            if obs:
-                self.out_ids[q, p.length:end] = torch.tensor(obs, dtype=torch.int64, device=self.s.device)
-                self.out_obs[q, p.length:end] = True
-            self.stats["turns"] += 1
-            self.stats["observation_tokens"] += len(obs)
-            if end < R:
-                lot.ready.append(q)
-                continue
-            del lot.parked[q]  # no room left to generate: the trajectory ends truncated
-            if p.blocks is not None:
-                self.cache.free_blocks(p.blocks)
-            row = torch.tensor([q], dtype=torch.int64, device=self.s.device)
-            self._finish_rows(row, torch.full_like(row, R), torch.zeros_like(row, dtype=torch.bool))
-
-    def _resume(self) -> None:
-        """Resume ready parked sequences in free slots: prefill ``[stop token] + observation`` onto
-        their cached K/V. One whose blocks were freed (or that finds no blocks) is requeued."""
-        t0 = time.perf_counter()
-        lot, cache = self.lot, self.cache
-        a = self.live
-        seqs, gens, orders, logits = [], [], [], []
-        while lot.ready and a + len(seqs) < self.S:
-            q = lot.ready.popleft()
-            p = lot.parked.pop(q)
-            g = p.length + len(p.observation)
-            self.turn_start[q] = g
-            length = self.prompt_lens[q // self.n] + g  # the positions to be cached
-            if p.blocks is not None:
-                need = cache.blocks_for(length + 1) - len(p.blocks)
-                self._evict_parked(need)
-                if need > cache.num_free:
-                    cache.free_blocks(p.blocks)
-                    p.blocks = None
-                    self.stats["parked_preemptions"] += 1
-            if p.blocks is None:  # recompute prompt + trajectory when re-admitted
-                self.resume_gen[q] = g
-                self.queue.appendleft(q)
-                continue
-            slot = a + len(seqs)
-            cache.attach(slot, p.blocks)
-            cache.grow([slot], [length + 1])
-            last = self.out_ids[q, p.length - 1:g].tolist()  # the stop token is not cached yet
-            slot_t = torch.tensor([slot], dtype=torch.int64, device=self.s.device)
-            logits.append(self._extend(last, length - len(last), slot_t, seqs=[q]))
-            self.stats["prefill_tokens"] += len(last)
-            seqs.append(q), gens.append(g), orders.append(p.order)
-        if seqs:
-            self._place(seqs, gens, orders)
-        self.stats["prefill_s"] += time.perf_counter() - t0
-        if seqs:
-            self._sample_and_retire(a, self.live, torch.cat(logits))
-
-    def _evict_parked(self, need: int) -> bool:
-        """Free the blocks of parked sequences (latest admitted first) until ``need`` blocks are
-        free; False when the parked ones cannot provide them."""
-        if self.lot is None:
-            return False
-        for q in self.lot.holding_blocks():
-            if self.cache.num_free >= need:
-                break
-            p = self.lot.parked[q]
-            self.cache.free_blocks(p.blocks)
-            p.blocks = None
-            self.stats["parked_preemptions"] += 1
-        return self.cache.num_free >= need
 
     # ------------------------------------------------------------------ decode
 
@@ -512,18 +441,6 @@ class GenerateRun:
                 fs, lens, stop_f = fs[sel], lens[sel], stop_f[sel]
         self._finish_rows(fs, lens, stop_f)
         self._compact([a + i for i in fin])
-
-    def _end_turns(self, slots: list[int], rows: list[int], lens: list[int], stopped: list[bool]) -> list[int]:
-        """Ask the handler about each stopped sequence below max_new_tokens; park the ones that
-        wait for an observation (blocks detached from the slot). Returns the indices that finish."""
-        ids = self.out_ids[torch.tensor(rows, device=self.out_ids.device)].tolist()
-        keep = []
-        for j, (slot, q, n, st) in enumerate(zip(slots, rows, lens, stopped)):
-            if st and n < self.R and self.lot.handler.turn_ended(q, ids[j][:n]):
-                self.lot.park(q, self.cache.detach(slot), n, self.slot_order[slot])
-            else:
-                keep.append(j)
-        return keep
 
     def _finish_rows(self, rows: Tensor, lens: Tensor, stopped: Tensor) -> None:
         """Record finished output rows (device tensors ``[k]``) and report them to ``on_finished``."""

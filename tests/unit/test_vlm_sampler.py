@@ -130,3 +130,39 @@ def test_start_up_refuses_what_the_vlm_rollout_does_not_run(tmp_path):
     check_rollout_support(str(tmp_path), rollout_tp=2)  # the tower runs whole on each rank of the TP group
     with pytest.raises(ConfigError, match="^rollout.multi_turn.enable"):
         check_rollout_support(str(tmp_path), multi_turn=True)
+
+
+def test_multi_turn_on_image_prompts_resumes_on_text_positions(case):
+    """A tool turn on an image prompt: the observation is prefilled at cache position + the prompt's M-RoPE
+    delta (text positions after the images), so the sampler's log-probs after a resume still equal the
+    trainer's forward of the whole trajectory. (Without the delta they were off by up to 2.5.)"""
+    from tests.unit import test_sampler_turns as turns
+
+    model, _, prompts, mms, _ = case
+    calls = tuple(range(5, 25))  # stops frequent under the random model, so most rows take tool turns
+    tool = turns.FakeTool(max_turns=2)
+    n, R2 = 2, 24
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=R2, seed=3, stop_token_ids=list(calls))
+    old, turns.CALLS = turns.CALLS, calls
+    try:
+        out = _sampler(model).generate(prompts, params, multi_modal=mms, turns=tool)
+    finally:
+        turns.CALLS = old
+    image_rows = {i for i in range(len(prompts) * n) if mms[i // n] is not None}
+    assert {row for row, _, _ in tool.log} & image_rows  # image rows took tool turns
+    P = max(map(len, prompts))
+    ids = torch.zeros(len(prompts) * n, P + R2, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i in range(len(ids)):
+        p = prompts[i // n]
+        ids[i, P - len(p):P] = torch.tensor(p)
+        am[i, P - len(p):] = 1
+    ids[:, P:] = out.response_ids
+    mm_rows = [mms[i // n] for i in range(len(ids)) if mms[i // n] is not None]
+    mm = {"pixel_values": torch.cat([m["pixel_values"] for m in mm_rows]),
+          "image_grid_thw": torch.cat([m["image_grid_thw"] for m in mm_rows])}
+    with torch.no_grad():
+        trainer, _ = forward_log_probs(model, ids, am, response_length=R2, multi_modal=mm)
+    m = (out.log_probs != 0) & ~turns._holes(tool, out)
+    assert m[sorted(image_rows)].sum() > 10
+    torch.testing.assert_close(out.log_probs[m], trainer[m], atol=1e-5, rtol=0)
