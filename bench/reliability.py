@@ -107,6 +107,22 @@ def kill_rank_after_checkpoint(proc: subprocess.Popen, checkpoint: Path, rank: i
             proc.kill()
 
 
+def stop_rank_and_wait(proc: subprocess.Popen, rank: int, timeout: float = 150) -> tuple[int, str, float]:
+    """SIGSTOP torchrun's worker ``rank`` (``proc`` is the agent), wait for the job to end; returns the
+    worker's pid, the job's output and the seconds from the stop to the end."""
+    try:
+        pid = worker_pid(proc.pid, rank)
+        if pid is None:
+            raise AssertionError(f"no worker with RANK={rank} under pid {proc.pid}")
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        text, _ = proc.communicate(timeout=timeout)
+        return pid, text, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def sigstop_run(workdir: Path) -> dict:
     out = workdir / "run_stop"
     proc = popen(args_for(workdir, out, 1000))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -89,7 +88,7 @@ def test_a_stopped_rollout_rank_ends_the_job_with_a_line_naming_it(tiny_assets, 
     """SIGSTOP of rollout rank 2 after step 1: the job-wide watchdog (both roles) names it and every
     process is gone well within trainer.collective_timeout_s; the training rank, blocked waiting for
     groups, would otherwise wait trainer.exchange_timeout_s (hours)."""
-    from bench.reliability import worker_pid
+    from bench.reliability import stop_rank_and_wait
 
     out, timeout_s = tmp_path / "run", 60
     args = grpo_args(tiny_assets, out, **{
@@ -105,15 +104,10 @@ def test_a_stopped_rollout_rank_ends_the_job_with_a_line_naming_it(tiny_assets, 
         while not (out / "metrics.jsonl").exists() or not train_steps(out / "metrics.jsonl"):
             assert proc.poll() is None and time.monotonic() - t0 < 300, proc.stdout.read()[-3000:]
             time.sleep(0.2)
-        pid = worker_pid(proc.pid, 2)
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        text, _ = proc.communicate(timeout=150)
-        gone = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    except BaseException:
+        proc.kill()
+        raise
+    pid, text, gone = stop_rank_and_wait(proc, 2)
     assert proc.returncode != 0
     assert "[rlhf] watchdog: rank 2 stopped responding (last seen in phase 'stream_generate'" in text, text[-3000:]
     assert gone < timeout_s, gone

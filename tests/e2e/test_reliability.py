@@ -4,7 +4,6 @@ rank ends the job with a line naming it."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.reliability import kill_rank_after_checkpoint, worker_pid
+from bench.reliability import kill_rank_after_checkpoint, stop_rank_and_wait
 from rlhf.ops.metrics import read_metrics
 from tests.e2e.conftest import ROOT, grpo_args, run_script, train_steps
 
@@ -76,15 +75,10 @@ def test_sigstopped_rank_ends_the_job_with_a_line_naming_it(tiny_assets, tmp_pat
                                                  "trainer.collective_timeout_s": 120}), out)
     try:
         _wait_for_step(out, 1, proc)
-        pid = worker_pid(proc.pid, 1)
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        text, _ = proc.communicate(timeout=150)
-        gone = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    except BaseException:
+        proc.kill()
+        raise
+    pid, text, gone = stop_rank_and_wait(proc, 1)
     assert proc.returncode != 0
     assert "[rlhf] watchdog: rank 1 stopped responding (last seen in phase" in text, text[-3000:]
     with pytest.raises(ProcessLookupError):
