@@ -34,8 +34,8 @@ RECIPES = {
     "dapo_7b": ("configs/dapo_qwen2.5_7b_math.yaml", "configs/models/Qwen2.5-7B", 64, []),
     "ulysses_7b_32k": ("configs/grpo_qwen2.5_7b_32k_ulysses.yaml", "configs/models/Qwen2.5-7B", 64, []),
     "grpo_72b": ("configs/grpo_qwen2.5_72b_8x8.yaml", "configs/models/Qwen2.5-72B", 64, []),
-    "qwen3_30b_a3b": ("configs/grpo_qwen3_30b_a3b.yaml", "configs/models/Qwen3-30B-A3B", 64, []),
-    "qwen3_235b_a22b": ("configs/grpo_qwen3_235b_a22b.yaml", "configs/models/Qwen3-235B-A22B", 64, []),
+    "qwen3_30b_a3b": ("configs/grpo_qwen3_30b_a3b.yaml", "configs/models/Qwen3-30B-A3B", 8, []),
+    "qwen3_235b_a22b": ("configs/grpo_qwen3_235b_a22b.yaml", "configs/models/Qwen3-235B-A22B", 32, []),
 }
 # planner terms the simulation does not run (the sampler's own work)
 NOT_SIMULATED = ("rollout activations", "rollout fusing (q|k|v, gate|up)", "decode gather buffers (no flash-attn)",
