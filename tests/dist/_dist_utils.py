@@ -101,7 +101,8 @@ def _worker(
 def run_distributed(
     fn: Callable[..., None], world_size: int, *args: Any, timeout_s: float = 180.0
 ) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes (forked from the forkserver;
+    ``RLHF_TEST_START_METHOD=spawn`` starts fresh interpreters instead).
 
     ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Raises
     ``torch.multiprocessing.ProcessRaisedException`` carrying the failing rank's
