@@ -130,17 +130,26 @@ def test_tensorboard_names_with_at_sign_and_hyperparameters_read_back(tmp_path):
 
 
 def _wandb_run(run_file):
-    """(run record, [history rows]) of an offline wandb run file."""
+    """(run record, [history rows]) of an offline wandb run file. wandb's writer process may still be
+    flushing the file when ``finish`` returns (once seen in CI: no run record), so it is read again
+    for up to 10 s until the run record is there."""
+    import time
+
     from wandb.proto import wandb_internal_pb2
 
-    run, history = None, []
-    for raw in _wandb_records(run_file):
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(raw)
-        if rec.WhichOneof("record_type") == "run":
-            run = rec.run
-        elif rec.WhichOneof("record_type") == "history":
-            history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+    for _ in range(50):
+        run, history = None, []
+        for raw in _wandb_records(run_file):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(raw)
+            if rec.WhichOneof("record_type") == "run":
+                run = rec.run
+            elif rec.WhichOneof("record_type") == "history":
+                history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                                for i in rec.history.item})
+        if run is not None:
+            break
+        time.sleep(0.2)
     return run, history
 
 
