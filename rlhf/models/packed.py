@@ -120,6 +120,17 @@ def _local_positions(pos: ResponsePositions, shard: Optional[SpShard]) -> Respon
     return ResponsePositions(rows=pos.rows[keep] - shard.start, flat=pos.flat[keep], labels=pos.labels[keep])
 
 
+def _layout(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int, prefix_grouping, sp_group, multi_modal):
+    """(packed row, response positions, sp shard) of a padded batch: the prefix-grouped row when grouping
+    applies, else the plain unpadded row (sharded over ``sp_group``)."""
+    packed, pos = _grouped_row(model, input_ids, attention_mask, R, prefix_grouping, sp_group, multi_modal)
+    if packed is not None:
+        return packed, pos, None
+    packed = unpad(input_ids, attention_mask)
+    shard = shard_packed(packed, sp_group) if sp_group is not None else None
+    return packed, _local_positions(response_positions(input_ids, attention_mask, packed, R), shard), shard
+
+
 def _grouped_row(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int,
                  mode: bool | str, sp_group: Optional[dist.ProcessGroup], multi_modal: Optional[dict],
                  ) -> tuple[Optional[GroupedRow], Optional[ResponsePositions]]:
@@ -172,12 +183,7 @@ def packed_forward_log_probs(
     """
     B, L = input_ids.shape
     R = int(response_length)
-    packed, pos = _grouped_row(model, input_ids, attention_mask, R, prefix_grouping, sp_group, multi_modal)
-    shard = None
-    if packed is None:
-        packed = unpad(input_ids, attention_mask)
-        shard = shard_packed(packed, sp_group) if sp_group is not None else None
-        pos = _local_positions(response_positions(input_ids, attention_mask, packed, R), shard)
+    packed, pos, shard = _layout(model, input_ids, attention_mask, R, prefix_grouping, sp_group, multi_modal)
     mm: dict = {}
     if multi_modal is not None:
         from rlhf.models.vlm import packed_inputs
@@ -250,12 +256,7 @@ def packed_forward_values(model: torch.nn.Module, input_ids: torch.Tensor, atten
     sp rank reads the values of its token slice and the ``[B, R]`` scalars are summed.
     """
     B, R = input_ids.shape[0], int(response_length)
-    packed, pos = _grouped_row(model, input_ids, attention_mask, R, prefix_grouping, sp_group, None)
-    shard = None
-    if packed is None:
-        packed = unpad(input_ids, attention_mask)
-        shard = shard_packed(packed, sp_group) if sp_group is not None else None
-        pos = _local_positions(response_positions(input_ids, attention_mask, packed, R), shard)
+    packed, pos, shard = _layout(model, input_ids, attention_mask, R, prefix_grouping, sp_group, None)
     out = _packed_call(model, packed, shard)
     v = out.logits[0, :, 0].index_select(0, pos.rows).float()  # [N]
     return gather_token_values(v.new_zeros(B * R).index_put((pos.flat,), v), sp_group).view(B, R)
