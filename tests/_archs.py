@@ -6,7 +6,10 @@ Gemma 3 with a local rope base and linear rope scaling on its global layer; Phi-
 rotary and a sliding window; Qwen3-MoE with a dense ``mlp_only_layers`` layer and normalised
 top-k routing; Qwen2-MoE with its gated shared expert, un-normalised top-k, q/k/v biases, a dense
 layer and sliding windows on two layers; Mixtral (top-2 renormalised) with a 6-token window; OLMoE
-with its whole-projection q/k norms, ``clip_qkv`` and un-normalised top-2. Norm weights are randomised
+with its whole-projection q/k norms, ``clip_qkv`` and un-normalised top-2; GPT-OSS with large random
+attention sinks (std 1: the sink takes a visible share of each row), a 4-token window on
+alternating layers, random expert / router biases, a small SwiGLU ``limit`` (1.0, so the clamps bite)
+and YaRN rope. Norm weights are randomised
 (HF initialises Gemma's to 0, i.e. scale 1).
 """
 
@@ -17,7 +20,7 @@ from pathlib import Path
 import torch
 import transformers
 
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 ARCHS = ("gemma2", "gemma3", "phi3", *MOE_ARCHS)
 _COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, initializer_range=0.1, max_position_embeddings=256,
@@ -62,19 +65,28 @@ def tiny_config(kind: str, **overrides) -> transformers.PretrainedConfig:
         c.update(intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=0.5)
         c.update(overrides)
         return transformers.OlmoeConfig(**c)
+    if kind == "gpt_oss":
+        c.update(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.0,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+        c.update(overrides)
+        return transformers.GptOssConfig(**c)
     raise KeyError(kind)
 
 
 def tiny_model(kind: str, seed: int = 1234, **overrides) -> torch.nn.Module:
     """A random fp32 causal LM of ``kind`` in eval mode (eager attention for soft-capped Gemma 2)."""
     cfg = tiny_config(kind, **overrides)
-    cfg._attn_implementation = "eager" if kind == "gemma2" else "sdpa"
+    cfg._attn_implementation = "eager" if kind in ("gemma2", "gpt_oss") else "sdpa"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0, 0.3)
+            elif name.endswith("sinks") or name.endswith("_bias") or "router.bias" in name:
+                p.normal_(0.0, 1.0)  # HF initialises biases to 0 and sinks at 0.1 scale: make them matter
     return model
 
 

@@ -28,6 +28,8 @@ qwen3_moe          Qwen3 attention; sparse MLP layers (``rlhf.models.moe``) with
                    ``decoder_sparse_step``, which keep the dense MLP
 qwen2_moe /        the other MoE families: ``rlhf.models.moe_archs`` (Qwen2-MoE's shared expert,
 mixtral / olmoe    Mixtral's renormalised top-k, OLMoE's whole-projection q/k norm and clip_qkv)
+gpt_oss            ``rlhf.models.gpt_oss``: attention sinks, alternating sliding / full layers,
+                   fp32 norm weights, transposed interleaved experts with biases, clamped SwiGLU
 =================  =====================================================================
 
 Attention: :func:`attend` is the one attention function of the decoder. Its per-layer
@@ -41,13 +43,14 @@ still keeps every position of a sliding layer (no ring buffer, no memory saved).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlhf.models.gpt_oss import GPT_OSS_TYPES, clamped_swiglu, swiglu_params
 from rlhf.models.moe import MoESpec
 from rlhf.models.moe_archs import FULL_QK_NORM_TYPES, MOE_MODEL_TYPES, check_config
 from rlhf.models.softcap_attention import attention as capped_attention
@@ -68,6 +71,7 @@ class LayerAttn:
     softcap: float | None  # tanh soft-cap of the attention logits (Gemma 2)
     window: int | None  # sliding window: a query at p sees keys p - window < k <= p
     rope: int  # row of the stacked rope tables (Gemma 3: local vs global)
+    sinks: Tensor | None = field(default=None, compare=False)  # GPT-OSS: [H] sink logits (weights: with_sinks)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class ArchSpec:
     moe: MoESpec | None  # MoE families: the routed MLP
     full_qk_norm: bool = False  # OLMoE: q / k RMSNorm over the whole projection (rlhf.models.moe_archs)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after the norms
+    swiglu: tuple[float, float] | None = None  # GPT-OSS: (alpha, limit) of the clamped SwiGLU
+    norm_fp32: bool = False  # GPT-OSS: RMSNorm weights kept in fp32, applied before the cast back
 
 
 # Vision-language families whose language model the sampler runs -> its text family (the vision tower
@@ -193,6 +199,8 @@ def from_config(config: Any, head_dim: int) -> ArchSpec:
         moe=MoESpec.from_config(config) if model_type in MOE_MODEL_TYPES else None,
         full_qk_norm=model_type in FULL_QK_NORM_TYPES,
         clip_qkv=getattr(config, "clip_qkv", None) if model_type in FULL_QK_NORM_TYPES else None,
+        swiglu=swiglu_params(config),
+        norm_fp32=model_type in GPT_OSS_TYPES,
     )
 
 
@@ -248,7 +256,7 @@ def rope_inv_freq(config: Any, rotary_dim: int) -> tuple[Tensor, Tensor]:
 def norm_weight(arch: ArchSpec, w: Tensor) -> Tensor:
     """A loaded RMSNorm weight in the form ``decoder.rms_norm`` applies: Gemma's ``1 + w`` kept in
     fp32 (its scale is applied before the cast back), others as given."""
-    return 1.0 + w.float() if arch.norm_plus_one else w
+    return 1.0 + w.float() if arch.norm_plus_one else w.float() if arch.norm_fp32 else w
 
 
 def embed(arch: ArchSpec, table: Tensor, ids: Tensor) -> Tensor:
@@ -260,6 +268,8 @@ def embed(arch: ArchSpec, table: Tensor, ids: Tensor) -> Tensor:
 
 def gated_act(arch: ArchSpec, gate: Tensor, up: Tensor) -> Tensor:
     """``act(gate) * up``: SwiGLU or GeGLU (tanh-approximated gelu, ``gelu_pytorch_tanh``)."""
+    if arch.swiglu is not None:
+        return clamped_swiglu(gate, up, *arch.swiglu)
     if arch.act == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up
@@ -310,11 +320,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, masks: Masks, p: LayerAttn) -> Tenso
     """
     mask = masks.get(p.window)
     gqa = q.shape[-3] != k.shape[-3]
-    if p.softcap is None:
+    if p.softcap is None and p.sinks is None:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=p.scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale, enable_gqa=gqa)
     if mask is None:
         n = q.shape[-2]
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    return capped_attention(q, k, v, mask, scale=p.scale, softcap=p.softcap)
+    sinks = p.sinks
+    if sinks is not None and sinks.shape[0] != q.shape[-3]:  # query heads folded into rows (chunked prefill)
+        h, rows = q.shape[-3], q.shape[-2]
+        g = sinks.shape[0] // h  # row j * c + i is query i of member j of its kv head
+        sinks = sinks.view(h, g, 1).expand(h, g, rows // g).reshape(h, rows)
+    return capped_attention(q, k, v, mask, scale=p.scale, softcap=p.softcap, sinks=sinks)
+
+
+def with_sinks(p: LayerAttn, sinks: Tensor | None) -> LayerAttn:
+    """``p`` carrying a layer's sink logits (GPT-OSS, this rank's heads) to the attention kernels."""
+    return p if sinks is None else replace(p, sinks=sinks)

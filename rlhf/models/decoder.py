@@ -172,6 +172,10 @@ class LayerWeights:
     shared_gate: Tensor | None = None  # [1, hidden]
     q_norm_full: Tensor | None = None  # OLMoE: [H * D] over the whole q projection (full, not sliced)
     k_norm_full: Tensor | None = None  # [Hkv * D]
+    sinks: Tensor | None = None  # GPT-OSS: [H] attention sink logits (rlhf.models.gpt_oss)
+    router_b: Tensor | None = None  # GPT-OSS: [E] router bias
+    experts_gate_up_b: Tensor | None = None  # GPT-OSS: [E_local, 2 * I] (experts stored [E, hidden, 2I], interleaved)
+    experts_down_b: Tensor | None = None  # GPT-OSS: [E_local, hidden]
 
 
 @dataclass
@@ -243,6 +247,7 @@ def prepare_weights(
         q_b = get(a + "q_proj.bias", required=False)
         sparse = moe_spec is not None and moe_spec.sparse[i]
         shared = sparse and moe_spec.shared_intermediate_size > 0
+        oss = sparse and spec.arch.swiglu is not None  # GPT-OSS: mlp.router, expert biases
         dense = not sparse and not fused
         layers.append(
             LayerWeights(
@@ -263,7 +268,7 @@ def prepare_weights(
                 down_b=get(m + "down_proj.bias", required=False) if dense else None,
                 attn_out_norm=norm_w(p + "post_attention_layernorm.weight") if gemma else None,
                 mlp_out_norm=norm_w(p + "post_feedforward_layernorm.weight") if gemma else None,
-                router_w=get(m + "gate.weight") if sparse else None,
+                router_w=get(m + ("router" if oss else "gate") + ".weight") if sparse else None,
                 experts_gate_up=get(m + "experts.gate_up_proj") if sparse else None,
                 experts_down=get(m + "experts.down_proj") if sparse else None,
                 shared_gate_up=cat(get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight"))
@@ -272,6 +277,10 @@ def prepare_weights(
                 shared_gate=get(m + "shared_expert_gate.weight") if shared else None,
                 q_norm_full=get(a + "q_norm.weight") if spec.arch.full_qk_norm else None,
                 k_norm_full=get(a + "k_norm.weight") if spec.arch.full_qk_norm else None,
+                sinks=get(a + "sinks") if spec.arch.norm_fp32 else None,
+                router_b=get(m + "router.bias") if oss else None,
+                experts_gate_up_b=get(m + "experts.gate_up_proj_bias") if oss else None,
+                experts_down_b=get(m + "experts.down_proj_bias") if oss else None,
             )
         )
         if into is not None and not missing:  # this layer goes into the old buffers; the new copy dies
@@ -383,11 +392,15 @@ def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any, routes: 
     g = rms_norm(x, lw.post_norm, spec.rms_norm_eps)
     eps, a = spec.rms_norm_eps, spec.arch
     if lw.router_w is not None:
-        top_w, top_i = moe.route(a.moe, g, lw.router_w)
+        top_w, top_i = moe.route(a.moe, g, lw.router_w, lw.router_b)
         if routes is not None:
             routes.append(top_i)
-        out = moe.experts(g, top_i, top_w, lw.experts_gate_up, lw.experts_down, lambda u, v: arch.gated_act(a, u, v),
-                          expert_offset=_rank(tp_group) * lw.experts_gate_up.shape[0])
+        gu, dn, kw = lw.experts_gate_up, lw.experts_down, {}
+        if lw.experts_gate_up_b is not None:  # GPT-OSS: transposed, gate / up interleaved, biases
+            gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+            kw = dict(gate_up_b=lw.experts_gate_up_b, down_b=lw.experts_down_b, interleaved=True)
+        out = moe.experts(g, top_i, top_w, gu, dn, lambda u, v: arch.gated_act(a, u, v),
+                          expert_offset=_rank(tp_group) * gu.shape[0], **kw)
         if lw.shared_gate_up is not None:  # Qwen2-MoE (a partial sum under tp, like the experts')
             out = out + moe_archs.shared_expert(g, lw.shared_gate_up, lw.shared_down, lw.shared_gate,
                                                 lambda u, v: arch.gated_act(a, u, v))
@@ -450,7 +463,7 @@ def prefill(
     masks = arch.Masks(None, width, input_ids.device)
     x = arch.embed(spec.arch, w.embed, input_ids) if embeds is None else embeds  # [Ttot, hidden]
     for layer, lw in enumerate(w.layers):
-        la = spec.arch.layers[layer]
+        la = arch.with_sinks(spec.arch.layers[layer], lw.sinks)
         qkv = _qkv(spec, lw, x, (total,), c[la.rope], s[la.rope], tp_group)  # [Ttot, Hall, D]
         if grid_index is not None:
             qkv = qkv.new_zeros((p * width, h + 2 * hkv, d)).index_copy_(0, grid_index, qkv)
@@ -511,7 +524,7 @@ def prefill_chunk(
     masks = arch.Masks(positions.repeat(g), window, input_ids.device)  # [G * c, W]: row (j, i) = query i of member j
     x = arch.embed(spec.arch, w.embed, input_ids) if embeds is None else embeds  # [c, hidden]
     for layer, lw in enumerate(w.layers):
-        la = spec.arch.layers[layer]
+        la = arch.with_sinks(spec.arch.layers[layer], lw.sinks)
         qkv = _qkv(spec, lw, x, (n,), c[la.rope], s[la.rope], tp_group).transpose(0, 1)  # [Hall, c, D]
         cache.write(layer, index, qkv[h:].unsqueeze(0).expand(slots.shape[0], -1, -1, -1))
         k, v = cache.view(layer, slots[:1], window)  # [1, Hkv, W, D]
@@ -560,7 +573,7 @@ def decode(
     x = arch.embed(spec.arch, w.embed, tokens)  # [B, hidden]
     plan = cache.decode_plan(b, pos, window, x.dtype)  # the attention kernel's per-step data
     for layer, lw in enumerate(w.layers):
-        la = spec.arch.layers[layer]
+        la = arch.with_sinks(spec.arch.layers[layer], lw.sinks)
         qkv = _qkv(spec, lw, x, (b,), c[la.rope], s[la.rope], tp_group)  # [B, Hall, D]
         cache.write(layer, index, qkv[:, h:])
         a = cache.attend(layer, qkv[:, :h].view(b, hkv, h // hkv, d), plan, la)  # [B, Hkv, G, D]

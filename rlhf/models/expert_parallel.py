@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from rlhf.models.gpt_oss import experts_args
 from rlhf.models.moe import experts
 
 
@@ -102,7 +103,7 @@ def dispatch_counts(top_i: Tensor, num_experts: int, ep: int, group: dist.Proces
 
 
 def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tensor, act, *, num_experts: int,
-               ep_group: dist.ProcessGroup, tp_mesh: Optional[DeviceMesh] = None) -> Tensor:
+               ep_group: dist.ProcessGroup, tp_mesh: Optional[DeviceMesh] = None, **expert_kw) -> Tensor:
     """The routed MLP of this rank's tokens with the experts spread over ``ep_group`` (module docstring).
 
     Args:
@@ -110,6 +111,7 @@ def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: T
         gate_up: ``[E_local, 2I, hidden]``, down: ``[E_local, hidden, I]``: this rank's experts
             (``E_local = E / (ep x tp)``), already gradient-scaled.
         tp_mesh: the 1-D tp mesh when the ep-local experts are split over tp, else None.
+        expert_kw: more arguments of :func:`rlhf.models.moe.experts` (GPT-OSS's biases, interleaving).
     Returns:
         ``[M, hidden]`` in x's dtype.
     """
@@ -129,7 +131,7 @@ def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: T
     if tp_mesh is not None:
         xr = replicated_input(xr, tp_mesh)
         offset = tp_mesh.get_local_rank() * gate_up.shape[0]
-    yr = experts(xr, local_e[:, None], ones, gate_up, down, act, expert_offset=offset)  # [R, H]
+    yr = experts(xr, local_e[:, None], ones, gate_up, down, act, expert_offset=offset, **expert_kw)  # [R, H]
     if tp_mesh is not None:
         yr = DTensor.from_local(yr, tp_mesh, [Partial()]).redistribute(tp_mesh, [Replicate()]).to_local()
     ys = all_to_all(yr, send, recv, ep_group)  # [M k, H] in `order`
@@ -166,8 +168,9 @@ def _ep_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top
     scale = 1.0 / ep_mesh.size()
     gate_up = scale_grad(self.gate_up_proj.to_local(), scale)
     down = scale_grad(self.down_proj.to_local(), scale)
-    return ep_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, lambda g, u: self.act_fn(g) * u,
-                      num_experts=self.num_experts_global, ep_group=ep_mesh.get_group(), tp_mesh=tp_mesh)
+    kw = experts_args(self, gate_up, down, lambda t: scale_grad(t, scale))  # GPT-OSS: layout, biases, act
+    return ep_experts(hidden_states, top_k_index, top_k_weights, kw.pop("gate_up"), kw.pop("down"), kw.pop("act"),
+                      num_experts=self.num_experts_global, ep_group=ep_mesh.get_group(), tp_mesh=tp_mesh, **kw)
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:

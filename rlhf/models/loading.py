@@ -153,7 +153,7 @@ def training_attn_implementation(config, requested: str) -> str:
     """The attention kernel to load a model with: ``requested``, except that Gemma 2 (whose
     attention-logit soft-capping SDPA cannot express; transformers refuses sdpa for it) gets the
     project's varlen attention instead of sdpa: SDPA where there is no cap, soft-capped otherwise."""
-    if requested == "sdpa" and config.model_type == "gemma2":
+    if requested == "sdpa" and config.model_type in ("gemma2", "gpt_oss"):  # GPT-OSS: attention sinks, no sdpa
         from rlhf.models.varlen_attention import register_varlen_attention
 
         return register_varlen_attention()

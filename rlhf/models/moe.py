@@ -70,9 +70,10 @@ class MoESpec:
         return not all(self.sparse)
 
 
-def route(spec: MoESpec, x: Tensor, router_w: Tensor) -> tuple[Tensor, Tensor]:
-    """Top-k routing ``x [M, hidden]`` -> (weights ``[M, k]`` in x's dtype, expert ids ``[M, k]``)."""
-    logits = F.linear(x, router_w)  # [M, E]
+def route(spec: MoESpec, x: Tensor, router_w: Tensor, router_b: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Top-k routing ``x [M, hidden]`` -> (weights ``[M, k]`` in x's dtype, expert ids ``[M, k]``).
+    ``router_b``: GPT-OSS's router bias (its softmax over the top-k logits is this renormalised top-k)."""
+    logits = F.linear(x, router_w, router_b)  # [M, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, spec.top_k, dim=-1)
     if spec.norm_topk_prob:
@@ -148,7 +149,8 @@ def grouped_linear(a: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 
 def experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tensor,
-            act: Callable[[Tensor, Tensor], Tensor], expert_offset: int = 0) -> Tensor:
+            act: Callable[[Tensor, Tensor], Tensor], expert_offset: int = 0, *, gate_up_b: Tensor | None = None,
+            down_b: Tensor | None = None, interleaved: bool = False) -> Tensor:
     """Weighted sum of this rank's experts over each token's assignments (differentiable).
 
     Args:
@@ -156,6 +158,8 @@ def experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tens
         gate_up: ``[E_local, 2 * I, hidden]`` (gate rows, then up rows); down: ``[E_local, hidden, I]``.
         act: ``act(gate, up) -> [S, I]`` (SwiGLU).
         expert_offset: global id of ``gate_up[0]`` (tensor-parallel rank x E_local).
+        gate_up_b, down_b: ``[E_local, 2 * I]`` / ``[E_local, hidden]`` per-expert biases (GPT-OSS), added
+            once per assignment; interleaved: gate / up are the even / odd rows of ``gate_up`` (GPT-OSS).
     Returns:
         ``[M, hidden]`` in x's dtype: the contributions of the local experts only.
     """
@@ -171,8 +175,14 @@ def experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tens
     # masked before the matmul too: the grouped matmul's backward leaves the skipped rows undefined
     xs = torch.where(keep, x.index_select(0, perm // k), 0)  # [S, hidden]
     h = grouped_linear(xs, gate_up, offs)  # [S, 2I]
-    h = act(h[:, : i2 // 2], h[:, i2 // 2:])
-    y = torch.where(keep, grouped_linear(h, down, offs), 0)  # [S, hidden]
+    eid = key_sorted.clamp(max=n_local - 1)  # each sorted row's local expert (others' rows are masked)
+    if gate_up_b is not None:
+        h = h + gate_up_b.index_select(0, eid)
+    h = act(h[:, 0::2], h[:, 1::2]) if interleaved else act(h[:, : i2 // 2], h[:, i2 // 2:])
+    y = grouped_linear(h, down, offs)
+    if down_b is not None:
+        y = y + down_b.index_select(0, eid)
+    y = torch.where(keep, y, 0)  # [S, hidden]
     y = y * top_w.reshape(-1).index_select(0, perm)[:, None]
     y = torch.zeros_like(y).index_copy(0, perm, y)  # back to assignment order [M * k]
     return y.view(m, k, -1).sum(dim=1).to(x.dtype)

@@ -23,7 +23,7 @@ olmoe       RMSNorm of the WHOLE q and k projections (``q_norm [H * D]``, ``k_no
 ==========  ==========================================================================================
 
 GPT-OSS (attention sinks, alternating sliding / full layers, expert biases, the clamped SwiGLU, a
-router with bias and top-k before the softmax) is not supported yet.
+router with bias and top-k before the softmax): ``rlhf.models.gpt_oss``.
 
 Tensor parallelism of OLMoE's whole-projection norm: the trainer gathers the q/k/v projections
 (Phi-3's plan, ``rlhf.models.tensor_parallel``); the sampler keeps its head slices and all-reduces
@@ -39,7 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+from rlhf.models.gpt_oss import GPT_OSS_TYPES
+
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", *GPT_OSS_TYPES)
 FULL_QK_NORM_TYPES = ("olmoe",)
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-_GATE = re.compile(r"layers\.(\d+)\.(?:_checkpoint_wrapped_module\.)?mlp\.gate$")
+_GATE = re.compile(r"layers\.(\d+)\.(?:_checkpoint_wrapped_module\.)?mlp\.(?:gate|router)$")  # GPT-OSS: router
 
 
 def router_sums(logits: Tensor, top_i: Tensor, num_experts: int, mask: Optional[Tensor] = None) -> Tensor:

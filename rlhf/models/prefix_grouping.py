@@ -88,9 +88,9 @@ class PrefixPlan:
 
     def attend(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: Optional[float], dropout: float, sliding_window: Optional[int],
-               softcap: Optional[float]) -> torch.Tensor:
+               softcap: Optional[float], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """:func:`prefix_attention` on this plan (the varlen attention function's seam)."""
-        return prefix_attention(module, query, key, value, self, scaling, dropout, sliding_window, softcap)
+        return prefix_attention(module, query, key, value, self, scaling, dropout, sliding_window, softcap, sinks)
 
 
 @dataclass
@@ -266,13 +266,15 @@ def should_group(mode: Any, saved: int, total: int) -> bool:
 
 def prefix_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      plan: PrefixPlan, scaling: Optional[float], dropout: float, sliding_window: Optional[int],
-                     softcap: Optional[float]) -> torch.Tensor:
+                     softcap: Optional[float], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Cascade attention over a prefix-grouped row: ``query [1, H, T, D]``, ``key / value [1, Hkv, T, D]``
     -> ``[1, T, H, D]``. Prompts: causal packed self-attention; responses: varlen attention over
     ``[prompt keys ; own keys]``, causal aligned bottom-right (+ sliding window / soft-cap as the model says)."""
     Tp = plan.n_prompt
     cap = {"softcap": softcap} if softcap is not None else {}
-    kernel = varlen_kernel(query.device, query.dtype)
+    if sinks is not None:  # GPT-OSS: flash-attn has no sinks; both parts take the explicit path (no kernel)
+        cap["s_aux"] = sinks
+    kernel = varlen_kernel(query.device, query.dtype) if sinks is None else None
     prompt_plan, buckets, resp_inverse = plan.sdpa_plan() if kernel is None else (None, [], None)
     out_p = query.new_zeros(1, 0, query.shape[1], value.shape[-1])  # no prompt tokens at all (all empty)
     if Tp > 0:
@@ -302,7 +304,7 @@ def prefix_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         allowed = kk <= key_pos[..., None]  # [n_b, 1, Lq, Lk]
         if sliding_window is not None:
             allowed = allowed & (kk > key_pos[..., None] - sliding_window)
-        ob = _sdpa(qb, kb, vb, allowed, scaling, dropout, softcap)  # [n_b, H, Lq, Dv]
+        ob = _sdpa(qb, kb, vb, allowed, scaling, dropout, softcap, sinks)  # [n_b, H, Lq, Dv]
         outs.append(ob.transpose(1, 2).reshape(n_b * lq, H, ob.shape[-1])[valid])
     out_r = torch.cat(outs, dim=0)[resp_inverse]  # [Tr, H, Dv]
     return torch.cat([out_p, out_r.unsqueeze(0)], dim=1)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 REPLAY_MODES = ("none", "R2", "R3")
-_GATE = re.compile(r"layers\.(\d+)\.(?:_checkpoint_wrapped_module\.)?mlp\.gate$")
+_GATE = re.compile(r"layers\.(\d+)\.(?:_checkpoint_wrapped_module\.)?mlp\.(?:gate|router)$")  # GPT-OSS: router
 
 
 def replay_route(logits: Tensor, top_k: int, norm_topk_prob: bool, ids: Optional[Tensor] = None
@@ -124,7 +124,7 @@ class RouterReplay:
     def _forward(self, gate: nn.Module, s: int):
         def forward(hidden_states: Tensor):
             h = hidden_states.reshape(-1, gate.weight.shape[-1])
-            logits = F.linear(h, gate.weight)
+            logits = F.linear(h, gate.weight, getattr(gate, "bias", None))  # GPT-OSS's router has a bias
             ref = None if self.reference is None else self._select(self.reference[:, :, s]).to(h.device)
             w, top_i, live = replay_route(logits, self.top_k, self.norm, ref if self.replay else None)
             if ref is not None:  # [used != recorded, live != recorded, pairs] over the recorded tokens

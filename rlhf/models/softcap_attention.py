@@ -1,9 +1,15 @@
-"""Attention with tanh soft-capping of the logits (Gemma 2), for the trainer and the sampler.
+"""Explicit attention for what SDPA cannot express: tanh soft-capping of the logits (Gemma 2) and
+attention sinks (GPT-OSS: a learned per-head logit in the softmax denominator), for the trainer and
+the sampler.
 
 ``F.scaled_dot_product_attention`` has no soft-cap, so a capped model runs this explicit form
 (transformers' eager attention, same order of operations)::
 
     s = q k^T * scale;   s = cap * tanh(s / cap);   p = softmax_fp32(s + mask) -> q.dtype;   o = p v
+
+With sinks the softmax runs over ``[s + mask, sink_h]`` and the sink's column is dropped (HF's GPT-OSS
+eager attention): ``p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink_h))``, so the weights of a row sum to
+less than one.
 
 It materialises the ``[.., Tq, Tk]`` scores: memory grows with the square of the length, as in
 HF's eager path. On a GPU with flash-attn the trainer's packed path passes ``softcap`` to
@@ -17,16 +23,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float, softcap: float,
-              dropout: float = 0.0) -> Tensor:
-    """Soft-capped attention.
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float, softcap: float | None,
+              dropout: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+    """Soft-capped and / or sink attention.
 
     Args:
         q: ``[..., Hq, Tq, D]``; k, v: ``[..., Hkv, Tk, D]`` with ``Hq % Hkv == 0`` (grouped-query:
             query head ``h`` reads kv head ``h // (Hq / Hkv)``).
         mask: bool (True = attend) or additive float, broadcastable to ``[..., Hq, Tq, Tk]``;
             None attends everywhere.
-        scale: softmax scale; softcap: the cap (> 0).
+        scale: softmax scale; softcap: the cap (> 0), or None.
+        sinks: ``[Hq]`` per-head sink logits (GPT-OSS), or ``[Hq, Tq]`` per query row (query heads folded
+            into rows, as the sampler's chunked prefill does), or None.
         dropout: attention dropout probability (training only).
 
     Returns:
@@ -37,13 +45,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: fl
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:  # one more column per (head, query row): the head's sink logit
+        sink = (sinks.reshape(-1, 1) if sinks.dim() == 1 else sinks)[..., None]
+        sink = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = F.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+    else:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     if dropout > 0:
         probs = F.dropout(probs, p=dropout)
     return torch.matmul(probs, v)

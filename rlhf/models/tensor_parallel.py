@@ -29,6 +29,9 @@ Families beyond Llama / Qwen2 / Qwen3 / Mistral (``_family_plan``):
   (``mlp_only_layers``) use the dense plan. Experts must divide by tp; the load balance
   follows the router. Qwen2-MoE / Mixtral / OLMoE the same (``rlhf.models.moe_archs``); Qwen2-MoE's
   shared expert is a dense MLP (column / row parallel) and its sigmoid gate stays replicated.
+* GPT-OSS: experts over tp as Qwen3-MoE (transposed, interleaved, with biases: ``rlhf.models.gpt_oss``);
+  the router ``mlp.router`` replicated; the attention sinks ``self_attn.sinks [H]`` split with the
+  query heads (``Shard(0)``).
 * OLMoE: q_norm / k_norm normalise the WHOLE q / k projection of a token, so q/k/v_proj are
   column-parallel with the output gathered and o_proj row-parallel on a replicated input (Phi-3's plan).
 
@@ -90,6 +93,7 @@ SUPPORTED_CLASSES = (
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "GptOssForCausalLM",
     # critic / reward heads of the same families (score head kept replicated)
     "LlamaForTokenClassification",
     "Qwen2ForTokenClassification",
@@ -261,13 +265,13 @@ def replicated_input(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 def _experts_over_tp_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor) -> torch.Tensor:
+    from rlhf.models.gpt_oss import experts_args
     from rlhf.models.moe import experts
 
     mesh = self.gate_up_proj.device_mesh
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
     out = experts(replicated_input(hidden_states, mesh), top_k_index, replicated_input(top_k_weights, mesh),
-                  gate_up, down, lambda g, u: self.act_fn(g) * u,
-                  expert_offset=mesh.get_local_rank() * gate_up.shape[0])
+                  expert_offset=mesh.get_local_rank() * gate_up.shape[0], **experts_args(self, gate_up, down))
     return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
 
 
@@ -345,6 +349,10 @@ def apply_tp(
                 # gradient is summed over tp (input seen as Shard on the heads dim).
                 plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=heads_dim, use_local_output=True)
         parallelize_module(layer, tp_mesh, plan)
+        sinks = getattr(layer.self_attn, "sinks", None)
+        if sinks is not None:  # GPT-OSS: each rank's heads' sink logits (the attention reads the local part)
+            layer.self_attn.register_parameter("sinks", nn.Parameter(
+                distribute_tensor(sinks.data, tp_mesh, [Shard(0)], src_data_rank=None), requires_grad=sinks.requires_grad))
         if model_type == "olmoe" and getattr(model.config, "clip_qkv", None) is not None:
             # HF clamps v in place; the gathered projection output is a view of a DTensor autograd
             # function's output, which autograd forbids modifying in place

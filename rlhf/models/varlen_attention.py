@@ -160,10 +160,10 @@ def _window_mask(length: int, window: int | None, device: torch.device) -> torch
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
-          dropout: float, softcap: float | None) -> torch.Tensor:
+          dropout: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA (``mask`` None) or masked SDPA (bool, True = attend), with GQA; soft-capped
-    logits take the explicit path (SDPA has no soft-cap)."""
-    if softcap is None:
+    logits and attention sinks (GPT-OSS) take the explicit path (SDPA has neither)."""
+    if softcap is None and sinks is None:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
                                                   enable_gqa=True)
@@ -172,7 +172,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     if mask is None:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    return softcap_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)
+    return softcap_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout, sinks=sinks)
 
 
 def _bucketed_sdpa(
@@ -184,6 +184,7 @@ def _bucketed_sdpa(
     dropout: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, H, D]``."""
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
@@ -193,7 +194,7 @@ def _bucketed_sdpa(
         qb = q.index_select(1, idx).view(H, n_b, l_b, D).transpose(0, 1)  # [n_b, H, L_b, D]
         kb = k.index_select(1, idx).view(k.shape[0], n_b, l_b, D).transpose(0, 1)
         vb = v.index_select(1, idx).view(v.shape[0], n_b, l_b, v.shape[-1]).transpose(0, 1)
-        ob = _sdpa(qb, kb, vb, _window_mask(l_b, sliding_window, q.device), scaling, dropout, softcap)
+        ob = _sdpa(qb, kb, vb, _window_mask(l_b, sliding_window, q.device), scaling, dropout, softcap, sinks)
         ob = ob.transpose(1, 2).reshape(n_b * l_b, H, ob.shape[-1])  # [n_b*L_b, H, Dv]
         outs.append(ob[ok])
     out = torch.cat(outs, dim=0)[plan.inverse]  # [T, H, Dv]
@@ -316,18 +317,19 @@ def _unpacked_attention(
     sliding_window: int | None,
     kwargs: dict,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """A regular (padded / cached) call: same result as transformers' sdpa (or, soft-capped, eager)."""
+    """A regular (padded / cached) call: same result as transformers' sdpa (or, soft-capped / with sinks, eager)."""
     if attention_mask is None and query.shape[2] == key.shape[2]:
         # :func:`varlen_attention_mask` dropped a plain causal (or sliding) mask.
         mask = _window_mask(query.shape[2], sliding_window, query.device)
-        return _sdpa(query, key, value, mask, scaling, dropout, softcap).transpose(1, 2).contiguous(), None
-    if softcap is not None:
+        return _sdpa(query, key, value, mask, scaling, dropout, softcap, sinks).transpose(1, 2).contiguous(), None
+    if softcap is not None or sinks is not None:
         mask = attention_mask
         if mask is not None:  # sdpa_mask's [B, 1, q, kv] (bool, or additive float)
             mask = mask[..., : key.shape[-2]]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = softcap_attention(query, key, value, mask, scale=scale, softcap=softcap, dropout=dropout)
+        out = softcap_attention(query, key, value, mask, scale=scale, softcap=softcap, dropout=dropout, sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -409,14 +411,18 @@ def varlen_attention_forward(
     Returns:
         ``(attn_output [1, total, H, D], None)``.
     """
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("varlen attention does not support attention sinks")
+    sinks = kwargs.pop("s_aux", None)  # GPT-OSS's [H] sink logits (this rank's heads under tp)
+    if sinks is not None and hasattr(sinks, "to_local"):
+        sinks = sinks.to_local()
     softcap = kwargs.pop("softcap", None)
     if sliding_window is None:  # Qwen2-MoE keeps its window on the module only (its sdpa mask carries it)
         sliding_window = getattr(module, "sliding_window", None)
     if prefix_plan is not None:  # the plan knows its attention (no import back from prefix_grouping)
-        return prefix_plan.attend(module, query, key, value, scaling, dropout, sliding_window, softcap), None
+        return prefix_plan.attend(module, query, key, value, scaling, dropout, sliding_window, softcap, sinks), None
     if ulysses_group is not None and cu_seq_lens_q is not None:
+        if sinks is not None:
+            raise NotImplementedError("attention sinks (GPT-OSS) with sequence parallelism (ulysses, sp > 1) are "
+                                      "not supported; set sp to 1")
         from rlhf.models.ulysses import ulysses_attention
 
         return ulysses_attention(varlen_attention_forward, module, query, key, value, attention_mask, ulysses_group,
@@ -426,13 +432,14 @@ def varlen_attention_forward(
                                  varlen_bucket_ratio=varlen_bucket_ratio, **kwargs)
     if cu_seq_lens_q is None:
         return _unpacked_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, kwargs,
-                                   softcap)
+                                   softcap, sinks)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1 ([1, H, total, D]); got query {tuple(query.shape)}")
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
         raise ValueError("varlen attention supports self-attention only (cu_seq_lens_k must equal cu_seq_lens_q)")
 
-    kernel = varlen_kernel(query.device, query.dtype)
+    # flash-attn's varlen kernel has no sinks: a GPT-OSS model's packed rows take the bucketed explicit path
+    kernel = varlen_kernel(query.device, query.dtype) if sinks is None else None
     if kernel is not None:
         max_len = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
@@ -454,7 +461,7 @@ def varlen_attention_forward(
         return out.unsqueeze(0), None
 
     plan = varlen_plan if varlen_plan is not None else _get_plan(cu_seq_lens_q, varlen_bucket_ratio)
-    return _bucketed_sdpa(query, key, value, plan, scaling, dropout, sliding_window, softcap), None
+    return _bucketed_sdpa(query, key, value, plan, scaling, dropout, sliding_window, softcap, sinks), None
 
 
 def register_varlen_attention() -> str:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from rlhf.models.gpt_oss import sink_scale
 from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention
 
 # The rule (bench/cascade_attention.py, docs/benchmarks.md, 1-thread CPU): a group of n >= 2 live
@@ -52,19 +53,24 @@ MIN_GROUP = 2
 MIN_SAVED = 1536
 
 
-def merge_partials(m1: Tensor, l1: Tensor, o1: Tensor, m2: Tensor, l2: Tensor, o2: Tensor) -> Tensor:
+def merge_partials(m1: Tensor, l1: Tensor, o1: Tensor, m2: Tensor, l2: Tensor, o2: Tensor,
+                   sink: Optional[Tensor] = None) -> Tensor:
     """Softmax attention over two disjoint key sets from their unnormalised partials.
 
     Args:
         m1, m2: ``[..., 1]`` fp32 row maxima of the scores (``-inf`` or ``finfo.min``: no visible key there).
         l1, l2: ``[..., 1]`` fp32 ``sum exp(s - m)`` (0 where no key is visible).
         o1, o2: ``[..., D]`` fp32 ``sum exp(s - m) v``.
+        sink: ``[..., 1]`` GPT-OSS's sink logit of each row (in the denominator only), or None.
     Returns:
         ``[..., D]`` fp32: ``softmax(s) v`` over the union of the keys (see module docstring).
     """
     m = torch.maximum(m1, m2)  # finite: every query sees at least its own position
     a, b = torch.exp(m1 - m), torch.exp(m2 - m)
-    return (a * o1 + b * o2) / (a * l1 + b * l2)
+    den = a * l1 + b * l2
+    if sink is not None:
+        den = den + torch.exp(sink.float() - m)
+    return (a * o1 + b * o2) / den
 
 
 def merge_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
@@ -296,7 +302,8 @@ class CascadeAttention:
             pad = x.new_full((hkv, 1, g, x.shape[-1]), fill)
             return torch.cat((x, pad), 1).index_select(1, plan.row_of).view(hkv * b, g, -1)
 
-        out = merge_partials(rows(m1, float("-inf")), rows(l1, 0.0), rows(o1, 0.0), m2, l2, o2)
+        sink = None if p.sinks is None else p.sinks.view(hkv, 1, g, 1).expand(hkv, b, g, 1).reshape(hkv * b, g, 1)
+        out = merge_partials(rows(m1, float("-inf")), rows(l1, 0.0), rows(o1, 0.0), m2, l2, o2, sink)
         return out.to(q.dtype).view(hkv, b, g, d).transpose(0, 1)
 
     def _attend_flash(self, cache: Any, layer: int, q: Tensor, plan: _CascadePlan, p: Any) -> Tensor:
@@ -317,6 +324,8 @@ class CascadeAttention:
         lse1 = lse1.float().transpose(1, 2).reshape(gr * nmax, h)
         lse1 = torch.cat((lse1, lse1.new_full((1, h), float("-inf")))).index_select(0, plan.row_of)
         out = merge_lse(o1, lse1[..., None], o2.view(b, h, d), lse2.float().view(b, h, 1))
+        if p.sinks is not None:  # GPT-OSS: rescaled by the merged rows' log-sum-exp
+            out = out * sink_scale(torch.logaddexp(lse1[..., None], lse2.float().view(b, h, 1)), p.sinks.view(1, h, 1))
         return out.to(q.dtype).view(b, hkv, g, d)
 
 

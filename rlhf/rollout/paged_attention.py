@@ -3,7 +3,8 @@
 A kernel reads the K/V of each live slot out of the cache's blocks. It has two parts:
 ``plan(cache, slots, pos, window, dtype)``, computed once per decode step and shared by
 every layer, and ``attend(cache, layer, q, plan, p)`` per layer (``p``: the layer's
-``rlhf.models.arch.LayerAttn``: softmax scale, sliding window, logit soft-cap), with ``q`` the step's
+``rlhf.models.arch.LayerAttn``: softmax scale, sliding window, logit soft-cap, GPT-OSS's sink logits),
+with ``q`` the step's
 queries as ``[B, Hkv, G, D]`` (the ``G = H / Hkv`` query heads that share a kv head, in HF's
 head order) returning ``[B, Hkv, G, D]``. Slot ``b`` attends to its positions ``[0, pos[b]]``.
 
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from rlhf.models.gpt_oss import sink_scale
 from rlhf.models.softcap_attention import attention as capped_attention
 
 _FLASH: dict[str, Any] = {}
@@ -83,7 +85,14 @@ class GatherAttention:
             out = capped_attention(q3, k, v, mask, scale=p.scale, softcap=p.softcap)
         else:
             scores = torch.baddbmm(mask, q3, k.transpose(1, 2), alpha=p.scale)  # [N, G, W]
-            out = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)  # [N, G, D]
+            if p.sinks is None:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            else:  # GPT-OSS: the head's sink logit joins each row's softmax, then is dropped
+                sink = p.sinks.view(hkv, g)
+                sink = sink.expand(b, hkv, g) if plan.kv is not None else sink[:, None].expand(hkv, b, g)
+                scores = torch.cat((scores, sink.reshape(n, g, 1).to(scores.dtype)), dim=-1)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+            out = torch.bmm(probs.to(q.dtype), v)  # [N, G, D]
         return out.view(b, hkv, g, d) if plan.kv is not None else out.view(hkv, b, g, d).transpose(0, 1)
 
 
@@ -147,8 +156,13 @@ class FlashPagedAttention:
             extra["window_size"] = (p.window - 1, 0)
         if p.softcap is not None:
             extra["softcap"] = p.softcap
+        if p.sinks is not None:  # GPT-OSS: rescaled by the row's log-sum-exp (rlhf.models.gpt_oss)
+            extra["return_softmax_lse"] = True
         out = self.fn(q.reshape(b, 1, hkv * g, d), k, v, cache_seqlens=lengths, block_table=table,
                       softmax_scale=p.scale, causal=True, **extra)  # [B, 1, H, D]
+        if p.sinks is not None:
+            out, lse = out  # lse [B, H, 1]
+            out = (out.view(b, hkv * g, d) * sink_scale(lse.view(b, hkv * g, 1), p.sinks.view(1, -1, 1))).to(q.dtype)
         return out.view(b, hkv, g, d)
 
 

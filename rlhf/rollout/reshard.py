@@ -14,8 +14,9 @@ qkv_proj, gate_up_proj (Phi-3, fused)    the rows of this rank's slice of EACH p
 o_proj, down_proj (weight)               columns of the slice (row parallel; the decoder
                                          all-reduces their outputs)
 mlp.experts.gate_up_proj / down_proj     whole experts: ``[E, ...]`` split on dim 0 (MoE
-(MoE families)                           experts over tp, ``rlhf.models.moe``); Qwen2-MoE's
+(MoE families; GPT-OSS: + their _bias)   experts over tp, ``rlhf.models.moe``); Qwen2-MoE's
                                          ``mlp.shared_expert.*`` like a dense MLP
+self_attn.sinks (GPT-OSS)                the slice's query heads (dim 0)
 everything else                          full (embeddings, LM head, norms, o_proj bias, MoE
                                          router ``mlp.gate``): the decoder computes
                                          full-vocab logits on every rank, so sampling needs
@@ -56,7 +57,8 @@ from rlhf.models.parallel import to_mesh_device
 _WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_orig_mod\.|_fsdp_wrapped_module\.)")
 _COLUMN = re.compile(r"\.(self_attn\.([qkv]|qkv)_proj|mlp\.(shared_expert\.)?(gate|up|gate_up)_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.weight$")
-_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")  # GPT-OSS: per-expert biases
+_SINKS = re.compile(r"\.self_attn\.sinks$")  # GPT-OSS: one logit per query head, split with the q heads
 _FUSED = re.compile(r"\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
@@ -76,7 +78,7 @@ def rollout_shard_dim(name: str) -> Optional[int]:
     replicated: every rank of the rollout TP group runs it whole at prefill, on the same images."""
     if ".visual." in f".{name}":
         return None
-    if _COLUMN.search(name) or _EXPERTS.search(name):
+    if _COLUMN.search(name) or _EXPERTS.search(name) or _SINKS.search(name):
         return 0
     if _ROW.search(name):
         return 1
