@@ -176,8 +176,8 @@ def experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tens
     xs = torch.where(keep, x.index_select(0, perm // k), 0)  # [S, hidden]
     h = grouped_linear(xs, gate_up, offs)  # [S, 2I]
     eid = key_sorted.clamp(max=n_local - 1)  # each sorted row's local expert (others' rows are masked)
-    if gate_up_b is not None:
-        h = h + gate_up_b.index_select(0, eid)
+    if gate_up_b is not None:  # masked: the matmul's backward leaves the skipped rows' gradients undefined
+        h = h + torch.where(keep, gate_up_b.index_select(0, eid), 0)
     h = act(h[:, 0::2], h[:, 1::2]) if interleaved else act(h[:, : i2 // 2], h[:, i2 // 2:])
     y = grouped_linear(h, down, offs)
     if down_b is not None:
@@ -185,4 +185,4 @@ def experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tens
     y = torch.where(keep, y, 0)  # [S, hidden]
     y = y * top_w.reshape(-1).index_select(0, perm)[:, None]
     y = torch.zeros_like(y).index_copy(0, perm, y)  # back to assignment order [M * k]
-    return y.view(m, k, -1).sum(dim=1).to(x.dtype)
+    return y.view(m, k, y.shape[-1]).sum(dim=1).to(x.dtype)  # (m may be 0: an ep rank sent no rows)

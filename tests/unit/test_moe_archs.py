@@ -1,4 +1,4 @@
-"""Qwen2-MoE, Mixtral and OLMoE (rlhf/models/moe_archs.py): HF checkpoints load (deferred, by slices) and
+"""Qwen2-MoE, Mixtral, OLMoE and GPT-OSS (rlhf/models/moe_archs.py): HF checkpoints load (deferred, by slices) and
 export back unchanged, Mixtral's hub layout (per-expert ``block_sparse_moe.experts.N.w1/w2/w3``) is read by
 slices, the FLOP counter counts active experts (and Qwen2-MoE's shared expert), what the sampler cannot
 match is refused in one line, and OLMoE's q/k norm is exact over tp ranks with replicated KV heads.
@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tests._archs import tiny_config, tiny_model
 
-NEW = ("qwen2_moe", "mixtral", "olmoe")
+NEW = ("qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def _placed(model) -> dict[str, torch.Tensor]:
