@@ -31,7 +31,8 @@ Families beyond Llama / Qwen2 / Qwen3 / Mistral (``_family_plan``):
   shared expert is a dense MLP (column / row parallel) and its sigmoid gate stays replicated.
 * GPT-OSS: experts over tp as Qwen3-MoE (transposed, interleaved, with biases: ``rlhf.models.gpt_oss``);
   the router ``mlp.router`` replicated; the attention sinks ``self_attn.sinks [H]`` split with the
-  query heads (``Shard(0)``).
+  query heads (``Shard(0)``), read by the project's attention (``rlhf.models.varlen_attention``, set
+  here whatever ``attn_implementation`` was: HF's eager one cannot take the local part of a DTensor).
 * OLMoE: q_norm / k_norm normalise the WHOLE q / k projection of a token, so q/k/v_proj are
   column-parallel with the output gathered and o_proj row-parallel on a replicated input (Phi-3's plan).
 
@@ -77,6 +78,7 @@ from torch.distributed.tensor.parallel import (
 
 from rlhf.models.arch import SUPPORTED_MODEL_TYPES as _SUPPORTED_MODEL_TYPES  # the families, one list
 from rlhf.models.arch import VL_TEXT_FAMILY
+from rlhf.models.gpt_oss import GPT_OSS_TYPES
 
 # The class names below are what users see in errors.
 _SEQUENCE_PARALLEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -323,6 +325,10 @@ def apply_tp(
         )
     if tp == 1:
         return
+    if model_type in GPT_OSS_TYPES:  # the sinks become tp-sharded DTensors, which only our attention reads
+        from rlhf.models.varlen_attention import enable_varlen_attention
+
+        enable_varlen_attention(model)
     tied = (
         getattr(model.config, "tie_word_embeddings", False)
         and getattr(inner, "embed_tokens", None) is not None
