@@ -130,10 +130,11 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, device: torch.dev
         experts = getattr(getattr(block, "mlp", None), "experts", None)
         if expert_mesh is not None and experts is not None:
             fully_shard(experts, **{**kwargs, "mesh": expert_mesh})
-        if mp is not None and experts is not None and getattr(block.mlp, "gate", None) is not None:
+        router = getattr(block.mlp, "gate", None) or getattr(block.mlp, "router", None)  # GPT-OSS: router
+        if mp is not None and experts is not None and router is not None:
             # MoE router in fp32 under bf16 (its own unit; inputs cast up): which experts a token takes
             # is a discrete choice that bf16 logits flip (the rollout / trainer routing mismatch).
-            fully_shard(block.mlp.gate, **{**kwargs, "mp_policy": MixedPrecisionPolicy(
+            fully_shard(router, **{**kwargs, "mp_policy": MixedPrecisionPolicy(
                 param_dtype=torch.float32, reduce_dtype=torch.float32)})
         if unit == "block":
             fully_shard(block, **kwargs)
