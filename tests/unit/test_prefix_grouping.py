@@ -81,8 +81,8 @@ def _qwen2(**kw):
 
 
 # + activation checkpointing (the backward recomputes with the same plan), soft-capping, sliding windows,
-# partial rotary
-@pytest.mark.parametrize("kind", ["qwen2", "qwen2-checkpointed", "gemma2", "phi3"])
+# partial rotary, attention sinks (GPT-OSS)
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2-checkpointed", "gemma2", "phi3", "gpt_oss"])
 def test_log_probs_entropy_and_grads_equal_ungrouped(kind):
     model = _qwen2() if kind.startswith("qwen2") else tiny_model(kind)
     if kind == "qwen2-checkpointed":
