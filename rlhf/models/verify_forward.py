@@ -52,7 +52,7 @@ def verify(spec: DecoderSpec, w: DecoderWeights, cache: Any, tokens: Tensor, pos
     masks = arch.Masks(pos.repeat(1, g)[:, None, :], window, tokens.device)  # -> [B, 1, G * c, W]
     x = arch.embed(spec.arch, w.embed, tokens.reshape(-1)[grid_index])  # [T, hidden]
     for layer, lw in enumerate(w.layers):
-        la = spec.arch.layers[layer]
+        la = arch.with_sinks(spec.arch.layers[layer], lw.sinks)
         qkv = _qkv(spec, lw, x, (t,), cs[la.rope], sn[la.rope])  # [T, Hall, D]
         cache.write(layer, index, qkv[:, h:])  # [T, 2Hkv, D]
         k, v = cache.view(layer, slots, window)  # [B, Hkv, W, D]
