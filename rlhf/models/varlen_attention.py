@@ -17,7 +17,9 @@ inside each sequence, no attention across sequences, GQA, optional sliding windo
   kernel with its calling convention injected by :func:`use_varlen_kernel` (tests drive
   that code path on CPU with :func:`reference_varlen_attention`). Attention-logit
   soft-capping (Gemma 2's ``softcap``) is passed to it; the other paths apply it with
-  :func:`rlhf.models.softcap_attention.attention` (SDPA has no soft-cap).
+  :func:`rlhf.models.softcap_attention.attention` (SDPA has no soft-cap). Attention sinks
+  (GPT-OSS's ``s_aux``) have no flash-attn varlen kernel: such rows take the path below on every
+  device, with the explicit attention (sinks in the softmax denominator).
 * Otherwise (CPU, fp32, no flash-attn): sequences are sorted by length and grouped into
   buckets whose lengths are within ``bucket_ratio`` of the bucket's longest; each bucket is
   gathered into ``[n_b, H, L_b, D]`` (right-padded inside the bucket) and runs one
