@@ -126,7 +126,8 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from rlhf.models.loading import DTYPES, language_config, model_config
-    from rlhf.ops.sim_memory import LiveBytes, fsdp_storage_resizes
+    from rlhf.ops.sim_memory import HOST, LiveBytes, fsdp_offload_on_host, fsdp_storage_resizes
+    from rlhf.ops.sim_moe import moe_on_host
     from rlhf.ops.sim_packed import flash_attention_shapes, packed_layout_on_host
     from rlhf.rollout.engine import rollout_dtype
     from rlhf.rollout.kv_cache import PagedKVCache
@@ -165,16 +166,22 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         counter = LiveBytes(ranks_per_node=8)
         hidden_dtype = torch.bfloat16 if device == "cuda" and cfg.model.mixed_precision else DTYPES[cfg.model.dtype]
-        ctx = _Ctx(cfg, hf, dims, actor, counter, hidden_dtype)
-        with fake, packed_layout_on_host(), flash_attention_shapes(), fsdp_storage_resizes(counter):
+        # with model.param_offload the training state (parameters, gradients, AdamW) is host memory
+        state = dict.fromkeys(("parameters", "gradients", "optimizer"), HOST) if cfg.model.param_offload else {}
+        if state:
+            notes.append("model.param_offload: parameters, gradients and optimizer state counted as host memory, "
+                         "outside the totals (the device's copy of a shard before its all-gather is not)")
+        ctx = _Ctx(cfg, hf, dims, actor, counter, hidden_dtype, state)
+        with fake, packed_layout_on_host(), moe_on_host(), flash_attention_shapes(), \
+                fsdp_storage_resizes(counter), fsdp_offload_on_host(counter):
             for w in (actor, ref):
                 if w is not None:
                     w.model.to_empty(device="cpu")
             with counter:
-                counter.adopt(actor.model.parameters(), "parameters")
+                counter.adopt(actor.model.parameters(), state.get("parameters", "parameters"))
                 if ref is not None:
-                    counter.adopt(ref.model.parameters(), "parameters")
-                _warm_optimizer(actor, counter)
+                    counter.adopt(ref.model.parameters(), state.get("parameters", "parameters"))
+                _warm_optimizer(actor, counter, state.get("optimizer", "optimizer"))
                 counter.phase("rollout")
                 rdt = rollout_dtype(cfg.rollout.dtype, device, cfg.model.dtype)
                 with counter.category("rollout weights"), _stage_exchange(actor, build, layout, rdt):
@@ -249,9 +256,9 @@ def _stage_exchange(actor, build, layout, dtype):
 class _Ctx:
     """The log-prob and update micro-batches of one simulated rank, as the trainer sizes them."""
 
-    def __init__(self, cfg: Config, hf, dims, actor, counter, hidden_dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Config, hf, dims, actor, counter, hidden_dtype: torch.dtype, state: dict) -> None:
         self.cfg, self.hf, self.dims, self.actor, self.counter = cfg, hf, dims, actor, counter
-        self.hidden_dtype = hidden_dtype
+        self.hidden_dtype, self.state = hidden_dtype, state  # state: category -> where it is counted (offload)
         d = cfg.data
         self.R = d.max_response_length
         self.L = d.max_prompt_length + d.max_response_length
@@ -336,8 +343,8 @@ class _Ctx:
             loss_of(lp, ent).backward()
             del lp, ent
         params = list(actor.model.parameters())
-        self.counter.relabel([p.grad for p in params if p.grad is not None], "gradients")
-        with self.counter.category("optimizer"):
+        self.counter.relabel([p.grad for p in params if p.grad is not None], self.state.get("gradients", "gradients"))
+        with self.counter.category(self.state.get("optimizer", "optimizer")):
             clip_grad_norm_(params, a.grad_clip or 1e9, stage_ranks=actor.stage_ranks, group=actor.mesh_group)
             actor.optimizer.step()
         actor.optimizer.zero_grad(set_to_none=True)
@@ -351,16 +358,16 @@ class _Ctx:
                 "update": model_flops_per_token(self.hf, self.L, True) * tokens * share * ckpt}
 
 
-def _warm_optimizer(worker, counter) -> None:
+def _warm_optimizer(worker, counter, cat: str = "optimizer") -> None:
     """AdamW's state as after the first step (it is made lazily, and lives through every later phase)."""
     params = [p for p in worker.model.parameters() if p.requires_grad]
-    with counter.category("optimizer"):
+    with counter.category(cat):
         for p in params:
             p.grad = torch.zeros_like(p)
         worker.optimizer.step()
     worker.optimizer.zero_grad(set_to_none=True)
     states = [t for st in worker.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-    counter.relabel(states, "optimizer")
+    counter.relabel(states, cat)
 
 
 def _kv_cache(cfg: Config, hf, world: int, rollout_tp: int, replicas: int, dtype: torch.dtype, cls):

@@ -35,7 +35,11 @@ from torch.utils._pytree import tree_leaves
 # "activations" also holds temporaries and FSDP2's all-gathered blocks; "pipeline buffers" the pp
 # schedule's per-micro-batch receive buffers (rlhf/ops/sim_pipeline.py)
 CATEGORIES = ("parameters", "gradients", "optimizer", "rollout weights", "kv cache", "pipeline buffers",
-              "activations")
+              "activations", "host (offload)")
+# model.param_offload keeps the sharded parameters, their gradients and AdamW's state in host memory: counted
+# under this category and left out of the (device) total. The simulated device is the host itself, so the
+# label is what tells the two apart (fsdp_offload_on_host, rlhf/simulate.py)
+HOST = "host (offload)"
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -79,7 +83,7 @@ class LiveBytes(TorchDispatchMode):
         n, cat = self.live.pop(key, (0, ""))
         if n:
             self.by_cat[cat] -= n
-            self._total -= n
+            self._total -= n if cat != HOST else 0
 
     def _add(self, t: torch.Tensor, cat: str) -> None:
         st = t.untyped_storage()
@@ -89,7 +93,7 @@ class LiveBytes(TorchDispatchMode):
         n = st.nbytes()
         self.live[key] = (n, cat)
         self.by_cat[cat] += n
-        self._total += n
+        self._total += n if cat != HOST else 0
         weakref.finalize(st, self._free, key)
         if self._total > self.peaks[self._phase]["total"]:
             self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
@@ -107,7 +111,7 @@ class LiveBytes(TorchDispatchMode):
         delta = st.nbytes() - n
         self.live[key] = (n + delta, cat)
         self.by_cat[cat] += delta
-        self._total += delta
+        self._total += delta if cat != HOST else 0
         if self._total > self.peaks[self._phase]["total"]:
             self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
 
@@ -124,6 +128,7 @@ class LiveBytes(TorchDispatchMode):
                 n, old = self.live[key]
                 self.by_cat[old] -= n
                 self.by_cat[cat] += n
+                self._total += n * ((old == HOST) - (cat == HOST))
                 self.live[key] = (n, cat)
             else:
                 self._add(local, cat)
@@ -217,3 +222,25 @@ def fsdp_storage_resizes(counter: LiveBytes) -> Iterator[None]:
     finally:
         _fsdp_param.alloc_storage, _fsdp_param.free_storage = real_alloc, real_free
         _fsdp_param_group.alloc_storage = real_alloc
+
+
+@contextmanager
+def fsdp_offload_on_host(counter: LiveBytes) -> Iterator[None]:
+    """Inside: the sharded gradients FSDP2 reduce-scatters for a parameter with CPU offload are counted as
+    host memory once the reduction returns (on a GPU it copies them to the host there and frees the device
+    output; on the simulated host device that copy is a no-op, so the label stands in for it)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    real = _fsdp_param_group.foreach_reduce
+
+    def reduce(fsdp_params, *args, **kwargs):
+        out = real(fsdp_params, *args, **kwargs)
+        counter.relabel([p.sharded_param.grad for p in fsdp_params
+                         if p.offload_to_cpu and p.sharded_param.grad is not None], HOST)
+        return out
+
+    _fsdp_param_group.foreach_reduce = reduce
+    try:
+        yield
+    finally:
+        _fsdp_param_group.foreach_reduce = real
