@@ -160,18 +160,27 @@ class LiveBytes(TorchDispatchMode):
             for k, v in list(t.items()):
                 t[k] += (v - b.get(k, 0)) * max(times, 0)
 
-    def _crosses_nodes(self, args, kwargs) -> bool:
+    def _crosses_nodes(self, args, kwargs, p2p: bool = False) -> bool:
         """Whether the collective's group spans more than one node of ``ranks_per_node`` consecutive
-        ranks (its bytes then go over the inter-node network); unknown groups count as spanning."""
+        ranks (its bytes then go over the inter-node network); unknown groups count as spanning. A
+        ``send`` / ``recv`` (``p2p``) crosses when its peer (the group rank after the group) is on
+        another node than this rank."""
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        for a in tree_leaves((args, kwargs)):
+        leaves = tree_leaves((args, kwargs))
+        for i, a in enumerate(leaves):
+            if isinstance(a, torch.ScriptObject):  # a c10d op's group argument (all_to_all_single's)
+                a = dist.ProcessGroup.unbox(a)
+            elif not isinstance(a, (str, dist.ProcessGroup)):  # (a bool would read as the default group)
+                continue
             try:
                 pg = _resolve_process_group(a) if isinstance(a, str) else a
                 ranks = dist.get_process_group_ranks(pg)
             except (KeyError, ValueError, RuntimeError, TypeError, AttributeError):
                 continue
+            if p2p and i + 1 < len(leaves) and isinstance(leaves[i + 1], int):
+                ranks = [dist.get_rank(), ranks[leaves[i + 1]]]
             return len({r // self.ranks_per_node for r in ranks}) > 1
         return True
 
@@ -189,7 +198,7 @@ class LiveBytes(TorchDispatchMode):
             if kind not in ("wait_tensor", "barrier"):
                 self.comm[self._phase][kind] += max(sizes, default=0)
                 self.calls[self._phase][kind] += 1
-                if self._crosses_nodes(args, kwargs):
+                if self._crosses_nodes(args, kwargs, p2p=kind in ("send", "recv")):
                     self.comm_cross[self._phase][kind] += max(sizes, default=0)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):

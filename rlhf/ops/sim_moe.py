@@ -12,6 +12,11 @@ Two places of a MoE forward read token values, which fake tensors do not have:
   The counts' all-to-all still runs (counted); the token all-to-alls and the experts' grouped matmuls
   then run for real on fake tensors at those sizes. A skewed routing moves rows between ranks: the
   simulated bytes are the balanced case's, a real rank's can be larger.
+
+The experts' grouped matmuls (``rlhf.models.moe.grouped_linear``) run as :class:`_GroupedShapes`: what
+``torch.nn.functional.grouped_mm`` allocates (its output; in the backward the input's and the weights'
+gradients), whatever the dtype (torch's meta kernel takes bf16 only, a CPU fp32 run loops over the experts
+with the offsets read on the host).
 """
 
 from __future__ import annotations
@@ -55,19 +60,39 @@ def balanced_dispatch(top_i: torch.Tensor, num_experts: int, ep: int, group: dis
     return order, send, recv
 
 
+class _GroupedShapes(torch.autograd.Function):
+    """``grouped_mm(a [S, in], w [G, out, in]^T)``'s allocations: out ``[S, out]``; backward ``da``, ``dw``."""
+
+    @staticmethod
+    def forward(ctx, a, w):
+        ctx.save_for_backward(a, w)
+        return a.new_empty((a.shape[0], w.shape[1]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, w = ctx.saved_tensors
+        return torch.empty_like(a), torch.empty_like(w)
+
+
+def _grouped_shapes(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _GroupedShapes.apply(a, w)
+
+
 @contextmanager
 def moe_on_host() -> Iterator[None]:
-    """Inside: the routing replay's token positions and the ep dispatch sizes are real host values
-    (module docstring)."""
+    """Inside: the routing replay's token positions and the ep dispatch sizes are real host values, the
+    grouped matmuls shape-only (module docstring)."""
     from rlhf.models import expert_parallel as ep_mod
+    from rlhf.models import moe
     from rlhf.models.router_replay import RouterReplay
 
     prop = RouterReplay.tokens
-    saved = ep_mod.dispatch_counts, ep_mod.split_sizes
+    saved = ep_mod.dispatch_counts, ep_mod.split_sizes, moe.grouped_linear
     RouterReplay.tokens = property(prop.fget, _on_host(prop.fset))
     ep_mod.dispatch_counts, ep_mod.split_sizes = balanced_dispatch, _on_host(ep_mod.split_sizes)
+    moe.grouped_linear = _grouped_shapes
     try:
         yield
     finally:
         RouterReplay.tokens = prop
-        ep_mod.dispatch_counts, ep_mod.split_sizes = saved
+        ep_mod.dispatch_counts, ep_mod.split_sizes, moe.grouped_linear = saved
