@@ -290,28 +290,32 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
             carried["cuda-graph pool (decode gather buffers)"] = comp["decode gather buffers (no flash-attn)"]
     persistent = {**training_state, **({} if one_step_off else carried)}
     lp_fwd, lp_logits = comp["forward activations (log-prob pass)"], comp["logits (log-prob pass)"]
-    # With checkpointing the logits' backward runs before any block is recomputed (and frees the
-    # logits first): next to the block inputs, the larger of a block's recompute + gradient work
-    # and the logits is alive (the simulation's peak); without it every activation is saved.
-    up_acts, up_logits = acts + act_work, comp["logits (update)"]
+    # The log-probs are taken from the logits after the model's forward returns, and their backward
+    # runs before the gradient reaches the model: every FSDP2 unit (the root too) is resharded then,
+    # and no all-to-all is in flight. So a pass holds the larger of two moments (the simulation's
+    # peaks, docs/memory.md): a block's work with its units unsharded, or the logits. With
+    # checkpointing the block inputs are kept and one block is recomputed; without it every
+    # activation is saved.
+    up_logits = comp["logits (update)"]
+    saved, work = acts, act_work
     if m.enable_gradient_checkpointing:
-        work = act_work + train_tokens * per_tok * cb
-        up_acts = acts - train_tokens * per_tok * cb + (work if work > up_logits else 0.0)
-        up_logits = up_logits if up_logits >= work else 0.0
+        saved, work = acts - train_tokens * per_tok * cb, act_work + train_tokens * per_tok * cb
+    in_block = work + unsharded_update + comp["all-to-all buffers (ep)"] > up_logits
+    lp_in_block = lp_fwd + unsharded_frozen > lp_logits
     phases = {
         "load": {"load (host slice being placed)": comp["load (host slice being placed)"],
                  "parameters": comp["parameters"]},
         "rollout": {**training_state, **rollout_state},
         # forward-only: the last layer's activations are freed before the head runs, so the larger of
         # the two is what the pass adds (the simulation's live-storage peak, docs/memory.md)
-        "log-probs": {**persistent, "fsdp unsharded": unsharded_frozen,
-                      "forward activations (log-prob pass)": lp_fwd if lp_fwd > lp_logits else 0.0,
-                      "logits (log-prob pass)": lp_logits if lp_logits >= lp_fwd else 0.0},
+        "log-probs": {**persistent, "fsdp unsharded": unsharded_frozen if lp_in_block else 0.0,
+                      "forward activations (log-prob pass)": lp_fwd if lp_in_block else 0.0,
+                      "logits (log-prob pass)": 0.0 if lp_in_block else lp_logits},
         "update": {**persistent, "gradients": comp["gradients"],
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
-                   "fsdp unsharded (+grads)": unsharded_update,
-                   "activations": up_acts, "logits (update)": up_logits,
-                   "all-to-all buffers (ep)": comp["all-to-all buffers (ep)"]},
+                   "fsdp unsharded (+grads)": unsharded_update if in_block else 0.0,
+                   "activations": saved + (work if in_block else 0.0), "logits (update)": 0.0 if in_block else up_logits,
+                   "all-to-all buffers (ep)": comp["all-to-all buffers (ep)"] if in_block else 0.0},
     }
     if one_step_off:  # rollout ranks hold only the rollout state; training ranks send weights instead
         del phases["rollout"]
