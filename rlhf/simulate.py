@@ -476,6 +476,28 @@ def _in_children(argv: list[str], ranks: list[int]) -> list[Simulation]:
     return sims
 
 
+def simulate_stages(cfg: Config, *, world: int, device: str = "cuda", gpu: str = "h100") -> list[Simulation]:
+    """Rank 0 with its roofline, or with ``parallel.pp > 1`` one rank of every stage, each in its own
+    process (``cfg`` handed to them as a yaml file), all at once."""
+    import os
+    import tempfile
+
+    from rlhf.models.loading import language_config, model_config
+
+    hf = language_config(model_config(cfg.model.path, cfg.model.trust_remote_code))
+    if cfg.parallel.pp == 1:
+        sim = simulate(cfg, world=world, rank=0, device=device)
+        sim.roofline = roofline(sim, cfg, hf, gpu=gpu)
+        return [sim]
+    check_launch(cfg, hf, world)  # the launch's error here, once, not once per stage
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "config.yaml")
+        with open(path, "w") as f:
+            f.write(cfg.to_yaml())
+        return _in_children(["--config", path, "--world", str(world), "--device", device, "--gpu", gpu],
+                            stage_ranks(cfg.parallel.pp, world))
+
+
 def main(argv=None) -> None:
     from rlhf.config.load import load_config
     from rlhf.models.loading import language_config, model_config
@@ -494,13 +516,10 @@ def main(argv=None) -> None:
     args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.rank is None and cfg.parallel.pp > 1:  # every distinct stage, each in its own process
-            check_launch(cfg, language_config(model_config(cfg.model.path, cfg.model.trust_remote_code)), args.world)
-            child = [*(["--config", args.config] if args.config else []), "--world", str(args.world), "--device",
-                     args.device, "--gpu", args.gpu, *args.overrides]
-            sims = _in_children(child, stage_ranks(cfg.parallel.pp, args.world))
+        if args.rank is None:  # every distinct pipeline stage
+            sims = simulate_stages(cfg, world=args.world, device=args.device, gpu=args.gpu)
         else:
-            sims = [simulate(cfg, world=args.world, rank=args.rank or 0, device=args.device)]
+            sims = [simulate(cfg, world=args.world, rank=args.rank, device=args.device)]
             sims[0].roofline = roofline(sims[0], cfg, language_config(model_config(cfg.model.path)), gpu=args.gpu)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -238,6 +238,8 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     else:
         train_tokens, lp_tokens = a.ppo_micro_batch_size_per_gpu * seq_len, a.log_prob_micro_batch_size_per_gpu * seq_len
     depth = 1  # micro-batches whose activations a rank holds at once
+    buffers_lp = buffers_update = 0.0  # the pp schedule's receive buffers (none without pp)
+    positions = R + 1  # logits positions per row: the response's, or every one on the last pp stage
     if pp > 1:  # one pipelined call per mini-batch, pp_microbatches micro-batches; 1F1B's first stage
         # holds min(k, pp) in flight (GPipe: all k), and the schedule keeps the stage unsharded from the
         # first backward to the last (rlhf/ops/sim_pipeline.py)
@@ -246,6 +248,12 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         lp_tokens = a.log_prob_micro_batch_size_per_gpu * seq_len
         depth = k if cfg.parallel.pp_schedule == "GPipe" else min(k, pp)
         unsharded_update = stage / tp * cb
+        # torch's schedule allocates one [rows, L, hidden] receive buffer per micro-batch and keeps them
+        # all: activations on every stage but the first, and in the update their gradients on every stage
+        # but the last (a middle stage has both); the last stage scores every position of its rows
+        buffers_lp = k * lp_tokens * s.hidden_size * cb
+        buffers_update = (2 if pp > 2 else 1) * train_tokens * k * s.hidden_size * cb
+        positions = seq_len - 1
     layers_rank = s.num_layers // pp
     per_tok = activation_elems_per_token_layer(s, tp, cb)
     full_acts = train_tokens * per_tok * layers_rank * cb * depth
@@ -267,8 +275,9 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     # logsumexp and the gather next to the saved z, one less under tp without entropy (its custom backward)
     n_lp = 3 + (tp > 1)
     n_train = 4.5 - (tp > 1 and a.entropy_coeff == 0)
-    comp["logits (update)"] = rows_train * (R + 1) * V * 4 * ((cb / 4) + n_train)
-    comp["logits (log-prob pass)"] = rows_lp * (R + 1) * V * 4 * ((cb / 4) + n_lp)
+    comp["logits (update)"] = rows_train * positions * V * 4 * ((cb / 4) + n_train)
+    comp["logits (log-prob pass)"] = rows_lp * positions * V * 4 * ((cb / 4) + n_lp)
+    comp["pipeline receive buffers"] = buffers_update
     comp["forward activations (log-prob pass)"] = lp_tokens * per_tok * cb
 
     acts = ckpt_acts if m.enable_gradient_checkpointing else full_acts
@@ -308,10 +317,11 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         "rollout": {**training_state, **rollout_state},
         # forward-only: the last layer's activations are freed before the head runs, so the larger of
         # the two is what the pass adds (the simulation's live-storage peak, docs/memory.md)
-        "log-probs": {**persistent, "fsdp unsharded": unsharded_frozen if lp_in_block else 0.0,
+        "log-probs": {**persistent, "pipeline receive buffers": buffers_lp,
+                      "fsdp unsharded": unsharded_frozen if lp_in_block else 0.0,
                       "forward activations (log-prob pass)": lp_fwd if lp_in_block else 0.0,
                       "logits (log-prob pass)": 0.0 if lp_in_block else lp_logits},
-        "update": {**persistent, "gradients": comp["gradients"],
+        "update": {**persistent, "gradients": comp["gradients"], "pipeline receive buffers": buffers_update,
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
                    "fsdp unsharded (+grads)": unsharded_update if in_block else 0.0,
                    "activations": saved + (work if in_block else 0.0), "logits (update)": 0.0 if in_block else up_logits,
