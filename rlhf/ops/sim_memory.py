@@ -202,7 +202,11 @@ class LiveBytes(TorchDispatchMode):
                     self.comm_cross[self._phase][kind] += max(sizes, default=0)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _plain(t) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and not _plain(t):
+                # a DTensor op's local work runs below this mode (unseen): its result's local tensor is
+                # what it allocated (e.g. FSDP2's fp32 gradient accumulation of a TP parameter)
+                t = t._local_tensor
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._add(t, self.current)
         return out
 

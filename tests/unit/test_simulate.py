@@ -149,6 +149,24 @@ def test_moe_recipe_layout_offload_replay_and_expert_parallel(tmp_path):
     assert sim.calls["update"]["alltoall"] == 2 * (3 + 2)
 
 
+def test_dry_run_simulates_every_pipeline_stage(model_dir, monkeypatch):
+    import rlhf.simulate as sim_mod
+
+    # --dry-run --simulate (rlhf/cli.py) and `python -m rlhf.simulate` without --rank: one rank of each of the
+    # 4 stages, each child process handed the same config (the processes themselves are not started here)
+    cfg = _cfg(model_dir, "parallel.pp=4", "model.use_remove_padding=false", "rollout.tp=1")
+    seen = {}
+
+    def children(argv, ranks):
+        seen["ranks"], seen["cfg"] = ranks, load_config(argv[argv.index("--config") + 1], [])
+        seen["world"] = argv[argv.index("--world") + 1]
+        return []
+
+    monkeypatch.setattr(sim_mod, "_in_children", children)
+    sim_mod.simulate_stages(cfg, world=16, device="cpu")
+    assert seen["ranks"] == [0, 4, 8, 12] and seen["world"] == "16" and seen["cfg"] == cfg
+
+
 @pytest.mark.parametrize("overrides, world", [
     (["parallel.tp=8", "rollout.tp=1"], 64),  # tp wider than the 4 kv heads
     (["parallel.pp=8", "model.use_remove_padding=false", "rollout.tp=1"], 64),  # 8 stages of 4 layers
