@@ -321,7 +321,10 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
                       "fsdp unsharded": unsharded_frozen if lp_in_block else 0.0,
                       "forward activations (log-prob pass)": lp_fwd if lp_in_block else 0.0,
                       "logits (log-prob pass)": 0.0 if lp_in_block else lp_logits},
-        "update": {**persistent, "gradients": comp["gradients"], "pipeline receive buffers": buffers_update,
+        # under no-sync accumulation the sharded gradients only appear as the last backward reduce-scatters
+        # (and frees) the unsharded ones: never both whole at once
+        "update": {**persistent, "gradients": 0.0 if no_sync else comp["gradients"],
+                   "pipeline receive buffers": buffers_update,
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
                    "fsdp unsharded (+grads)": unsharded_update if in_block else 0.0,
                    "activations": saved + (work if in_block else 0.0), "logits (update)": 0.0 if in_block else up_logits,
