@@ -27,7 +27,9 @@ its own process; a stage runs what its schedule would run on it (the receive buf
 and the reshard's stage exchange gets every peer stage's tensors. Padding-free and Ulysses
 (``parallel.sp``) passes pack full-length rows up to the token budget and run the real packed
 forward, the token layout computed on the host (rlhf/ops/sim_packed.py), attention with
-flash-attn's allocations, the all-to-alls counted.
+flash-attn's allocations, the all-to-alls counted. Mixture-of-experts models run with their experts
+over ``parallel.ep``, the dispatch sized under balanced routing (rlhf/ops/sim_moe.py); with
+``model.param_offload`` the training state is counted as host memory, outside the device totals.
 
 The simulated device is the run's (``--device cuda``, the default, keeps FSDP2's bf16 mixed
 precision as on a GPU). Not simulated, and said so in the output: the critic, trainer.mode
