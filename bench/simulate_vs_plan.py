@@ -9,7 +9,8 @@ the same config, device cuda, and prints both phase totals and their ratio. The 
 model of the program, the simulation runs it; a phase where they differ by more than 15% is a
 bug in one of them (or a term one side leaves out: the simulation does not run the sampler's
 own activations, so its rollout phase is compared without the planner's ``rollout
-activations`` / ``rollout fusing`` / decode-buffer terms, and reported as such).
+activations`` / ``rollout fusing`` / decode-buffer terms, and reported as such). With
+``model.param_offload`` (the MoE recipes) both sides leave the host-resident training state out.
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ def parse_args(description: str, argv=None) -> argparse.Namespace:
     ap.add_argument("--world-size", type=int, default=0,
                     help="with --dry-run: plan memory for this many ranks (default: the launched world size)")
     ap.add_argument("--simulate", action="store_true",
-                    help="with --dry-run: run one rank of --world-size on a fake process group with fake tensors "
-                         "(python -m rlhf.simulate) after the plan, and print its memory and collectives")
+                    help="with --dry-run: run one rank of --world-size (one of every pipeline stage) on a fake process "
+                         "group with fake tensors (python -m rlhf.simulate) after the plan, and print its memory and "
+                         "collectives")
     ap.add_argument("--plan-device", choices=("cuda", "cpu"), default=None,
                     help="with --dry-run: device to plan for (default: the run's trainer.device)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6 parallel.tp=2")
@@ -124,11 +125,10 @@ def print_memory_plan(cfg, args) -> bool:
 
 
 def simulate_main(cfg, args) -> None:
-    """--dry-run --simulate: one rank of the planned world run on a fake process group (rank 0 prints)."""
+    """--dry-run --simulate: one rank of the planned world (of every pipeline stage) run on a fake process group."""
     import torch.distributed as dist
 
-    from rlhf.models.loading import model_config
-    from rlhf.simulate import format_simulation, roofline, simulate
+    from rlhf.simulate import format_simulation, simulate_stages
 
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("--simulate runs in one process: launch it with python, not torchrun")
@@ -137,9 +137,8 @@ def simulate_main(cfg, args) -> None:
     # the device the memory plan above used, so that the two tables compare
     device = args.plan_device or ("cuda" if cfg.trainer.device == "cuda" or
                                   (cfg.trainer.device == "auto" and torch.cuda.is_available()) else "cpu")
-    sim = simulate(cfg, world=args.world_size or 1, device=device)
-    sim.roofline = roofline(sim, cfg, model_config(cfg.model.path))
-    print(format_simulation(sim), flush=True)
+    sims = simulate_stages(cfg, world=args.world_size or 1, device=device)
+    print("\n".join(format_simulation(sim) for sim in sims), flush=True)
 
 
 def check_tokenizer_and_data(cfg) -> None:

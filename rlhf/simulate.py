@@ -27,7 +27,9 @@ its own process; a stage runs what its schedule would run on it (the receive buf
 and the reshard's stage exchange gets every peer stage's tensors. Padding-free and Ulysses
 (``parallel.sp``) passes pack full-length rows up to the token budget and run the real packed
 forward, the token layout computed on the host (rlhf/ops/sim_packed.py), attention with
-flash-attn's allocations, the all-to-alls counted.
+flash-attn's allocations, the all-to-alls counted. Mixture-of-experts models run with their experts
+over ``parallel.ep``, the dispatch sized under balanced routing (rlhf/ops/sim_moe.py); with
+``model.param_offload`` the training state is counted as host memory, outside the device totals.
 
 The simulated device is the run's (``--device cuda``, the default, keeps FSDP2's bf16 mixed
 precision as on a GPU). Not simulated, and said so in the output: the critic, trainer.mode
@@ -126,7 +128,8 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from rlhf.models.loading import DTYPES, language_config, model_config
-    from rlhf.ops.sim_memory import LiveBytes, fsdp_storage_resizes
+    from rlhf.ops.sim_memory import HOST, LiveBytes, fsdp_offload_on_host, fsdp_storage_resizes
+    from rlhf.ops.sim_moe import moe_on_host
     from rlhf.ops.sim_packed import flash_attention_shapes, packed_layout_on_host
     from rlhf.rollout.engine import rollout_dtype
     from rlhf.rollout.kv_cache import PagedKVCache
@@ -165,16 +168,22 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         counter = LiveBytes(ranks_per_node=8)
         hidden_dtype = torch.bfloat16 if device == "cuda" and cfg.model.mixed_precision else DTYPES[cfg.model.dtype]
-        ctx = _Ctx(cfg, hf, dims, actor, counter, hidden_dtype)
-        with fake, packed_layout_on_host(), flash_attention_shapes(), fsdp_storage_resizes(counter):
+        # with model.param_offload the training state (parameters, gradients, AdamW) is host memory
+        state = dict.fromkeys(("parameters", "gradients", "optimizer"), HOST) if cfg.model.param_offload else {}
+        if state:
+            notes.append("model.param_offload: parameters, gradients and optimizer state counted as host memory, "
+                         "outside the totals (the device's copy of a shard before its all-gather is not)")
+        ctx = _Ctx(cfg, hf, dims, actor, counter, hidden_dtype, state)
+        with fake, packed_layout_on_host(), moe_on_host(), flash_attention_shapes(), \
+                fsdp_storage_resizes(counter), fsdp_offload_on_host(counter):
             for w in (actor, ref):
                 if w is not None:
                     w.model.to_empty(device="cpu")
             with counter:
-                counter.adopt(actor.model.parameters(), "parameters")
+                counter.adopt(actor.model.parameters(), state.get("parameters", "parameters"))
                 if ref is not None:
-                    counter.adopt(ref.model.parameters(), "parameters")
-                _warm_optimizer(actor, counter)
+                    counter.adopt(ref.model.parameters(), state.get("parameters", "parameters"))
+                _warm_optimizer(actor, counter, state.get("optimizer", "optimizer"))
                 counter.phase("rollout")
                 rdt = rollout_dtype(cfg.rollout.dtype, device, cfg.model.dtype)
                 with counter.category("rollout weights"), _stage_exchange(actor, build, layout, rdt):
@@ -249,9 +258,9 @@ def _stage_exchange(actor, build, layout, dtype):
 class _Ctx:
     """The log-prob and update micro-batches of one simulated rank, as the trainer sizes them."""
 
-    def __init__(self, cfg: Config, hf, dims, actor, counter, hidden_dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Config, hf, dims, actor, counter, hidden_dtype: torch.dtype, state: dict) -> None:
         self.cfg, self.hf, self.dims, self.actor, self.counter = cfg, hf, dims, actor, counter
-        self.hidden_dtype = hidden_dtype
+        self.hidden_dtype, self.state = hidden_dtype, state  # state: category -> where it is counted (offload)
         d = cfg.data
         self.R = d.max_response_length
         self.L = d.max_prompt_length + d.max_response_length
@@ -336,8 +345,8 @@ class _Ctx:
             loss_of(lp, ent).backward()
             del lp, ent
         params = list(actor.model.parameters())
-        self.counter.relabel([p.grad for p in params if p.grad is not None], "gradients")
-        with self.counter.category("optimizer"):
+        self.counter.relabel([p.grad for p in params if p.grad is not None], self.state.get("gradients", "gradients"))
+        with self.counter.category(self.state.get("optimizer", "optimizer")):
             clip_grad_norm_(params, a.grad_clip or 1e9, stage_ranks=actor.stage_ranks, group=actor.mesh_group)
             actor.optimizer.step()
         actor.optimizer.zero_grad(set_to_none=True)
@@ -351,16 +360,16 @@ class _Ctx:
                 "update": model_flops_per_token(self.hf, self.L, True) * tokens * share * ckpt}
 
 
-def _warm_optimizer(worker, counter) -> None:
+def _warm_optimizer(worker, counter, cat: str = "optimizer") -> None:
     """AdamW's state as after the first step (it is made lazily, and lives through every later phase)."""
     params = [p for p in worker.model.parameters() if p.requires_grad]
-    with counter.category("optimizer"):
+    with counter.category(cat):
         for p in params:
             p.grad = torch.zeros_like(p)
         worker.optimizer.step()
     worker.optimizer.zero_grad(set_to_none=True)
     states = [t for st in worker.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
-    counter.relabel(states, "optimizer")
+    counter.relabel(states, cat)
 
 
 def _kv_cache(cfg: Config, hf, world: int, rollout_tp: int, replicas: int, dtype: torch.dtype, cls):
@@ -469,6 +478,28 @@ def _in_children(argv: list[str], ranks: list[int]) -> list[Simulation]:
     return sims
 
 
+def simulate_stages(cfg: Config, *, world: int, device: str = "cuda", gpu: str = "h100") -> list[Simulation]:
+    """Rank 0 with its roofline, or with ``parallel.pp > 1`` one rank of every stage, each in its own
+    process (``cfg`` handed to them as a yaml file), all at once."""
+    import os
+    import tempfile
+
+    from rlhf.models.loading import language_config, model_config
+
+    hf = language_config(model_config(cfg.model.path, cfg.model.trust_remote_code))
+    if cfg.parallel.pp == 1:
+        sim = simulate(cfg, world=world, rank=0, device=device)
+        sim.roofline = roofline(sim, cfg, hf, gpu=gpu)
+        return [sim]
+    check_launch(cfg, hf, world)  # the launch's error here, once, not once per stage
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "config.yaml")
+        with open(path, "w") as f:
+            f.write(cfg.to_yaml())
+        return _in_children(["--config", path, "--world", str(world), "--device", device, "--gpu", gpu],
+                            stage_ranks(cfg.parallel.pp, world))
+
+
 def main(argv=None) -> None:
     from rlhf.config.load import load_config
     from rlhf.models.loading import language_config, model_config
@@ -487,13 +518,10 @@ def main(argv=None) -> None:
     args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.rank is None and cfg.parallel.pp > 1:  # every distinct stage, each in its own process
-            check_launch(cfg, language_config(model_config(cfg.model.path, cfg.model.trust_remote_code)), args.world)
-            child = [*(["--config", args.config] if args.config else []), "--world", str(args.world), "--device",
-                     args.device, "--gpu", args.gpu, *args.overrides]
-            sims = _in_children(child, stage_ranks(cfg.parallel.pp, args.world))
+        if args.rank is None:  # every distinct pipeline stage
+            sims = simulate_stages(cfg, world=args.world, device=args.device, gpu=args.gpu)
         else:
-            sims = [simulate(cfg, world=args.world, rank=args.rank or 0, device=args.device)]
+            sims = [simulate(cfg, world=args.world, rank=args.rank, device=args.device)]
             sims[0].roofline = roofline(sims[0], cfg, language_config(model_config(cfg.model.path)), gpu=args.gpu)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

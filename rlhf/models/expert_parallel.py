@@ -102,6 +102,13 @@ def dispatch_counts(top_i: Tensor, num_experts: int, ep: int, group: dist.Proces
     return order, send_counts, recv_counts
 
 
+def split_sizes(send_counts: Tensor, recv_counts: Tensor) -> tuple[list[int], list[int]]:
+    """The rows this rank sends to / receives from each ep rank (``[ep, E/ep]`` counts summed per rank),
+    with one host sync for both."""
+    both = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+    return both[0], both[1]
+
+
 def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tensor, act, *, num_experts: int,
                ep_group: dist.ProcessGroup, tp_mesh: Optional[DeviceMesh] = None, **expert_kw) -> Tensor:
     """The routed MLP of this rank's tokens with the experts spread over ``ep_group`` (module docstring).
@@ -120,12 +127,12 @@ def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: T
     ep = dist.get_world_size(ep_group)
     m, k = top_i.shape
     order, send_counts, recv_counts = dispatch_counts(top_i, num_experts, ep, ep_group)
-    both = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # one host sync for both splits
-    send, recv = both[0], both[1]
+    send, recv = split_sizes(send_counts, recv_counts)
     xs = x.index_select(0, order // k)  # [M k, H] grouped by expert, so by owner rank
     xr = all_to_all(xs, recv, send, ep_group)  # [R, H]
     per_rank = num_experts // ep
-    local_e = torch.repeat_interleave(torch.arange(per_rank, device=x.device).repeat(ep), recv_counts.reshape(-1))
+    local_e = torch.repeat_interleave(torch.arange(per_rank, device=x.device).repeat(ep), recv_counts.reshape(-1),
+                                      output_size=xr.shape[0])  # its size known: no second host sync
     ones = torch.ones((xr.shape[0], 1), dtype=x.dtype, device=x.device)
     offset = 0
     if tp_mesh is not None:

@@ -71,9 +71,10 @@ def params_to_meta(model: nn.Module) -> dict[str, Source]:
 
 def place(piece: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A contiguous copy of ``piece`` on ``device`` in ``dtype`` (default: its own): the only
-    host-to-device traffic of the load, and where a checkpoint-dtype shard is upcast."""
-    out = torch.empty(piece.shape, dtype=dtype or piece.dtype, device=device)
-    return out.copy_(piece)
+    host-to-device traffic of the load, and where a checkpoint-dtype shard is upcast. A meta piece (a
+    model built without weights: rlhf.simulate, also with CPU offload) stays on meta."""
+    out = torch.empty(piece.shape, dtype=dtype or piece.dtype, device="meta" if piece.is_meta else device)
+    return out if piece.is_meta else out.copy_(piece)
 
 
 def local_piece(full: Source, like: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,11 @@ from torch.utils._pytree import tree_leaves
 # "activations" also holds temporaries and FSDP2's all-gathered blocks; "pipeline buffers" the pp
 # schedule's per-micro-batch receive buffers (rlhf/ops/sim_pipeline.py)
 CATEGORIES = ("parameters", "gradients", "optimizer", "rollout weights", "kv cache", "pipeline buffers",
-              "activations")
+              "activations", "host (offload)")
+# model.param_offload keeps the sharded parameters, their gradients and AdamW's state in host memory: counted
+# under this category and left out of the (device) total. The simulated device is the host itself, so the
+# label is what tells the two apart (fsdp_offload_on_host, rlhf/simulate.py)
+HOST = "host (offload)"
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -79,7 +83,7 @@ class LiveBytes(TorchDispatchMode):
         n, cat = self.live.pop(key, (0, ""))
         if n:
             self.by_cat[cat] -= n
-            self._total -= n
+            self._total -= n if cat != HOST else 0
 
     def _add(self, t: torch.Tensor, cat: str) -> None:
         st = t.untyped_storage()
@@ -89,7 +93,7 @@ class LiveBytes(TorchDispatchMode):
         n = st.nbytes()
         self.live[key] = (n, cat)
         self.by_cat[cat] += n
-        self._total += n
+        self._total += n if cat != HOST else 0
         weakref.finalize(st, self._free, key)
         if self._total > self.peaks[self._phase]["total"]:
             self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
@@ -107,7 +111,7 @@ class LiveBytes(TorchDispatchMode):
         delta = st.nbytes() - n
         self.live[key] = (n + delta, cat)
         self.by_cat[cat] += delta
-        self._total += delta
+        self._total += delta if cat != HOST else 0
         if self._total > self.peaks[self._phase]["total"]:
             self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
 
@@ -124,6 +128,7 @@ class LiveBytes(TorchDispatchMode):
                 n, old = self.live[key]
                 self.by_cat[old] -= n
                 self.by_cat[cat] += n
+                self._total += n * ((old == HOST) - (cat == HOST))
                 self.live[key] = (n, cat)
             else:
                 self._add(local, cat)
@@ -155,18 +160,27 @@ class LiveBytes(TorchDispatchMode):
             for k, v in list(t.items()):
                 t[k] += (v - b.get(k, 0)) * max(times, 0)
 
-    def _crosses_nodes(self, args, kwargs) -> bool:
+    def _crosses_nodes(self, args, kwargs, p2p: bool = False) -> bool:
         """Whether the collective's group spans more than one node of ``ranks_per_node`` consecutive
-        ranks (its bytes then go over the inter-node network); unknown groups count as spanning."""
+        ranks (its bytes then go over the inter-node network); unknown groups count as spanning. A
+        ``send`` / ``recv`` (``p2p``) crosses when its peer (the group rank after the group) is on
+        another node than this rank."""
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        for a in tree_leaves((args, kwargs)):
+        leaves = tree_leaves((args, kwargs))
+        for i, a in enumerate(leaves):
+            if isinstance(a, torch.ScriptObject):  # a c10d op's group argument (all_to_all_single's)
+                a = dist.ProcessGroup.unbox(a)
+            elif not isinstance(a, (str, dist.ProcessGroup)):  # (a bool would read as the default group)
+                continue
             try:
                 pg = _resolve_process_group(a) if isinstance(a, str) else a
                 ranks = dist.get_process_group_ranks(pg)
             except (KeyError, ValueError, RuntimeError, TypeError, AttributeError):
                 continue
+            if p2p and i + 1 < len(leaves) and isinstance(leaves[i + 1], int):
+                ranks = [dist.get_rank(), ranks[leaves[i + 1]]]
             return len({r // self.ranks_per_node for r in ranks}) > 1
         return True
 
@@ -184,11 +198,15 @@ class LiveBytes(TorchDispatchMode):
             if kind not in ("wait_tensor", "barrier"):
                 self.comm[self._phase][kind] += max(sizes, default=0)
                 self.calls[self._phase][kind] += 1
-                if self._crosses_nodes(args, kwargs):
+                if self._crosses_nodes(args, kwargs, p2p=kind in ("send", "recv")):
                     self.comm_cross[self._phase][kind] += max(sizes, default=0)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _plain(t) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and not _plain(t):
+                # a DTensor op's local work runs below this mode (unseen): its result's local tensor is
+                # what it allocated (e.g. FSDP2's fp32 gradient accumulation of a TP parameter)
+                t = t._local_tensor
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._add(t, self.current)
         return out
 
@@ -217,3 +235,25 @@ def fsdp_storage_resizes(counter: LiveBytes) -> Iterator[None]:
     finally:
         _fsdp_param.alloc_storage, _fsdp_param.free_storage = real_alloc, real_free
         _fsdp_param_group.alloc_storage = real_alloc
+
+
+@contextmanager
+def fsdp_offload_on_host(counter: LiveBytes) -> Iterator[None]:
+    """Inside: the sharded gradients FSDP2 reduce-scatters for a parameter with CPU offload are counted as
+    host memory once the reduction returns (on a GPU it copies them to the host there and frees the device
+    output; on the simulated host device that copy is a no-op, so the label stands in for it)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    real = _fsdp_param_group.foreach_reduce
+
+    def reduce(fsdp_params, *args, **kwargs):
+        out = real(fsdp_params, *args, **kwargs)
+        counter.relabel([p.sharded_param.grad for p in fsdp_params
+                         if p.offload_to_cpu and p.sharded_param.grad is not None], HOST)
+        return out
+
+    _fsdp_param_group.foreach_reduce = reduce
+    try:
+        yield
+    finally:
+        _fsdp_param_group.foreach_reduce = real

@@ -238,6 +238,8 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     else:
         train_tokens, lp_tokens = a.ppo_micro_batch_size_per_gpu * seq_len, a.log_prob_micro_batch_size_per_gpu * seq_len
     depth = 1  # micro-batches whose activations a rank holds at once
+    buffers_lp = buffers_update = 0.0  # the pp schedule's receive buffers (none without pp)
+    positions = R + 1  # logits positions per row: the response's, or every one on the last pp stage
     if pp > 1:  # one pipelined call per mini-batch, pp_microbatches micro-batches; 1F1B's first stage
         # holds min(k, pp) in flight (GPipe: all k), and the schedule keeps the stage unsharded from the
         # first backward to the last (rlhf/ops/sim_pipeline.py)
@@ -246,6 +248,12 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         lp_tokens = a.log_prob_micro_batch_size_per_gpu * seq_len
         depth = k if cfg.parallel.pp_schedule == "GPipe" else min(k, pp)
         unsharded_update = stage / tp * cb
+        # torch's schedule allocates one [rows, L, hidden] receive buffer per micro-batch and keeps them
+        # all: activations on every stage but the first, and in the update their gradients on every stage
+        # but the last (a middle stage has both); the last stage scores every position of its rows
+        buffers_lp = k * lp_tokens * s.hidden_size * cb
+        buffers_update = (2 if pp > 2 else 1) * train_tokens * k * s.hidden_size * cb
+        positions = seq_len - 1
     layers_rank = s.num_layers // pp
     per_tok = activation_elems_per_token_layer(s, tp, cb)
     full_acts = train_tokens * per_tok * layers_rank * cb * depth
@@ -267,8 +275,9 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     # logsumexp and the gather next to the saved z, one less under tp without entropy (its custom backward)
     n_lp = 3 + (tp > 1)
     n_train = 4.5 - (tp > 1 and a.entropy_coeff == 0)
-    comp["logits (update)"] = rows_train * (R + 1) * V * 4 * ((cb / 4) + n_train)
-    comp["logits (log-prob pass)"] = rows_lp * (R + 1) * V * 4 * ((cb / 4) + n_lp)
+    comp["logits (update)"] = rows_train * positions * V * 4 * ((cb / 4) + n_train)
+    comp["logits (log-prob pass)"] = rows_lp * positions * V * 4 * ((cb / 4) + n_lp)
+    comp["pipeline receive buffers"] = buffers_update
     comp["forward activations (log-prob pass)"] = lp_tokens * per_tok * cb
 
     acts = ckpt_acts if m.enable_gradient_checkpointing else full_acts
@@ -290,28 +299,36 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
             carried["cuda-graph pool (decode gather buffers)"] = comp["decode gather buffers (no flash-attn)"]
     persistent = {**training_state, **({} if one_step_off else carried)}
     lp_fwd, lp_logits = comp["forward activations (log-prob pass)"], comp["logits (log-prob pass)"]
-    # With checkpointing the logits' backward runs before any block is recomputed (and frees the
-    # logits first): next to the block inputs, the larger of a block's recompute + gradient work
-    # and the logits is alive (the simulation's peak); without it every activation is saved.
-    up_acts, up_logits = acts + act_work, comp["logits (update)"]
+    # The log-probs are taken from the logits after the model's forward returns, and their backward
+    # runs before the gradient reaches the model: every FSDP2 unit (the root too) is resharded then,
+    # and no all-to-all is in flight. So a pass holds the larger of two moments (the simulation's
+    # peaks, docs/memory.md): a block's work with its units unsharded, or the logits. With
+    # checkpointing the block inputs are kept and one block is recomputed; without it every
+    # activation is saved.
+    up_logits = comp["logits (update)"]
+    saved, work = acts, act_work
     if m.enable_gradient_checkpointing:
-        work = act_work + train_tokens * per_tok * cb
-        up_acts = acts - train_tokens * per_tok * cb + (work if work > up_logits else 0.0)
-        up_logits = up_logits if up_logits >= work else 0.0
+        saved, work = acts - train_tokens * per_tok * cb, act_work + train_tokens * per_tok * cb
+    in_block = work + unsharded_update + comp["all-to-all buffers (ep)"] > up_logits
+    lp_in_block = lp_fwd + unsharded_frozen > lp_logits
     phases = {
         "load": {"load (host slice being placed)": comp["load (host slice being placed)"],
                  "parameters": comp["parameters"]},
         "rollout": {**training_state, **rollout_state},
         # forward-only: the last layer's activations are freed before the head runs, so the larger of
         # the two is what the pass adds (the simulation's live-storage peak, docs/memory.md)
-        "log-probs": {**persistent, "fsdp unsharded": unsharded_frozen,
-                      "forward activations (log-prob pass)": lp_fwd if lp_fwd > lp_logits else 0.0,
-                      "logits (log-prob pass)": lp_logits if lp_logits >= lp_fwd else 0.0},
-        "update": {**persistent, "gradients": comp["gradients"],
+        "log-probs": {**persistent, "pipeline receive buffers": buffers_lp,
+                      "fsdp unsharded": unsharded_frozen if lp_in_block else 0.0,
+                      "forward activations (log-prob pass)": lp_fwd if lp_in_block else 0.0,
+                      "logits (log-prob pass)": 0.0 if lp_in_block else lp_logits},
+        # under no-sync accumulation the sharded gradients only appear as the last backward reduce-scatters
+        # (and frees) the unsharded ones: never both whole at once
+        "update": {**persistent, "gradients": 0.0 if no_sync else comp["gradients"],
+                   "pipeline receive buffers": buffers_update,
                    "unsharded grads (no-sync accumulation)": comp["unsharded grads (no-sync accumulation)"],
-                   "fsdp unsharded (+grads)": unsharded_update,
-                   "activations": up_acts, "logits (update)": up_logits,
-                   "all-to-all buffers (ep)": comp["all-to-all buffers (ep)"]},
+                   "fsdp unsharded (+grads)": unsharded_update if in_block else 0.0,
+                   "activations": saved + (work if in_block else 0.0), "logits (update)": 0.0 if in_block else up_logits,
+                   "all-to-all buffers (ep)": comp["all-to-all buffers (ep)"] if in_block else 0.0},
     }
     if one_step_off:  # rollout ranks hold only the rollout state; training ranks send weights instead
         del phases["rollout"]

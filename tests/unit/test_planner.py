@@ -151,9 +151,11 @@ def test_no_sync_accumulation_counts_unsharded_fp32_gradients():
     default = plan_memory(s, _cfg(*base), world_size=8, device="cuda")
     opted = plan_memory(s, _cfg(*base, "model.unsharded_grad_accumulation=true"), world_size=8, device="cuda")
     assert default.components[key] == 0
-    # The whole model's gradients in fp32 on every rank (~28 GiB at 7B), in the update phase.
+    # The whole model's gradients in fp32 on every rank (~28 GiB at 7B), in the update phase, in place of the
+    # sharded ones (those appear as the last backward reduce-scatters and frees the unsharded ones)
     assert opted.components[key] == s.num_params() * 4
-    assert opted.total("update") - default.total("update") == s.num_params() * 4
+    assert opted.total("update") - default.total("update") == s.num_params() * 4 - default.components["gradients"]
+    assert opted.phases["update"]["gradients"] == 0 < default.phases["update"]["gradients"]
     pp2 = plan_memory(s, _cfg(*base, "parallel.pp=2"), world_size=8, device="cuda")  # the schedule never syncs early
     assert pp2.components[key] > 0
 

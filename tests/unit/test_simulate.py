@@ -110,13 +110,61 @@ def test_ulysses_rank_exchanges_heads_around_attention(model_dir):
     # sp 2 x dp 4; a packed micro-batch of the 64-token budget x sp = 4 rows of 32 tokens, 64 tokens per rank
     cfg = _cfg(model_dir, "parallel.sp=2", "model.use_remove_padding=true", "model.fsdp_unit=block",
                "actor.use_dynamic_bsz=true", "actor.log_prob_max_token_len_per_gpu=64")
-    sim = simulate(cfg, world=8, rank=1, device="cpu")
+    sim = simulate(cfg, world=16, rank=1, device="cpu")
     assert sim.layout["sp"] == 2 and sim.layout["lp_rows"] == 4
     # per layer: q, k, v to heads and the output back; [8 heads | 4 kv heads, 64 tokens, head_dim 8] fp32
     assert sim.calls["log-probs"]["alltoall"] == 4 * 4
     assert sim.comm["log-probs"]["alltoall"] == 4 * (8 + 4 + 4 + 8) * 64 * 8 * 4
+    # the sp pair (ranks 0, 1) sits in one node of 8: its all-to-alls stay inside it (priced at NVLink), while
+    # FSDP2's all-gathers over dp x sp = 16 ranks cross nodes
+    assert not sim.comm_cross["log-probs"].get("alltoall")
+    assert sim.comm_cross["log-probs"]["all_gather"] == sim.comm["log-probs"]["all_gather"]
     # the per-token log-probs (and entropies) of the sp slices are summed: [4 rows x 16 response tokens]
     assert sim.calls["log-probs"]["all_reduce"] == 2
+
+
+def test_moe_recipe_layout_offload_replay_and_expert_parallel(tmp_path):
+    from tests._archs import tiny_config
+
+    from rlhf.simulate import simulate
+
+    # Qwen3-MoE, 8 experts top-2, layers 0 and 2 sparse; ep 4 of dp 16, router replay R3 on packed rows (the
+    # routing positions are taken on the host), parameters, gradients and AdamW offloaded to the host
+    d = tmp_path / "moe"
+    tiny_config("qwen3_moe").save_pretrained(d)
+    cfg = _cfg(d, "parallel.ep=4", "model.use_remove_padding=true", "model.param_offload=true", "rollout.tp=1",
+               "actor.router_replay=R3", "actor.use_dynamic_bsz=true", "actor.log_prob_max_token_len_per_gpu=64",
+               "actor.ppo_max_token_len_per_gpu=64", "model.fsdp_unit=block")
+    sim = simulate(cfg, world=16, rank=0, device="cpu")
+    assert sim.layout["ep"] == 4
+    for phase in ("log-probs", "update"):  # the training state is host memory, outside the device totals
+        peak = sim.peaks[phase]
+        assert peak["parameters"] == peak["gradients"] == peak["optimizer"] == 0 and peak["host (offload)"] > 0
+        assert peak["total"] == sum(v for k, v in peak.items() if k not in ("total", "host (offload)"))
+    # per sparse layer: the counts' all-to-all, then the 64 tokens x top-2 rows [128, 64] fp32 out and back
+    # (balanced routing: every ep rank gets a quarter of them, and sends as many back)
+    assert sim.calls["log-probs"]["alltoall"] == 2 * 3
+    assert sim.comm["log-probs"]["alltoall"] == 2 * (4 * 2 * 8 + 2 * 128 * 64 * 4)
+    # the update runs the same forward, then the reverse of each token all-to-all in the backward
+    assert sim.calls["update"]["alltoall"] == 2 * (3 + 2)
+
+
+def test_dry_run_simulates_every_pipeline_stage(model_dir, monkeypatch):
+    import rlhf.simulate as sim_mod
+
+    # --dry-run --simulate (rlhf/cli.py) and `python -m rlhf.simulate` without --rank: one rank of each of the
+    # 4 stages, each child process handed the same config (the processes themselves are not started here)
+    cfg = _cfg(model_dir, "parallel.pp=4", "model.use_remove_padding=false", "rollout.tp=1")
+    seen = {}
+
+    def children(argv, ranks):
+        seen["ranks"], seen["cfg"] = ranks, load_config(argv[argv.index("--config") + 1], [])
+        seen["world"] = argv[argv.index("--world") + 1]
+        return []
+
+    monkeypatch.setattr(sim_mod, "_in_children", children)
+    sim_mod.simulate_stages(cfg, world=16, device="cpu")
+    assert seen["ranks"] == [0, 4, 8, 12] and seen["world"] == "16" and seen["cfg"] == cfg
 
 
 @pytest.mark.parametrize("overrides, world", [
