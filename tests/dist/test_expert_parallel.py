@@ -24,6 +24,8 @@ N_PROMPTS, N_SAMPLES, P, R, MINI = 8, 2, 6, 8, 4
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
 # name -> (dp, tp, ep, activation checkpointing: the all-to-alls run again in the recompute)
 LAYOUTS = {"dp4xep2": (4, 1, 2, False), "dp4xep4": (4, 1, 4, False), "dp2xtp2xep2": (2, 2, 2, True)}
+# training (dp, tp, ep) -> the rollout (tp, ep) layouts sampled from it (rollout.ep, the first one the reference)
+ROLLOUT_EP = {(4, 1, 2): ((1, 1), (1, 2), (1, 4)), (2, 2, 2): ((2, 1), (2, 2))}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +71,44 @@ def _run(path: str, dp: int, tp: int, ep: int, checkpointing: bool = False) -> d
                                         tp_group=layout.tp_group)
     sampler = Sampler(worker.hf_config, weights, pad_token_id=0, tp_group=layout.tp_group, device=dist_device())
     gen = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=6))
+    del weights, sampler
     return {"metrics": metrics, "params": params, "log_probs": lp, "ids": gen.response_ids.cpu(),
-            "gen_log_probs": gen.log_probs.cpu()}
+            "gen_log_probs": gen.log_probs.cpu(),
+            "rollout_ep": {(rtp, rep): _rollout_ep(worker, rtp, rep) for rtp, rep in ROLLOUT_EP.get((dp, tp, ep), ())}}
+
+
+def _rollout_ep(worker, tp: int, ep: int) -> dict:
+    """rollout.tp x rollout.ep sampling of the updated model, resharded from its training layout: the
+    replicas take contiguous chunks of PROMPTS (some replica has none: it only serves its experts), greedy
+    and sampled (draws keyed by prompt key and position); every rank returns the rows of every prompt."""
+    import torch.distributed as dist
+
+    from rlhf.rollout import Sampler, SamplingParams
+    from rlhf.rollout.engine import chunk_bounds
+    from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights
+
+    lay = RolloutLayout.build(tp, dist_device_type(), ep=ep)
+    weights, stats = gather_rollout_weights(worker.model, tp_rank=lay.tp_rank, tp_size=lay.tp, tp_group=lay.tp_group,
+                                            ep_rank=lay.ep_rank, ep_size=lay.ep)
+    experts = weights["model.layers.0.mlp.experts.gate_up_proj"].shape[0]
+    sampler = Sampler(worker.hf_config, weights, pad_token_id=0, tp_group=lay.tp_group, ep_group=lay.ep_group,
+                      device=dist_device(), prefill_tokens=8)
+    start, end = chunk_bounds(len(PROMPTS), lay.dp)[lay.dp_rank]
+    rows = {}
+    for temperature in (0.0, 1.0):
+        if end > start:
+            out = sampler.generate(PROMPTS[start:end], SamplingParams(n=2, temperature=temperature, max_new_tokens=6,
+                                                                      seed=3),
+                                   prompt_keys=list(range(start, end)))
+            for i in range(out.response_ids.shape[0]):
+                rows[(temperature, start + i // 2, i % 2)] = (out.response_ids[i].cpu(), out.log_probs[i].cpu())
+        else:
+            sampler.ep_drain()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    merged = {k: v for r in everyone for k, v in r.items()}
+    return {"rows": merged, "experts": experts, "passes": sampler.spec.ep.passes if ep > 1 else 0,
+            "bytes": stats.bytes_received}
 
 
 def _bf16(path: str) -> dict:
@@ -136,6 +174,18 @@ def test_grpo_step_under_expert_parallel_matches_one_rank(model_dir, tmp_path):
             assert float((got["params"][n] - ref["params"][n]).abs().max()) < 1e-5, f"{name} {n}"
         assert torch.equal(got["ids"], ref["ids"]), name
         torch.testing.assert_close(got["gen_log_probs"], ref["gen_log_probs"], atol=1e-4, rtol=0, msg=name)
+    rollouts = {(name, key): r for name in LAYOUTS for key, r in res[name]["rollout_ep"].items()}
+    ref_rows = rollouts[("dp4xep2", (1, 1))]["rows"]
+    assert len(ref_rows) == 2 * 2 * len(PROMPTS)
+    for (name, (rtp, rep)), r in rollouts.items():
+        assert r["experts"] == 8 // (rtp * rep), (name, rtp, rep)
+        assert set(r["rows"]) == set(ref_rows), (name, rtp, rep)
+        for key, (ids, lp) in ref_rows.items():
+            got_ids, got_lp = r["rows"][key]
+            assert torch.equal(got_ids, ids), f"rollout tp{rtp} ep{rep} from {name}: tokens of {key} differ"
+            torch.testing.assert_close(got_lp, lp, atol=1e-5, rtol=0, msg=f"rollout tp{rtp} ep{rep} {key}")
+        if rep > 1:  # the replicas without prompts served their experts to the others' passes
+            assert r["passes"] > 0
     if "bf16" in res:
         bf16 = res["bf16"]
         assert bf16["seen"] == {("router", torch.float32, torch.float32, torch.float32),
