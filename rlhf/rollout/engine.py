@@ -149,7 +149,7 @@ class RolloutEngine:
         and each call moves only the adapters and merges ``W + (alpha / r) B A``."""
         lay = self.layout
         kw = dict(dtype=self.dtype, pp_group=pp_group, tp_rank=lay.tp_rank, tp_size=lay.tp, tp_group=lay.tp_group,
-                  ep_rank=lay.ep_rank, ep_size=lay.ep)
+                  ep_rank=lay.ep_rank, ep_size=lay.ep, ep_group=lay.ep_group)
         if self.lora is None:
             return gather_rollout_weights(model, **kw)
         if self._lora_base is None:

@@ -257,9 +257,34 @@ def _tp_dim_matches(t: DTensor, dim: int, tp_group: Optional[dist.ProcessGroup],
     return i
 
 
+def _ep_shard(t: DTensor, tp_rank: int, tp_size: int, tp_group: Optional[dist.ProcessGroup],
+              ep_group: Optional[dist.ProcessGroup]) -> Optional[tuple[torch.Tensor, int]]:
+    """Experts that training already shards over the rollout's ep group (parallel.ep == rollout.ep): gather
+    only the other mesh dims (FSDP's efsdp, and tp unless it is the rollout tp), keep ep's ``Shard(0)``."""
+    names = t.device_mesh.mesh_dim_names or ()
+    if ep_group is None or "ep" not in names:
+        return None
+    i = names.index("ep")
+    if t.placements[i] != Shard(0) or \
+            dist.get_process_group_ranks(t.device_mesh.get_group(i)) != dist.get_process_group_ranks(ep_group):
+        return None
+    target = [Replicate()] * t.device_mesh.ndim
+    target[i] = Shard(0)
+    j = _tp_dim_matches(t, 0, tp_group, tp_size)
+    if j is not None:
+        target[j] = Shard(0)
+    local_bytes = _nbytes(t.to_local())
+    out = t.redistribute(t.device_mesh, target).to_local()
+    received = _nbytes(out) - local_bytes
+    if tp_size > 1 and j is None:
+        out = _narrow_heads(out, 0, tp_rank, tp_size, 1).clone()
+    return out, received
+
+
 def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
                     tp_group: Optional[dist.ProcessGroup], dtype: Optional[torch.dtype], do_slice: bool,
-                    config=None, ep_rank: int = 0, ep_size: int = 1) -> tuple[torch.Tensor, int]:
+                    config=None, ep_rank: int = 0, ep_size: int = 1,
+                    ep_group: Optional[dist.ProcessGroup] = None) -> tuple[torch.Tensor, int]:
     """One parameter in the rollout layout (steps 1-3 of the module docstring)."""
     t = p if isinstance(p, DTensor) else p.detach()
     if dtype is not None and t.dtype != dtype:
@@ -267,6 +292,10 @@ def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
     t = to_mesh_device(t)  # after the cast: fewer bytes leave the host under param_offload
     split_experts = ep_size > 1 and _EXPERTS.search(name) is not None
     dim = rollout_shard_dim(name) if do_slice and (tp_size > 1 or split_experts) else None
+    if split_experts and dim is not None and isinstance(t, DTensor):
+        kept = _ep_shard(t, tp_rank, tp_size, tp_group, ep_group)
+        if kept is not None:
+            return kept
     if isinstance(t, DTensor) and dim is not None and not split_experts and not _FUSED.search(name) \
             and not (_KV.search(name) and kv_replicas(tp_size, config) > 1):  # a fused one is sliced per part
         keep = _tp_dim_matches(t, dim, tp_group, tp_size)
@@ -313,6 +342,7 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
                            name_filter: Optional[Callable[[str], bool]] = None,
                            pp_group: Optional[dist.ProcessGroup] = None, tp_rank: int = 0, tp_size: int = 1,
                            tp_group: Optional[dist.ProcessGroup] = None, ep_rank: int = 0, ep_size: int = 1,
+                           ep_group: Optional[dist.ProcessGroup] = None,
                            ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
     """This rank's rollout weights, keyed by HF name (see module docstring).
 
@@ -325,6 +355,8 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
             (:class:`RolloutLayout`); ``tp_size == 1`` gives full tensors.
         ep_rank, ep_size: this rank's place in its rollout ep group (rollout.ep): a MoE's experts
             ``[E, ...]`` are cut into ``ep x tp`` blocks of whole experts, block ``ep_rank x tp + tp_rank``.
+            ``ep_group`` (the rollout's): where the training experts are already ``Shard(0)`` over the same
+            ranks (``parallel.ep == rollout.ep``), only their FSDP shards are gathered, never all experts.
 
     Returns:
         ``(weights, stats)``; ``weights`` holds full tensors, or rollout-TP slices of the
@@ -347,7 +379,7 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
                 continue
             t, nbytes = _rollout_tensor(p, name, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
                                         dtype=dtype, do_slice=do_slice, config=config, ep_rank=ep_rank,
-                                        ep_size=ep_size)
+                                        ep_size=ep_size, ep_group=ep_group)
             device = t.device
             weights[name] = t
             received += nbytes

@@ -89,7 +89,7 @@ def _rollout_ep(worker, tp: int, ep: int) -> dict:
 
     lay = RolloutLayout.build(tp, dist_device_type(), ep=ep)
     weights, stats = gather_rollout_weights(worker.model, tp_rank=lay.tp_rank, tp_size=lay.tp, tp_group=lay.tp_group,
-                                            ep_rank=lay.ep_rank, ep_size=lay.ep)
+                                            ep_rank=lay.ep_rank, ep_size=lay.ep, ep_group=lay.ep_group)
     experts = weights["model.layers.0.mlp.experts.gate_up_proj"].shape[0]
     sampler = Sampler(worker.hf_config, weights, pad_token_id=0, tp_group=lay.tp_group, ep_group=lay.ep_group,
                       device=dist_device(), prefill_tokens=8)
@@ -186,6 +186,9 @@ def test_grpo_step_under_expert_parallel_matches_one_rank(model_dir, tmp_path):
             torch.testing.assert_close(got_lp, lp, atol=1e-5, rtol=0, msg=f"rollout tp{rtp} ep{rep} {key}")
         if rep > 1:  # the replicas without prompts served their experts to the others' passes
             assert r["passes"] > 0
+    for name, (rtp, rep) in ((n, k) for n, k in rollouts if k[1] > 1):  # experts kept Shard(0) over ep
+        same_ep = rep == LAYOUTS[name][2]
+        assert (rollouts[(name, (rtp, rep))]["bytes"] < rollouts[(name, (rtp, 1))]["bytes"]) == same_ep, (name, rep)
     if "bf16" in res:
         bf16 = res["bf16"]
         assert bf16["seen"] == {("router", torch.float32, torch.float32, torch.float32),
