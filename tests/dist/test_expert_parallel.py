@@ -9,6 +9,10 @@ Per layout: padding-free old log-probs, one PPO-clip + KL + entropy update over 
 metrics), full parameters after, then greedy sampling from the resharded weights. SGD with lr 1
 makes the parameter change the gradient itself (see test_grpo_archs). Last, dp4 x ep2 under bf16
 mixed precision: the router computes in fp32, the experts in bf16 through the all-to-alls.
+
+rollout.ep: the updated dp4 x ep2 model samples under rollout ep 1, ep 2 (its training ep groups: the
+expert shards stay put) and ep 4, the dp2 x tp2 x ep2 one under rollout tp 2 x ep 1 and tp 2 x ep 2;
+greedy and sampled tokens equal, log-probs within 1e-5, with a replica that has no prompt of its own.
 """
 
 from __future__ import annotations
