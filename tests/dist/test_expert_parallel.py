@@ -81,38 +81,35 @@ def _run(path: str, dp: int, tp: int, ep: int, checkpointing: bool = False) -> d
             "rollout_ep": {(rtp, rep): _rollout_ep(worker, rtp, rep) for rtp, rep in ROLLOUT_EP.get((dp, tp, ep), ())}}
 
 
-def _rollout_ep(worker, tp: int, ep: int) -> dict:
-    """rollout.tp x rollout.ep sampling of the updated model, resharded from its training layout: the
-    replicas take contiguous chunks of PROMPTS (some replica has none: it only serves its experts), greedy
-    and sampled (draws keyed by prompt key and position); every rank returns the rows of every prompt."""
-    import torch.distributed as dist
+class _Tok:
+    pad_token_id, eos_token_id = 0, 1
 
-    from rlhf.rollout import Sampler, SamplingParams
-    from rlhf.rollout.engine import chunk_bounds
-    from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [" ".join(map(str, r)) for r in rows]
+
+
+def _rollout_ep(worker, tp: int, ep: int) -> dict:
+    """rollout.tp x rollout.ep sampling of the updated model through the rollout engine (reshard from its
+    training layout, sample, exchange rows): the replicas take contiguous chunks of PROMPTS (some replica
+    has none: it only serves its experts); greedy and sampled (draws keyed by prompt key and position);
+    every rank asks for the rows of every prompt."""
+    from rlhf.rollout.engine import RolloutEngine
+    from rlhf.rollout.reshard import RolloutLayout
+    from rlhf.schema.batch import PromptBatch
+    from rlhf.schema.config import RolloutConfig
 
     lay = RolloutLayout.build(tp, dist_device_type(), ep=ep)
-    weights, stats = gather_rollout_weights(worker.model, tp_rank=lay.tp_rank, tp_size=lay.tp, tp_group=lay.tp_group,
-                                            ep_rank=lay.ep_rank, ep_size=lay.ep, ep_group=lay.ep_group)
-    experts = weights["model.layers.0.mlp.experts.gate_up_proj"].shape[0]
-    sampler = Sampler(worker.hf_config, weights, pad_token_id=0, tp_group=lay.tp_group, ep_group=lay.ep_group,
-                      device=dist_device(), prefill_tokens=8)
-    start, end = chunk_bounds(len(PROMPTS), lay.dp)[lay.dp_rank]
-    rows = {}
+    engine = RolloutEngine(RolloutConfig(tp=tp, ep=ep, seed=3), _Tok(), max_prompt_length=8, max_response_length=6,
+                           device=dist_device(), layout=lay)
+    k = len(PROMPTS)
+    prompts = PromptBatch(prompt_ids=PROMPTS, keys=list(range(k)), ground_truths=[""] * k, data_sources=[""] * k,
+                          extra_infos=[{}] * k)
+    out = {}
     for temperature in (0.0, 1.0):
-        if end > start:
-            out = sampler.generate(PROMPTS[start:end], SamplingParams(n=2, temperature=temperature, max_new_tokens=6,
-                                                                      seed=3),
-                                   prompt_keys=list(range(start, end)))
-            for i in range(out.response_ids.shape[0]):
-                rows[(temperature, start + i // 2, i % 2)] = (out.response_ids[i].cpu(), out.log_probs[i].cpu())
-        else:
-            sampler.ep_drain()
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, rows)
-    merged = {k: v for r in everyone for k, v in r.items()}
-    return {"rows": merged, "experts": experts, "passes": sampler.spec.ep.passes if ep > 1 else 0,
-            "bytes": stats.bytes_received}
+        batch, stats = engine.generate(worker.model, worker.hf_config, prompts, step=0, n=2, temperature=temperature,
+                                       local_rows=list(range(k)))
+        out[temperature] = (batch.input_ids.cpu(), batch.rollout_log_probs.cpu())
+    return {"rows": out, "bytes": stats["reshard/bytes_received"], "params": stats["reshard/params"]}
 
 
 def _bf16(path: str) -> dict:
@@ -180,16 +177,16 @@ def test_grpo_step_under_expert_parallel_matches_one_rank(model_dir, tmp_path):
         torch.testing.assert_close(got["gen_log_probs"], ref["gen_log_probs"], atol=1e-4, rtol=0, msg=name)
     rollouts = {(name, key): r for name in LAYOUTS for key, r in res[name]["rollout_ep"].items()}
     ref_rows = rollouts[("dp4xep2", (1, 1))]["rows"]
-    assert len(ref_rows) == 2 * 2 * len(PROMPTS)
+    greedy, sampled = ref_rows[0.0][0], ref_rows[1.0][0]
+    assert greedy.shape == (2 * len(PROMPTS), 8 + 6) and not torch.equal(greedy, sampled)
     for (name, (rtp, rep)), r in rollouts.items():
-        assert r["experts"] == 8 // (rtp * rep), (name, rtp, rep)
-        assert set(r["rows"]) == set(ref_rows), (name, rtp, rep)
-        for key, (ids, lp) in ref_rows.items():
-            got_ids, got_lp = r["rows"][key]
-            assert torch.equal(got_ids, ids), f"rollout tp{rtp} ep{rep} from {name}: tokens of {key} differ"
-            torch.testing.assert_close(got_lp, lp, atol=1e-5, rtol=0, msg=f"rollout tp{rtp} ep{rep} {key}")
-        if rep > 1:  # the replicas without prompts served their experts to the others' passes
-            assert r["passes"] > 0
+        for temperature, (ids, lp) in ref_rows.items():
+            got_ids, got_lp = r["rows"][temperature]
+            assert torch.equal(got_ids, ids), f"rollout tp{rtp} ep{rep} from {name}, temperature {temperature}"
+            torch.testing.assert_close(got_lp, lp, atol=1e-5, rtol=0, msg=f"rollout tp{rtp} ep{rep} {temperature}")
+    experts = sum(t.numel() for n, t in init.items() if ".experts." in n)
+    for (name, (rtp, rep)), r in rollouts.items():  # a rank's rollout copy holds 1 / (ep x tp) of the experts
+        assert rollouts[(name, (rtp, 1))]["params"] - r["params"] == experts // rtp - experts // (rtp * rep), name
     for name, (rtp, rep) in ((n, k) for n, k in rollouts if k[1] > 1):  # experts kept Shard(0) over ep
         same_ep = rep == LAYOUTS[name][2]
         assert (rollouts[(name, (rtp, rep))]["bytes"] < rollouts[(name, (rtp, 1))]["bytes"]) == same_ep, (name, rep)
