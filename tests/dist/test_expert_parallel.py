@@ -76,8 +76,11 @@ def _run(path: str, dp: int, tp: int, ep: int, checkpointing: bool = False) -> d
     sampler = Sampler(worker.hf_config, weights, pad_token_id=0, tp_group=layout.tp_group, device=dist_device())
     gen = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=6))
     del weights, sampler
-    return {"metrics": metrics, "params": params, "log_probs": lp, "ids": gen.response_ids.cpu(),
-            "gen_log_probs": gen.log_probs.cpu(),
+    from rlhf.rewards.pool import model_parallel_group  # the trainer's scorer group: dp is (efsdp, ep) here
+
+    peers = model_parallel_group(mesh)
+    return {"scorer_group": None if peers is None else dist.get_process_group_ranks(peers[0]), "metrics": metrics,
+            "params": params, "log_probs": lp, "ids": gen.response_ids.cpu(), "gen_log_probs": gen.log_probs.cpu(),
             "rollout_ep": {(rtp, rep): _rollout_ep(worker, rtp, rep) for rtp, rep in ROLLOUT_EP.get((dp, tp, ep), ())}}
 
 
@@ -175,6 +178,7 @@ def test_grpo_step_under_expert_parallel_matches_one_rank(model_dir, tmp_path):
             assert float((got["params"][n] - ref["params"][n]).abs().max()) < 1e-5, f"{name} {n}"
         assert torch.equal(got["ids"], ref["ids"]), name
         torch.testing.assert_close(got["gen_log_probs"], ref["gen_log_probs"], atol=1e-4, rtol=0, msg=name)
+    assert [res[name]["scorer_group"] for name in LAYOUTS] == [None, None, [0, 1]]  # rank 0's tp peers
     rollouts = {(name, key): r for name in LAYOUTS for key, r in res[name]["rollout_ep"].items()}
     ref_rows = rollouts[("dp4xep2", (1, 1))]["rows"]
     greedy, sampled = ref_rows[0.0][0], ref_rows[1.0][0]
