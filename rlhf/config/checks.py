@@ -25,8 +25,9 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(cfg.rollout.top_k == -1 or cfg.rollout.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
     need(cfg.rollout.tp >= 1, "rollout.tp", "must be >= 1")
-    need(cfg.rollout.ep == 1, "rollout.ep", f"must be 1, got {cfg.rollout.ep}: expert-parallel rollout is not built (a "
-         "rollout replica holds all experts, split over rollout.tp; the trainer's parallel.ep reshards into that)")
+    need(cfg.rollout.ep >= 1, "rollout.ep", f"must be >= 1, got {cfg.rollout.ep}")
+    need(cfg.rollout.ep == 1 or cfg.trainer.mode == "colocated", "rollout.ep",
+         f"> 1 is built for trainer.mode colocated only, got {cfg.trainer.mode} (set rollout.ep=1)")
     mt = cfg.rollout.multi_turn
     if mt.enable:
         need(bool(mt.tool_config_path), "rollout.multi_turn.tool_config_path", "is required when multi_turn.enable")

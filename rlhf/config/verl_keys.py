@@ -257,6 +257,7 @@ RULES: dict[str, Rule] = {
     _R + "do_sample": to("rollout.temperature", "do_sample=false is greedy: rollout.temperature=0",
                          convert=lambda v: {} if v else {"rollout.temperature": 0.0}),
     _R + "tensor_model_parallel_size": to("rollout.tp"),
+    _R + "expert_parallel_size": to("rollout.ep"),
     _R + "gpu_memory_utilization": to("rollout.gpu_memory_utilization"),
     _R + "max_num_seqs": to("rollout.max_num_seqs"),
     _R + "max_num_batched_tokens": to("rollout.prefill_tokens", "tokens per prefill forward"),
@@ -280,7 +281,7 @@ RULES: dict[str, Rule] = {
     **{_R + k: ignored(_PERF) for k in (
         "cudagraph_capture_sizes", "enable_chunked_prefill", "enable_prefix_caching",
         "disable_log_stats", "engine_kwargs", "max_model_len", "skip_tokenizer_init", "multi_stage_wake_up",
-        "calculate_log_probs", "profiler", "trace", "data_parallel_size", "expert_parallel_size",
+        "calculate_log_probs", "profiler", "trace", "data_parallel_size",
         "pipeline_model_parallel_size", "agent")},
     _R + "ignore_eos": only((False,), "responses stop at EOS", "ignore_eos=true is not supported"),
     _R + "over_sample_rate": only((0, 0.0), "no over-sampling", "over-sampling is not supported"),

@@ -58,6 +58,9 @@ class DecoderSpec:
     qk_norm: bool
     tie_word_embeddings: bool
     arch: ArchSpec  # family variants, per-layer attention settings
+    # expert-parallel rollout (rollout.ep > 1): rlhf.rollout.expert_dispatch.RolloutEP, whose ``experts``
+    # replaces rlhf.models.moe.experts in the sparse layers; None: this rank holds its replica's experts
+    ep: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
@@ -380,10 +383,19 @@ def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], 
 _MLP_ROWS = 256
 
 
+def expert_weights(lw: "LayerWeights") -> tuple[Tensor, Tensor, dict]:
+    """A sparse layer's ``(gate_up, down, extra kwargs)`` in :func:`rlhf.models.moe.experts`' layout."""
+    gu, dn, kw = lw.experts_gate_up, lw.experts_down, {}
+    if lw.experts_gate_up_b is not None:  # GPT-OSS: transposed, gate / up interleaved, biases
+        gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+        kw = dict(gate_up_b=lw.experts_gate_up_b, down_b=lw.experts_down_b, interleaved=True)
+    return gu, dn, kw
+
+
 def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any, routes: list | None = None) -> Tensor:
     """``x + down(act(gate(g)) * up(g))``, ``g = RMSNorm(x)``; ``x`` ``[M, hidden]``; routed
     experts in a MoE layer (``rlhf.models.moe``), whose top-k ids ``[M, k]`` go to ``routes``."""
-    if tp_group is None and x.shape[0] > _MLP_ROWS:
+    if tp_group is None and x.shape[0] > _MLP_ROWS and (spec.ep is None or lw.router_w is None):
         part: list | None = [] if routes is not None else None
         out = torch.cat([_mlp(spec, lw, rows, None, part) for rows in x.split(_MLP_ROWS)])
         if part:
@@ -395,12 +407,12 @@ def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any, routes: 
         top_w, top_i = moe.route(a.moe, g, lw.router_w, lw.router_b)
         if routes is not None:
             routes.append(top_i)
-        gu, dn, kw = lw.experts_gate_up, lw.experts_down, {}
-        if lw.experts_gate_up_b is not None:  # GPT-OSS: transposed, gate / up interleaved, biases
-            gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
-            kw = dict(gate_up_b=lw.experts_gate_up_b, down_b=lw.experts_down_b, interleaved=True)
-        out = moe.experts(g, top_i, top_w, gu, dn, lambda u, v: arch.gated_act(a, u, v),
-                          expert_offset=_rank(tp_group) * gu.shape[0], **kw)
+        gu, dn, kw = expert_weights(lw)
+        # under rollout.ep the rows of a layer go to the ep peers in ONE all-to-all (never split: each
+        # peer must join exactly once per layer and pass)
+        run = moe.experts if spec.ep is None else spec.ep.experts
+        out = run(g, top_i, top_w, gu, dn, lambda u, v: arch.gated_act(a, u, v),
+                  expert_offset=_rank(tp_group) * gu.shape[0], **kw)
         if lw.shared_gate_up is not None:  # Qwen2-MoE (a partial sum under tp, like the experts')
             out = out + moe_archs.shared_expert(g, lw.shared_gate_up, lw.shared_down, lw.shared_gate,
                                                 lambda u, v: arch.gated_act(a, u, v))

@@ -110,7 +110,8 @@ def split_sizes(send_counts: Tensor, recv_counts: Tensor) -> tuple[list[int], li
 
 
 def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tensor, act, *, num_experts: int,
-               ep_group: dist.ProcessGroup, tp_mesh: Optional[DeviceMesh] = None, **expert_kw) -> Tensor:
+               ep_group: dist.ProcessGroup, tp_mesh: Optional[DeviceMesh] = None, expert_offset: int = 0,
+               **expert_kw) -> Tensor:
     """The routed MLP of this rank's tokens with the experts spread over ``ep_group`` (module docstring).
 
     Args:
@@ -118,6 +119,9 @@ def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: T
         gate_up: ``[E_local, 2I, hidden]``, down: ``[E_local, hidden, I]``: this rank's experts
             (``E_local = E / (ep x tp)``), already gradient-scaled.
         tp_mesh: the 1-D tp mesh when the ep-local experts are split over tp, else None.
+        expert_offset: without ``tp_mesh``, the ep-local index of ``gate_up[0]`` when the caller splits
+            the ep-local experts over its own tp group (the rollout's ``rlhf.rollout.expert_dispatch``):
+            the result is then this rank's partial sum, which the caller all-reduces.
         expert_kw: more arguments of :func:`rlhf.models.moe.experts` (GPT-OSS's biases, interleaving).
     Returns:
         ``[M, hidden]`` in x's dtype.
@@ -134,7 +138,7 @@ def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: T
     local_e = torch.repeat_interleave(torch.arange(per_rank, device=x.device).repeat(ep), recv_counts.reshape(-1),
                                       output_size=xr.shape[0])  # its size known: no second host sync
     ones = torch.ones((xr.shape[0], 1), dtype=x.dtype, device=x.device)
-    offset = 0
+    offset = expert_offset
     if tp_mesh is not None:
         xr = replicated_input(xr, tp_mesh)
         offset = tp_mesh.get_local_rank() * gate_up.shape[0]
@@ -144,7 +148,7 @@ def ep_experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: T
     ys = all_to_all(yr, send, recv, ep_group)  # [M k, H] in `order`
     y = torch.zeros_like(ys).index_copy(0, order, ys)  # assignment order
     # (an fp32 router's weights promote the sum to fp32, as rlhf.models.moe.experts does)
-    return (y.view(m, k, -1) * top_w[..., None]).sum(dim=1).to(x.dtype)
+    return (y.view(m, k, y.shape[-1]) * top_w[..., None]).sum(dim=1).to(x.dtype)  # m may be 0
 
 
 class ExpertParallel(ParallelStyle):

@@ -185,7 +185,9 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     # Rollout: full weights over rollout.tp; KV-cache slots for this replica's sequences.
     # the reshard splits the attention / MLP projections over rollout.tp; embedding and head stay whole
     ends = s.embed_params() + s.head_params()
-    rollout_copy = ((s.num_params() - ends) / r.tp + ends) * rb
+    # rollout.ep: a replica holds 1 / ep of the routed experts (rlhf.rollout.expert_dispatch)
+    routed = s.sparse_layers * s.num_experts * 3 * s.hidden_size * s.moe_intermediate_size * (1 - 1 / r.ep)
+    rollout_copy = ((s.num_params() - ends - routed) / r.tp + ends) * rb
     comp["rollout weights"] = rollout_copy
     seq_len = d.max_prompt_length + d.max_response_length
     replicas = role_world // r.tp

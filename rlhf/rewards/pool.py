@@ -409,7 +409,10 @@ def model_parallel_group(mesh) -> Optional[tuple[Any, int]]:
     import torch.distributed as dist
 
     names = list(mesh.mesh_dim_names)
-    ranks = mesh.mesh.movedim(names.index("dp"), 0)  # [dp, ...] global ranks
+    # under parallel.ep the root mesh holds dp as (efsdp, ep), flattened into "dp" only as a sub-mesh
+    dp_dims = [names.index("dp")] if "dp" in names else [names.index("efsdp"), names.index("ep")]
+    t = mesh.mesh.permute(*dp_dims, *[i for i in range(len(names)) if i not in dp_dims])
+    ranks = t.reshape(-1, *t.shape[len(dp_dims):])  # [dp, ...] global ranks
     if ranks[0].numel() == 1:
         return None
     mine = next(row.flatten().tolist() for row in ranks if dist.get_rank() in row.flatten().tolist())

@@ -148,7 +148,8 @@ class RolloutEngine:
         """Rollout weights of `model`. With LoRA, the frozen base is resharded once and cached,
         and each call moves only the adapters and merges ``W + (alpha / r) B A``."""
         lay = self.layout
-        kw = dict(dtype=self.dtype, pp_group=pp_group, tp_rank=lay.tp_rank, tp_size=lay.tp, tp_group=lay.tp_group)
+        kw = dict(dtype=self.dtype, pp_group=pp_group, tp_rank=lay.tp_rank, tp_size=lay.tp, tp_group=lay.tp_group,
+                  ep_rank=lay.ep_rank, ep_size=lay.ep, ep_group=lay.ep_group)
         if self.lora is None:
             return gather_rollout_weights(model, **kw)
         if self._lora_base is None:
@@ -158,12 +159,13 @@ class RolloutEngine:
                                               **{**kw, "tp_rank": 0, "tp_size": 1})
         alpha, rank = self.lora
         slicer = None
-        if lay.tp > 1:
+        if lay.tp > 1 or lay.ep > 1:
             from rlhf.rollout.reshard import rollout_slice
 
             config = next((m.config for m in model.modules()
                            if hasattr(getattr(m, "config", None), "model_type")), None)
-            slicer = lambda full, name: rollout_slice(full, name, lay.tp_rank, lay.tp, config)  # noqa: E731
+            slicer = lambda full, name: rollout_slice(full, name, lay.tp_rank, lay.tp, config,  # noqa: E731
+                                                      lay.ep_rank, lay.ep)
         return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank, slice_delta=slicer), rs
 
     def _sampler(self, hf_config, weights: dict[str, torch.Tensor], consume: bool) -> Sampler:
@@ -175,7 +177,7 @@ class RolloutEngine:
         if self._kept is not None:
             self._kept.load_weights(weights, consume=consume)
             return self._kept
-        graphs = self.cfg.compile and self.device.type == "cuda"
+        graphs = self.cfg.compile and self.device.type == "cuda" and self.layout.ep == 1
         keep = graphs or not self.cfg.free_cache_engine
         sampler = Sampler(hf_config, weights, pad_token_id=self.pad_id, device=self.device, dtype=self.dtype,
                           max_num_seqs=self.cfg.max_num_seqs, max_seq_len=self.P + self.R,
@@ -184,7 +186,7 @@ class RolloutEngine:
                           prefill_tokens=self.cfg.prefill_tokens, tp_group=self.layout.tp_group,
                           use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
                           reload_in_place=keep, consume_weights=consume, speculative=self.cfg.speculative,
-                          record_routes=self.record_routes)
+                          record_routes=self.record_routes, ep_group=self.layout.ep_group)
         if keep:
             self._kept = sampler
         return sampler
@@ -257,6 +259,8 @@ class RolloutEngine:
                                        prompt_keys=prompts.keys[start:end],
                                        on_finished=_rows_to_samples(on_finished, start, n), turns=turns,
                                        multi_modal=prompts.multi_modal[start:end] if prompts.multi_modal else None)
+            else:
+                sampler.ep_drain()  # rollout.ep: nothing of its own, but its experts serve the peers
             stats_local = dict(out.stats) if out is not None else {}
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows, sampler.route_shape)
             # global over the rollout replicas (one rank each in lay.dp_group), like every logged metric

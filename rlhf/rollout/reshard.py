@@ -118,10 +118,14 @@ def _narrow_heads(t: torch.Tensor, dim: int, tp_rank: int, tp_size: int, replica
     return t.narrow(dim, index * size, size)
 
 
-def rollout_slice(full: torch.Tensor, name: str, tp_rank: int, tp_size: int, config=None) -> torch.Tensor:
+def rollout_slice(full: torch.Tensor, name: str, tp_rank: int, tp_size: int, config=None,
+                  ep_rank: int = 0, ep_size: int = 1) -> torch.Tensor:
     """The rollout-TP rank's part of a full HF parameter (the full tensor when replicated);
     ``config`` (the HF config) is needed for a fused q|k|v projection and for a rollout wider than
-    the KV heads (``k_proj`` / ``v_proj`` rows then give each rank its group's KV head whole)."""
+    the KV heads (``k_proj`` / ``v_proj`` rows then give each rank its group's KV head whole).
+    ``ep_rank`` / ``ep_size`` (rollout.ep): a MoE's experts are split over ``ep x tp``, ep-major."""
+    if ep_size > 1 and _EXPERTS.search(name):
+        tp_rank, tp_size = ep_rank * tp_size + tp_rank, ep_size * tp_size
     dim = rollout_shard_dim(name)
     if tp_size == 1 or dim is None:
         return full
@@ -151,6 +155,11 @@ class RolloutLayout:
     dp_rank: int = 0
     dp_group: Optional[dist.ProcessGroup] = None
     group: Optional[dist.ProcessGroup] = None  # all ranks of the layout; None = the world
+    # rollout.ep: blocks of ep consecutive replicas share their experts; ep_group joins the ranks of one
+    # block at the same tp rank (the training mesh's ep groups when parallel.ep is the same size)
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = None
 
     @property
     def size(self) -> int:
@@ -158,7 +167,7 @@ class RolloutLayout:
 
     @classmethod
     def build(cls, tp: int, device_type: str, ranks: Optional[list[int]] = None,
-              exchange_timeout_s: Optional[float] = None) -> "RolloutLayout":
+              exchange_timeout_s: Optional[float] = None, ep: int = 1) -> "RolloutLayout":
         """Create the groups: over the world (a collective: every rank calls it with the same ``tp``),
         or over ``ranks`` (one role of trainer.mode one_step_off; only those ranks call it).
 
@@ -169,19 +178,36 @@ class RolloutLayout:
         """
         timeout = datetime.timedelta(seconds=exchange_timeout_s) if exchange_timeout_s else None
         if ranks is not None:
-            return cls._over(tp, ranks, timeout)
+            return cls._with_ep(cls._over(tp, ranks, timeout), ep, ranks)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if tp < 1 or world % tp:
             raise ValueError(f"rollout.tp={tp} does not divide the world size {world}")
         if world == 1:
-            return cls()
+            return cls._with_ep(cls(), ep, [0])
         rank, dp = dist.get_rank(), world // tp
         # Every rank creates every group (a world collective), tp-minor like the training mesh.
         tp_group = dist.new_subgroups_by_enumeration([list(range(k * tp, k * tp + tp)) for k in range(dp)])[0] \
             if tp > 1 else None
         dp_group = dist.new_subgroups_by_enumeration([list(range(j, world, tp)) for j in range(tp)],
                                                      timeout=timeout)[0] if dp > 1 else None
-        return cls(tp=tp, tp_rank=rank % tp, tp_group=tp_group, dp=dp, dp_rank=rank // tp, dp_group=dp_group)
+        return cls._with_ep(cls(tp=tp, tp_rank=rank % tp, tp_group=tp_group, dp=dp, dp_rank=rank // tp,
+                                dp_group=dp_group), ep, list(range(world)))
+
+    @staticmethod
+    def _with_ep(lay: "RolloutLayout", ep: int, ranks: list[int]) -> "RolloutLayout":
+        """Add the ep groups: every rank of ``ranks`` calls it (each creates every group, in order)."""
+        if ep < 1 or lay.dp % ep:
+            raise ValueError(f"rollout.ep={ep} must divide the {lay.dp} rollout replicas (ranks / rollout.tp)")
+        lay.ep, lay.ep_rank = ep, lay.dp_rank % ep
+        if ep > 1:
+            me = dist.get_rank()
+            for block in range(lay.dp // ep):
+                for j in range(lay.tp):
+                    members = [ranks[(block * ep + i) * lay.tp + j] for i in range(ep)]
+                    g = dist.new_group(members, use_local_synchronization=True)
+                    if me in members:
+                        lay.ep_group = g
+        return lay
 
     @classmethod
     def _over(cls, tp: int, ranks: list[int], timeout: Optional[datetime.timedelta] = None) -> "RolloutLayout":
@@ -233,16 +259,46 @@ def _tp_dim_matches(t: DTensor, dim: int, tp_group: Optional[dist.ProcessGroup],
     return i
 
 
+def _ep_shard(t: DTensor, tp_rank: int, tp_size: int, tp_group: Optional[dist.ProcessGroup],
+              ep_group: Optional[dist.ProcessGroup]) -> Optional[tuple[torch.Tensor, int]]:
+    """Experts that training already shards over the rollout's ep group (parallel.ep == rollout.ep): gather
+    only the other mesh dims (FSDP's efsdp, and tp unless it is the rollout tp), keep ep's ``Shard(0)``."""
+    names = t.device_mesh.mesh_dim_names or ()
+    if ep_group is None or "ep" not in names:
+        return None
+    i = names.index("ep")
+    if t.placements[i] != Shard(0) or \
+            dist.get_process_group_ranks(t.device_mesh.get_group(i)) != dist.get_process_group_ranks(ep_group):
+        return None
+    target = [Replicate()] * t.device_mesh.ndim
+    target[i] = Shard(0)
+    j = _tp_dim_matches(t, 0, tp_group, tp_size)
+    if j is not None:
+        target[j] = Shard(0)
+    local_bytes = _nbytes(t.to_local())
+    out = t.redistribute(t.device_mesh, target).to_local()
+    received = _nbytes(out) - local_bytes
+    if tp_size > 1 and j is None:
+        out = _narrow_heads(out, 0, tp_rank, tp_size, 1).clone()
+    return out, received
+
+
 def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
                     tp_group: Optional[dist.ProcessGroup], dtype: Optional[torch.dtype], do_slice: bool,
-                    config=None) -> tuple[torch.Tensor, int]:
+                    config=None, ep_rank: int = 0, ep_size: int = 1,
+                    ep_group: Optional[dist.ProcessGroup] = None) -> tuple[torch.Tensor, int]:
     """One parameter in the rollout layout (steps 1-3 of the module docstring)."""
     t = p if isinstance(p, DTensor) else p.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     t = to_mesh_device(t)  # after the cast: fewer bytes leave the host under param_offload
-    dim = rollout_shard_dim(name) if do_slice and tp_size > 1 else None
-    if isinstance(t, DTensor) and dim is not None and not _FUSED.search(name) \
+    split_experts = ep_size > 1 and _EXPERTS.search(name) is not None
+    dim = rollout_shard_dim(name) if do_slice and (tp_size > 1 or split_experts) else None
+    if split_experts and dim is not None and isinstance(t, DTensor):
+        kept = _ep_shard(t, tp_rank, tp_size, tp_group, ep_group)
+        if kept is not None:
+            return kept
+    if isinstance(t, DTensor) and dim is not None and not split_experts and not _FUSED.search(name) \
             and not (_KV.search(name) and kv_replicas(tp_size, config) > 1):  # a fused one is sliced per part
         keep = _tp_dim_matches(t, dim, tp_group, tp_size)
         if keep is not None:  # training TP shard == rollout TP shard: gather dp only
@@ -254,7 +310,7 @@ def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
     full, received = gather_full_tensor(t)
     if dim is None:
         return full, received
-    return rollout_slice(full, name, tp_rank, tp_size, config).clone(), received
+    return rollout_slice(full, name, tp_rank, tp_size, config, ep_rank, ep_size).clone(), received
 
 
 def _pp_exchange(local: dict[str, torch.Tensor], pp_group: dist.ProcessGroup, device: torch.device,
@@ -287,7 +343,8 @@ def _pp_exchange(local: dict[str, torch.Tensor], pp_group: dist.ProcessGroup, de
 def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtype] = None,
                            name_filter: Optional[Callable[[str], bool]] = None,
                            pp_group: Optional[dist.ProcessGroup] = None, tp_rank: int = 0, tp_size: int = 1,
-                           tp_group: Optional[dist.ProcessGroup] = None,
+                           tp_group: Optional[dist.ProcessGroup] = None, ep_rank: int = 0, ep_size: int = 1,
+                           ep_group: Optional[dist.ProcessGroup] = None,
                            ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
     """This rank's rollout weights, keyed by HF name (see module docstring).
 
@@ -298,6 +355,10 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
         pp_group: the pipeline group when the model is split into stages (None: no pp).
         tp_rank, tp_size, tp_group: this rank's place in its rollout TP group
             (:class:`RolloutLayout`); ``tp_size == 1`` gives full tensors.
+        ep_rank, ep_size: this rank's place in its rollout ep group (rollout.ep): a MoE's experts
+            ``[E, ...]`` are cut into ``ep x tp`` blocks of whole experts, block ``ep_rank x tp + tp_rank``.
+            ``ep_group`` (the rollout's): where the training experts are already ``Shard(0)`` over the same
+            ranks (``parallel.ep == rollout.ep``), only their FSDP shards are gathered, never all experts.
 
     Returns:
         ``(weights, stats)``; ``weights`` holds full tensors, or rollout-TP slices of the
@@ -308,8 +369,8 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
     pp = dist.get_world_size(pp_group) if pp_group is not None else 1
     # Slice before the pp broadcast only if every pp peer wants the same slice.
     do_slice = True
-    if pp > 1 and tp_size > 1:
-        do_slice = len({r % tp_size for r in dist.get_process_group_ranks(pp_group)}) == 1
+    if pp > 1 and (tp_size > 1 or ep_size > 1):  # pp peers are whole replicas apart: other ep ranks
+        do_slice = ep_size == 1 and len({r % tp_size for r in dist.get_process_group_ranks(pp_group)}) == 1
     weights: dict[str, torch.Tensor] = {}
     received = 0
     config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "model_type")), None)
@@ -319,7 +380,8 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
             if name_filter is not None and not name_filter(name):
                 continue
             t, nbytes = _rollout_tensor(p, name, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                                        dtype=dtype, do_slice=do_slice, config=config)
+                                        dtype=dtype, do_slice=do_slice, config=config, ep_rank=ep_rank,
+                                        ep_size=ep_size, ep_group=ep_group)
             device = t.device
             weights[name] = t
             received += nbytes
@@ -327,7 +389,8 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
             weights, nbytes = _pp_exchange(weights, pp_group, device or torch.device("cpu"))
             received += nbytes
             if not do_slice:
-                weights = {n: rollout_slice(t, n, tp_rank, tp_size, config).clone() if rollout_shard_dim(n) is not None
+                weights = {n: rollout_slice(t, n, tp_rank, tp_size, config, ep_rank, ep_size).clone()
+                           if rollout_shard_dim(n) is not None
                            else t for n, t in weights.items()}
     numel = sum(t.numel() for t in weights.values())
     return weights, ReshardStats(time.perf_counter() - t0, received, numel)

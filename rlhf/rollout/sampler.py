@@ -11,6 +11,7 @@ attention window so that its shapes are static, and is captured once as a CUDA g
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.models import decoder, moe
+from rlhf.models import arch, decoder, moe
 from rlhf.rollout import cascade_attention as cascade, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
@@ -139,6 +140,10 @@ class Sampler:
             prefix once for its samples' decode queries where it pays (``rlhf.rollout.cascade_attention``).
         speculative: ``rollout.speculative`` settings (``enable``, ``num_draft_tokens``, ``ngram_min`` /
             ``ngram_max``, ``sources``): n-gram drafts verified in one forward (``rlhf.rollout.speculative``).
+        ep_group: rollout.ep > 1: the rollout ep group (``RolloutLayout.ep_group``); ``weights`` then hold
+            this rank's ``E / (ep x tp)`` experts and the sparse layers dispatch over the group
+            (``rlhf.rollout.expert_dispatch``). Every generate ends by serving the peers until they finish;
+            a replica with nothing to generate calls :meth:`ep_drain` instead.
         record_routes: a MoE model's sampler records each token's top-k expert ids per sparse layer
             (``RolloutOutput.routes``: rollout routing replay, ``actor.router_replay=R3``); ignored for
             a dense model.
@@ -171,6 +176,7 @@ class Sampler:
         cascade_attention: bool = True,
         speculative: Any = None,
         record_routes: bool = False,
+        ep_group: Any = None,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -193,6 +199,8 @@ class Sampler:
             self.spec = self.spec.shard(tp_size)
         else:
             tp_group = None  # a group of one: nothing to all-reduce
+        if ep_group is not None and dist.get_world_size(ep_group) > 1:
+            use_cuda_graph = self._expert_parallel(ep_group, tp_size, use_cuda_graph)
         self.pad_token_id = int(pad_token_id)
         self.dtype = dtype or next(iter(weights.values())).dtype
         self.max_num_seqs = max_num_seqs
@@ -242,6 +250,25 @@ class Sampler:
 
     # ------------------------------------------------------------------ setup
 
+    def _expert_parallel(self, ep_group: Any, tp_size: int, use_cuda_graph: bool) -> bool:
+        from rlhf.rollout.expert_dispatch import RolloutEP
+
+        m, ep = self.spec.arch.moe, dist.get_world_size(ep_group)
+        if m is None:
+            raise ValueError(f"rollout.ep={ep} needs a mixture-of-experts model; {self.spec.model_type} has none")
+        if m.num_experts % (ep * tp_size):
+            raise ValueError(f"rollout.ep x rollout.tp = {ep} x {tp_size} must divide num_experts={m.num_experts}")
+        if use_cuda_graph:
+            warnings.warn("rollout.ep > 1 decodes eagerly: the all-to-all sizes are read on the host", stacklevel=3)
+        self.spec = dataclasses.replace(self.spec, ep=RolloutEP(ep_group, m.num_experts, sum(m.sparse), self.device))
+        return False
+
+    def ep_drain(self) -> None:
+        """rollout.ep: serve the ep peers' rows until every peer has finished generating (a no-op otherwise)."""
+        if self.spec.ep is not None:
+            tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+            self.spec.ep.drain(self.weights.layers, lambda u, v: arch.gated_act(self.spec.arch, u, v), tp_rank)
+
     def load_weights(self, weights: Mapping[str, Tensor], consume: bool = False) -> None:
         """New weights (e.g. after a training step); the KV cache is kept. ``consume``: as
         ``consume_weights``.
@@ -270,8 +297,6 @@ class Sampler:
 
     def embed(self, ids: Tensor) -> Tensor:
         """Input embeddings of token ids ``[T]`` -> ``[T, hidden]``."""
-        from rlhf.models import arch
-
         return arch.embed(self.spec.arch, self.weights.embed, ids)
 
     def _allocate(self, max_seq_len: int) -> None:
@@ -352,8 +377,10 @@ class Sampler:
             vis = vision.VisionPrompts(self, prompts, multi_modal or [None] * len(prompts))
         elif multi_modal and any(m is not None for m in multi_modal):
             raise ValueError(f"generate: images given but model_type {self.config.model_type!r} is a text LM")
-        return RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys, on_finished, turns,
-                                           vis).execute())
+        out = RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys, on_finished, turns,
+                                          vis).execute())
+        self.ep_drain()
+        return out
 
     # ------------------------------------------------------------------ decode forward
 

@@ -122,8 +122,9 @@ class RolloutConfig:
     min_p: float = _f(0.0, "Min-p sampling threshold; 0 disables.")
     stop: list = _f([], "Extra stop strings (EOS always stops).")
     tp: int = _f(1, "Tensor-parallel size of the rollout layout (divides parallel.tp x pp x dp).")
-    ep: int = _f(1, "Expert-parallel size of the rollout layout; only 1: a rollout replica holds its experts whole "
-                    "(split over rollout.tp), whatever parallel.ep the trainer uses.")
+    ep: int = _f(1, "Expert-parallel size of the rollout layout (divides the replicas, world / rollout.tp): ep "
+                    "replicas share their experts, E / ep each, and route tokens by all-to-all; 1: a replica holds "
+                    "all experts (split over rollout.tp). Independent of parallel.ep.")
     max_num_seqs: int = _f(256, "Most sequences decoded at once per rank.")
     nnodes: int = _f(0, "trainer.mode fully_async (verl's name): nodes of the rollout role; the rollout ranks are "
                         "nnodes x n_gpus_per_node (0 = parallel.rollout_ranks).")

@@ -116,7 +116,7 @@ class RLTrainer:
                                      max_response_length=cfg.data.max_response_length, device=self.device,
                                      dtype=rollout_dtype(cfg.rollout.dtype, self.device.type, cfg.model.dtype),
                                      layout=roles.layout if roles is not None else
-                                     RolloutLayout.build(cfg.rollout.tp, self.device.type,
+                                     RolloutLayout.build(cfg.rollout.tp, self.device.type, ep=cfg.rollout.ep,
                                                          exchange_timeout_s=cfg.trainer.exchange_timeout_s),
                                      lora=(cfg.model.lora_alpha, cfg.model.lora_rank) if cfg.model.lora_rank else None, record_routes=cfg.actor.router_replay != "R2")
         # Tool-using multi-turn rollouts: tools, their workers, a turn handler per generate call.

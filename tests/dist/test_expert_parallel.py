@@ -9,6 +9,10 @@ Per layout: padding-free old log-probs, one PPO-clip + KL + entropy update over 
 metrics), full parameters after, then greedy sampling from the resharded weights. SGD with lr 1
 makes the parameter change the gradient itself (see test_grpo_archs). Last, dp4 x ep2 under bf16
 mixed precision: the router computes in fp32, the experts in bf16 through the all-to-alls.
+
+rollout.ep: the updated dp4 x ep2 model samples under rollout ep 1, ep 2 (its training ep groups: the
+expert shards stay put) and ep 4, the dp2 x tp2 x ep2 one under rollout tp 2 x ep 1 and tp 2 x ep 2;
+greedy and sampled tokens equal, log-probs within 1e-5, with a replica that has no prompt of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ N_PROMPTS, N_SAMPLES, P, R, MINI = 8, 2, 6, 8, 4
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
 # name -> (dp, tp, ep, activation checkpointing: the all-to-alls run again in the recompute)
 LAYOUTS = {"dp4xep2": (4, 1, 2, False), "dp4xep4": (4, 1, 4, False), "dp2xtp2xep2": (2, 2, 2, True)}
+# training (dp, tp, ep) -> the rollout (tp, ep) layouts sampled from it (rollout.ep, the first one the reference)
+ROLLOUT_EP = {(4, 1, 2): ((1, 1), (1, 2), (1, 4)), (2, 2, 2): ((2, 1), (2, 2))}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +75,44 @@ def _run(path: str, dp: int, tp: int, ep: int, checkpointing: bool = False) -> d
                                         tp_group=layout.tp_group)
     sampler = Sampler(worker.hf_config, weights, pad_token_id=0, tp_group=layout.tp_group, device=dist_device())
     gen = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=6))
-    return {"metrics": metrics, "params": params, "log_probs": lp, "ids": gen.response_ids.cpu(),
-            "gen_log_probs": gen.log_probs.cpu()}
+    del weights, sampler
+    from rlhf.rewards.pool import model_parallel_group  # the trainer's scorer group: dp is (efsdp, ep) here
+
+    peers = model_parallel_group(mesh)
+    return {"scorer_group": None if peers is None else dist.get_process_group_ranks(peers[0]), "metrics": metrics,
+            "params": params, "log_probs": lp, "ids": gen.response_ids.cpu(), "gen_log_probs": gen.log_probs.cpu(),
+            "rollout_ep": {(rtp, rep): _rollout_ep(worker, rtp, rep) for rtp, rep in ROLLOUT_EP.get((dp, tp, ep), ())}}
+
+
+class _Tok:
+    pad_token_id, eos_token_id = 0, 1
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [" ".join(map(str, r)) for r in rows]
+
+
+def _rollout_ep(worker, tp: int, ep: int) -> dict:
+    """rollout.tp x rollout.ep sampling of the updated model through the rollout engine (reshard from its
+    training layout, sample, exchange rows): the replicas take contiguous chunks of PROMPTS (some replica
+    has none: it only serves its experts); greedy and sampled (draws keyed by prompt key and position);
+    every rank asks for the rows of every prompt."""
+    from rlhf.rollout.engine import RolloutEngine
+    from rlhf.rollout.reshard import RolloutLayout
+    from rlhf.schema.batch import PromptBatch
+    from rlhf.schema.config import RolloutConfig
+
+    lay = RolloutLayout.build(tp, dist_device_type(), ep=ep)
+    engine = RolloutEngine(RolloutConfig(tp=tp, ep=ep, seed=3), _Tok(), max_prompt_length=8, max_response_length=6,
+                           device=dist_device(), layout=lay)
+    k = len(PROMPTS)
+    prompts = PromptBatch(prompt_ids=PROMPTS, keys=list(range(k)), ground_truths=[""] * k, data_sources=[""] * k,
+                          extra_infos=[{}] * k)
+    out = {}
+    for temperature in (0.0, 1.0):
+        batch, stats = engine.generate(worker.model, worker.hf_config, prompts, step=0, n=2, temperature=temperature,
+                                       local_rows=list(range(k)))
+        out[temperature] = (batch.input_ids.cpu(), batch.rollout_log_probs.cpu())
+    return {"rows": out, "bytes": stats["reshard/bytes_received"], "params": stats["reshard/params"]}
 
 
 def _bf16(path: str) -> dict:
@@ -136,6 +178,22 @@ def test_grpo_step_under_expert_parallel_matches_one_rank(model_dir, tmp_path):
             assert float((got["params"][n] - ref["params"][n]).abs().max()) < 1e-5, f"{name} {n}"
         assert torch.equal(got["ids"], ref["ids"]), name
         torch.testing.assert_close(got["gen_log_probs"], ref["gen_log_probs"], atol=1e-4, rtol=0, msg=name)
+    assert [res[name]["scorer_group"] for name in LAYOUTS] == [None, None, [0, 1]]  # rank 0's tp peers
+    rollouts = {(name, key): r for name in LAYOUTS for key, r in res[name]["rollout_ep"].items()}
+    ref_rows = rollouts[("dp4xep2", (1, 1))]["rows"]
+    greedy, sampled = ref_rows[0.0][0], ref_rows[1.0][0]
+    assert greedy.shape == (2 * len(PROMPTS), 8 + 6) and not torch.equal(greedy, sampled)
+    for (name, (rtp, rep)), r in rollouts.items():
+        for temperature, (ids, lp) in ref_rows.items():
+            got_ids, got_lp = r["rows"][temperature]
+            assert torch.equal(got_ids, ids), f"rollout tp{rtp} ep{rep} from {name}, temperature {temperature}"
+            torch.testing.assert_close(got_lp, lp, atol=1e-5, rtol=0, msg=f"rollout tp{rtp} ep{rep} {temperature}")
+    experts = sum(t.numel() for n, t in init.items() if ".experts." in n)
+    for (name, (rtp, rep)), r in rollouts.items():  # a rank's rollout copy holds 1 / (ep x tp) of the experts
+        assert rollouts[(name, (rtp, 1))]["params"] - r["params"] == experts // rtp - experts // (rtp * rep), name
+    for name, (rtp, rep) in ((n, k) for n, k in rollouts if k[1] > 1):  # experts kept Shard(0) over ep
+        same_ep = rep == LAYOUTS[name][2]
+        assert (rollouts[(name, (rtp, rep))]["bytes"] < rollouts[(name, (rtp, 1))]["bytes"]) == same_ep, (name, rep)
     if "bf16" in res:
         bf16 = res["bf16"]
         assert bf16["seen"] == {("router", torch.float32, torch.float32, torch.float32),

@@ -40,10 +40,12 @@ def test_unknown_key_names_nearest(tmp_path):
     ("rollout.n=0", "'rollout.n': must be >= 1"),
     ("actor.ppo_mini_batch_size=300", "must divide data.train_batch_size"),
     ("rollout.top_p=1.5", "rollout.top_p"),
+    ("rollout.ep=0", "'rollout.ep': must be >= 1"),
+    ("trainer.mode=one_step_off rollout.ep=2", "'rollout.ep': > 1 is built for trainer.mode colocated only"),
 ])
 def test_bad_values(override, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, REQ + [override])
+        load_config(None, REQ + override.split())
 
 
 def test_required_and_missing_file():

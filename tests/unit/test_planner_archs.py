@@ -103,5 +103,8 @@ def test_moe_plan_with_expert_parallel_unshards_fewer_experts(capsys):
     print_memory_plan(_cfg("Qwen3-30B-A3B", "parallel.ep=8"), args)
     out = capsys.readouterr().out
     assert "experts split over ep x tp" in out and "(ep 8 from dp)" in out
+    rep = plan_memory(s, _cfg("Qwen3-30B-A3B", "rollout.ep=2"), world_size=8, device="cuda")  # rollout.ep
+    routed = 48 * 128 * 3 * 2048 * 768 / 2 * 2  # half the routed experts (rollout.tp 1), bf16
+    assert base.components["rollout weights"] - rep.components["rollout weights"] == pytest.approx(routed)
     with pytest.raises(ConfigError, match="parallel.ep=3 must be >= 1 and divide dp=8"):
         plan_memory(s, _cfg("Qwen3-30B-A3B", "parallel.ep=3"), world_size=8, device="cuda")
