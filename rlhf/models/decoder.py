@@ -230,13 +230,13 @@ def prepare_weights(
     missing: list[str] = []
     take = weights.pop if consume else weights.get  # type: ignore[attr-defined]
 
-    def get(name: str, required: bool = True) -> Tensor | None:
+    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> Tensor | None:
         t = take(name, None)
         if t is None:
             if required:
                 missing.append(name)
             return None
-        return t.detach().to(device=device, dtype=dtype, copy=copy)
+        return t.detach().to(device=device, dtype=as_dtype or dtype, copy=copy)
 
     def cat(*ts: Tensor | None) -> Tensor | None:
         if any(t is None for t in ts):
@@ -277,7 +277,7 @@ def prepare_weights(
                 down_b=get(m + "down_proj.bias", required=False) if dense else None,
                 attn_out_norm=norm_w(p + "post_attention_layernorm.weight") if gemma else None,
                 mlp_out_norm=norm_w(p + "post_feedforward_layernorm.weight") if gemma else None,
-                router_w=get(m + "gate.weight") if sparse else None,
+                router_w=get(m + "gate.weight", as_dtype=torch.float32 if latent else None) if sparse else None,
                 experts_gate_up=get(m + "experts.gate_up_proj") if sparse else None,
                 experts_down=get(m + "experts.down_proj") if sparse else None,
                 shared_gate_up=cat(get(m + sx + "gate_proj.weight"), get(m + sx + "up_proj.weight")) if shared else None,
@@ -285,7 +285,7 @@ def prepare_weights(
                 shared_gate=get(m + "shared_expert_gate.weight") if shared and not latent else None,
                 q_norm_full=get(a + "q_norm.weight") if spec.arch.full_qk_norm else None,
                 k_norm_full=get(a + "k_norm.weight") if spec.arch.full_qk_norm else None,
-                router_bias=get(m + "gate.e_score_correction_bias") if sparse and latent else None,
+                router_bias=get(m + "gate.e_score_correction_bias", as_dtype=torch.float32) if sparse and latent else None,
                 **latent,
             )
         )

@@ -136,3 +136,27 @@ def layer_weights(get, prefix: str, dims: MLADims, interleave: bool) -> dict[str
     return {"mla_a_w": a_w.contiguous(), "mla_a_b": a_b, "mla_q_norm": q_norm,
             "mla_q_w": permute_q(q_w, dims, interleave).contiguous(),
             "mla_kv_norm": get(prefix + "kv_a_layernorm.weight"), "mla_kv_b_w": get(prefix + "kv_b_proj.weight")}
+
+
+class _SumGradTail(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient of the last ``n`` columns over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, n: int, group: Any) -> Tensor:
+        ctx.n, ctx.group = n, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        import torch.distributed as dist
+
+        tail = g[..., -ctx.n:].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        return torch.cat((g[..., :-ctx.n], tail), dim=-1), None, None
+
+
+def sum_rope_key_grad(module: Any, rope_dim: int, group: Any) -> None:
+    """Under trainer tp: the shared rope key ``k_rot`` (the last ``R`` outputs of ``kv_a_proj_with_mqa``)
+    feeds every head, but each rank attends with its own heads only, so its gradient is a partial sum; the
+    latent part's gradient is already whole (it comes back through the column-parallel ``kv_b_proj``)."""
+    module.register_forward_hook(lambda mod, args, out: _SumGradTail.apply(out, rope_dim, group))

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tests._archs import tiny_config, tiny_model
 
-NEW = ("qwen2_moe", "mixtral", "olmoe")
+NEW = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3")
 
 
 def _placed(model) -> dict[str, torch.Tensor]:
