@@ -191,4 +191,4 @@ def experts(x: Tensor, top_i: Tensor, top_w: Tensor, gate_up: Tensor, down: Tens
     y = torch.where(keep, grouped_linear(h, down, offs), 0)  # [S, hidden]
     y = y * top_w.reshape(-1).index_select(0, perm)[:, None]
     y = torch.zeros_like(y).index_copy(0, perm, y)  # back to assignment order [M * k]
-    return y.view(m, k, -1).sum(dim=1).to(x.dtype)
+    return y.view(m, k, y.shape[-1]).sum(dim=1).to(x.dtype)  # (m = 0: an ep rank no token is routed to)

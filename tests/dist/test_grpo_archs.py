@@ -22,7 +22,7 @@ from tests.dist._dist_utils import dist_device, dist_device_type, run_distribute
 
 N_PROMPTS, N_SAMPLES, P, R = 4, 2, 6, 8
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
-EP_ARCHS = ("qwen2_moe", "mixtral", "olmoe")
+EP_ARCHS = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
