@@ -1,0 +1,112 @@
+"""DeepSeek-V3 specifics (rlhf/models/deepseek_v3.py, rlhf/models/mla.py) on the tiny config of tests/_archs.py.
+
+The router equals HF's (ids and weights) and its selection bias changes which experts are chosen but never
+their weights; R3 replays the sampler's routes, selection bias included: a rollout whose bias differs
+from the trainer's flips routes, and replay makes the trainer's log-probs the sampler's again. The
+other MLA layout (no q low rank, no interleave, ``v_head_dim > qk_head_dim``) matches HF in the sampler.
+Sampler / trainer log-probs against HF for the main config are in test_sampler_archs.py /
+test_trainer_archs.py, checkpoint round trips in test_moe_archs.py, tp2 / ep2 in tests/dist/test_grpo_archs.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._archs import tiny_config, tiny_model, write_tiny_model
+
+
+def test_router_equals_hf_and_the_bias_only_selects():
+    from rlhf.models import deepseek_v3
+    from rlhf.models.moe import MoESpec, route
+
+    model = tiny_model("deepseek_v3")
+    gate = model.model.layers[1].mlp.gate
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    _, hf_w, hf_i = gate(x)
+    spec = MoESpec.from_config(model.config)
+    assert spec.sparse == (False, True, True) and spec.shared_intermediate_size == 16  # first_k_dense_replace=1
+    w, i = route(spec, x, gate.weight, gate.e_score_correction_bias)
+    order, hf_order = i.sort(-1), hf_i.sort(-1)
+    assert torch.equal(order.values, hf_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), hf_w.gather(1, hf_order.indices), atol=0, rtol=0)
+    _, unbiased = route(spec, x, gate.weight, None)
+    assert (unbiased.sort(-1).values != order.values).any(-1).float().mean() > 0.2  # the bias selects
+    # replay through the live router: the recorded ids, weights from the sigmoid scores (bias-free)
+    with torch.no_grad():
+        gate.e_score_correction_bias.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+    logits, rw, used, live = deepseek_v3.replay_route(gate, x, hf_i)
+    assert torch.equal(used, hf_i) and (live.sort(-1).values != hf_order.values).any()
+    torch.testing.assert_close(rw, hf_w, atol=1e-7, rtol=0)
+
+
+def test_an_expert_shard_with_no_tokens_returns_no_rows():
+    from rlhf.models.moe import experts
+
+    x = torch.zeros(0, 8)
+    out = experts(x, torch.zeros(0, 1, dtype=torch.long), torch.ones(0, 1), torch.randn(2, 8, 8), torch.randn(2, 8, 4),
+                  lambda g, u: g * u)
+    assert out.shape == (0, 8)
+
+
+def test_flops_count_mla_projections():
+    from rlhf.ops.flops import matmul_params
+
+    c = tiny_config("deepseek_v3")
+    h, heads = 64, 4
+    attn = h * 32 + 32 * heads * 24 + h * (16 + 8) + 16 * heads * (16 + 12) + heads * 12 * h  # q_a q_b kv_a kv_b o
+    dense, routed = 3 * h * 128, 3 * h * 16 * 2 + h * 8 + 3 * h * 16  # top-2 experts + router + shared expert
+    assert matmul_params(c)["layers"] == 3 * attn + dense + 2 * routed
+
+
+def test_mla_without_q_lora_interleave_and_with_a_wider_value_matches_hf():
+    from rlhf.rollout import Sampler, SamplingParams
+    from tests.unit.test_sampler import _teacher_forced
+
+    model = tiny_model("deepseek_v3", q_lora_rank=None, rope_interleave=False, v_head_dim=32,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    prompts = [[2, 3, 4, 5, 6, 7], [9, 10]]
+    out = Sampler(model.config, model.state_dict(), pad_token_id=0).generate(
+        prompts, SamplingParams(temperature=1.0, max_new_tokens=5, seed=0))
+    for row, p in enumerate(prompts):
+        r = out.response_ids[row, : int(out.response_lengths[row])].tolist()
+        torch.testing.assert_close(out.log_probs[row, : len(r)], _teacher_forced(model, p, r, 1.0), atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("deepseek_r3"), "deepseek_v3")
+
+
+def test_r3_replays_the_rollouts_biased_selection(mesh, model_dir):
+    """The rollout's selection bias differs from the trainer's (as after a bias update the sampler has not
+    seen): routes flip, but the weights do not depend on the bias, so R3 gives the sampler's log-probs."""
+    from tests.unit import test_rollout_routes as rr
+
+    worker = rr._worker(mesh, model_dir, "R3")
+    batch, _ = rr._rollout(worker)  # same bias: the sampler's routes are the trainer's
+    replay = worker.router_replay
+    replay.replay = False
+    lp, _ = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=3, record_routes=True)
+    assert replay.mismatch(torch.device("cpu"))["moe/routing_mismatch"] == 0.0
+    biases = [b for n, b in worker.model.named_buffers() if n.endswith("e_score_correction_bias")]
+    with torch.no_grad():
+        for b in biases:
+            b.add_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 0.5)
+    mask, runs = batch.response_mask, {}
+    for mode in ("none", "R3"):
+        replay.replay = mode == "R3"
+        lp, _ = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=3, record_routes=True)
+        runs[mode] = dict(gap=float(((lp - batch.rollout_log_probs).abs() * mask).max()),
+                          **replay.mismatch(torch.device("cpu")))
+    print("R3 figures (deepseek_v3, trainer bias moved):", runs)
+    assert runs["none"]["moe/routing_mismatch"] >= 0.05, runs
+    assert runs["R3"]["moe/routing_mismatch"] == 0.0 and runs["R3"]["gap"] < 1e-4, runs
+    assert runs["R3"]["gap"] * 10 <= runs["none"]["gap"], runs
+    batch.old_log_probs = lp
+    batch.advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2)) * mask
+    gates = [m for n, m in worker.model.named_modules() if n.endswith("mlp.gate")]
+    before = [gate.weight.full_tensor().clone() for gate in gates]
+    metrics = worker.update_policy(batch, mini_batch_rows=8, temperature=1.0, max_response_length=rr.R)
+    assert metrics["moe/routing_mismatch"] == 0.0, metrics
+    assert max(float((gate.weight.full_tensor() - b).abs().max()) for gate, b in zip(gates, before)) > 0
