@@ -110,3 +110,29 @@ def test_r3_replays_the_rollouts_biased_selection(mesh, model_dir):
     metrics = worker.update_policy(batch, mini_batch_rows=8, temperature=1.0, max_response_length=rr.R)
     assert metrics["moe/routing_mismatch"] == 0.0, metrics
     assert max(float((gate.weight.full_tensor() - b).abs().max()) for gate, b in zip(gates, before)) > 0
+
+
+def test_packed_mla_through_a_flash_kernel_that_wants_one_head_dim():
+    """flash-attn 2 takes q, k and v of one head dim; MLA's v is narrower (12 vs 24): it is zero-padded for
+    the kernel and the output sliced back, so the packed log-probs equal the padded ones."""
+    import rlhf.models.varlen_attention as va
+    from rlhf.models.logprobs import forward_log_probs
+    from rlhf.models.packed import packed_forward_log_probs
+    from tests.unit.test_trainer_archs import R, _batch
+
+    model = tiny_model("deepseek_v3")
+    ids, mask = _batch()
+    dims = []
+
+    def kernel(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], (q.shape, v.shape)
+        dims.append(v.shape[-1])
+        return va.reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
+
+    with torch.no_grad():
+        padded, _ = forward_log_probs(model, ids, mask, response_length=R, temperature=1.0)
+        with va.use_varlen_kernel(kernel):
+            packed, _ = packed_forward_log_probs(model, ids, mask, response_length=R, temperature=1.0)
+    assert dims == [24] * 3
+    resp = mask[:, -R:].bool()
+    torch.testing.assert_close(packed[resp], padded[resp], atol=1e-5, rtol=0)
