@@ -157,10 +157,12 @@ def test_config_and_global_metrics():
     assert "spec_acceptance_rate" not in global_rollout_stats(local, None)
 
 
-def test_sliding_window_and_softcap_model_same_tokens_with_speculation():
-    """Gemma 2 (4-token sliding window, soft-capped attention and logits): the verify forward's masks."""
+@pytest.mark.parametrize("kind", ["gemma2", "deepseek_v3"])
+def test_sliding_window_and_softcap_model_same_tokens_with_speculation(kind):
+    """Gemma 2 (4-token sliding window, soft-capped attention and logits): the verify forward's masks;
+    DeepSeek-V3: its MLA heads (v narrower than the cache head) through the verify forward."""
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=16, seed=1)
-    off = _sampler("gemma2").generate(PROMPTS[:3], params)
-    on = _sampler("gemma2", speculative=SPEC).generate(PROMPTS[:3], params)
+    off = _sampler(kind).generate(PROMPTS[:3], params)
+    on = _sampler(kind, speculative=SPEC).generate(PROMPTS[:3], params)
     _same(off, on)
     assert on.stats["spec_accepted"] > 0
