@@ -315,13 +315,15 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
     weights: dict[str, torch.Tensor] = {}
     received = 0
     config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "model_type")), None)
+    fp32_router = getattr(config, "model_type", None) == "deepseek_v3"
     with torch.no_grad():
         for name, p in model.named_parameters():
             name = hf_name(name)
             if name_filter is not None and not name_filter(name):
                 continue
             t, nbytes = _rollout_tensor(p, name, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                                        dtype=None if _ROUTER.search(name) else dtype, do_slice=do_slice, config=config)
+                                        dtype=None if fp32_router and _ROUTER.search(name) else dtype,
+                                        do_slice=do_slice, config=config)
             device = t.device
             weights[name] = t
             received += nbytes

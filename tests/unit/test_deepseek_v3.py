@@ -132,3 +132,20 @@ def test_packed_mla_through_a_flash_kernel_that_wants_one_head_dim():
     assert dims == [24] * 3
     resp = mask[:, -R:].bool()
     torch.testing.assert_close(packed[resp], padded[resp], atol=1e-5, rtol=0)
+
+
+def test_a_bf16_rollout_keeps_the_router_and_its_bias_in_fp32():
+    """HF keeps DeepSeek's router weight and selection bias in fp32; a bf16 bias would choose other experts
+    than the trainer. The reshard sends them in the master dtype (the bias, a buffer, too)."""
+    from rlhf.models.decoder import DecoderSpec, prepare_weights
+    from rlhf.rollout.reshard import gather_rollout_weights
+
+    model = tiny_model("deepseek_v3")
+    weights, _ = gather_rollout_weights(model, dtype=torch.bfloat16)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert weights[bias].dtype == weights["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert weights["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
+    lw = prepare_weights(DecoderSpec.from_config(model.config), weights, device=torch.device("cpu"),
+                         dtype=torch.bfloat16).layers[1]
+    assert lw.router_w.dtype == lw.router_bias.dtype == torch.float32 and lw.mla_q_w.dtype == torch.bfloat16
+    assert torch.equal(lw.router_bias, model.model.layers[1].mlp.gate.e_score_correction_bias)
