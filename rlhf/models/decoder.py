@@ -280,12 +280,13 @@ def prepare_weights(
                 router_w=get(m + "gate.weight", as_dtype=torch.float32 if latent else None) if sparse else None,
                 experts_gate_up=get(m + "experts.gate_up_proj") if sparse else None,
                 experts_down=get(m + "experts.down_proj") if sparse else None,
-                shared_gate_up=cat(get(m + sx + "gate_proj.weight"), get(m + sx + "up_proj.weight")) if shared else None,
+                shared_gate_up=cat(get(m + sx + "gate_proj.weight"), get(m + sx + "up_proj.weight"))
+                if shared else None,
                 shared_down=get(m + sx + "down_proj.weight") if shared else None,
                 shared_gate=get(m + "shared_expert_gate.weight") if shared and not latent else None,
                 q_norm_full=get(a + "q_norm.weight") if spec.arch.full_qk_norm else None,
                 k_norm_full=get(a + "k_norm.weight") if spec.arch.full_qk_norm else None,
-                router_bias=get(m + "gate.e_score_correction_bias", as_dtype=torch.float32) if sparse and latent else None,
+                router_bias=get(m + "gate.e_score_correction_bias", True, torch.float32) if sparse and latent else None,
                 **latent,
             )
         )
@@ -542,8 +543,8 @@ def prefill_chunk(
         k, v = cache.view(layer, slots[:1], window)  # [1, Hkv, W, D]
         q = qkv[:h].reshape(1, hkv, g * n, d)  # head kv * G + j -> kv head kv, rows j * c + i
         a = arch.attend(q, k, v, masks, la)  # [1, Hkv, G * c, D]
-        x = _residual_linear(x, _heads_out(spec, a.reshape(h, n, d).transpose(0, 1)).reshape(n, -1), lw.o_w, lw.o_b, tp_group,
-                             lw.attn_out_norm, spec.rms_norm_eps)
+        a = _heads_out(spec, a.reshape(h, n, d).transpose(0, 1)).reshape(n, -1)
+        x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group, routes)
         if deepstack is not None and layer < deepstack.shape[0]:
             x = x + deepstack[layer]
@@ -589,6 +590,7 @@ def decode(
         qkv = _qkv(spec, lw, x, (b,), c[la.rope], s[la.rope], tp_group)  # [B, Hall, D]
         cache.write(layer, index, qkv[:, h:])
         a = cache.attend(layer, qkv[:, :h].view(b, hkv, h // hkv, d), plan, la)  # [B, Hkv, G, D]
-        x = _residual_linear(x, _heads_out(spec, a).reshape(b, -1), lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
+        a = _heads_out(spec, a).reshape(b, -1)
+        x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group, routes)
     return _logits(spec, w, x)

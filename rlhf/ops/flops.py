@@ -72,7 +72,8 @@ def _moe_matmul_params(cfg) -> dict[str, int]:
     spec = MoESpec.from_config(cfg)
     sparse = sum(spec.sparse)
     # shared expert (+ Qwen2-MoE's gate; DeepSeek-V3's is ungated)
-    shared = 3 * h * spec.shared_intermediate_size + h * (spec.scoring == "softmax") if spec.shared_intermediate_size else 0
+    shared = 3 * h * spec.shared_intermediate_size + h * (spec.scoring == "softmax") \
+        if spec.shared_intermediate_size else 0
     routed = 3 * h * spec.intermediate_size * spec.top_k + h * spec.num_experts + shared
     mlp_dense = 3 * h * cfg.intermediate_size
     return {"layers": dense["layers"] - sparse * (mlp_dense - routed), "lm_head": dense["lm_head"]}

@@ -1,9 +1,10 @@
 """DeepSeek-V3 specifics (rlhf/models/deepseek_v3.py, rlhf/models/mla.py) on the tiny config of tests/_archs.py.
 
 The router equals HF's (ids and weights) and its selection bias changes which experts are chosen but never
-their weights (replayed weights come from the live router, with gradients); R3 replays the sampler's routes, selection bias included: a rollout whose bias differs
-from the trainer's flips routes, and replay makes the trainer's log-probs the sampler's again. The
-other MLA layout (no q low rank, no interleave, ``v_head_dim > qk_head_dim``) matches HF in the sampler.
+their weights (replayed weights come from the live router, with gradients); R3 replays the sampler's routes,
+selection bias included: a rollout whose bias differs from the trainer's flips routes, and replay makes the
+trainer's log-probs the sampler's again; a bf16 rollout keeps the router and its bias in fp32. The other MLA
+layout (no q low rank, no interleave, ``v_head_dim > qk_head_dim``) matches HF in the sampler.
 Sampler / trainer log-probs against HF for the main config are in test_sampler_archs.py /
 test_trainer_archs.py, checkpoint round trips in test_moe_archs.py, tp2 / ep2 in tests/dist/test_grpo_archs.py.
 """
