@@ -1,7 +1,8 @@
 """Qwen2-MoE, Mixtral, OLMoE and DeepSeek-V3 (rlhf/models/moe_archs.py): HF checkpoints load (deferred, by
 slices; DeepSeek's selection-bias buffer too) and export back unchanged, Mixtral's hub layout (per-expert
 ``block_sparse_moe.experts.N.w1/w2/w3``) is read by slices, the FLOP counter counts active experts (and
-Qwen2-MoE's shared expert), what the sampler cannot match is refused in one line, and OLMoE's q/k norm is exact over tp ranks with replicated KV heads.
+Qwen2-MoE's shared expert), what the sampler cannot match is refused in one line, and OLMoE's q/k norm is
+exact over tp ranks with replicated KV heads.
 Sampler / trainer log-probs against HF are in test_sampler_archs.py / test_trainer_archs.py, the tp2 / ep2
 GRPO step in tests/dist/test_grpo_archs.py."""
 
