@@ -9,8 +9,9 @@ layer and sliding windows on two layers; Mixtral (top-2 renormalised) with a 6-t
 with its whole-projection q/k norms, ``clip_qkv`` and un-normalised top-2; GPT-OSS with large random
 attention sinks (std 1: the sink takes a visible share of each row), a 4-token window on
 alternating layers, random expert / router biases, a small SwiGLU ``limit`` (1.0, so the clamps bite)
-and YaRN rope. Norm weights are randomised
-(HF initialises Gemma's to 0, i.e. scale 1).
+and YaRN rope; DeepSeek-V3 with MLA (q and kv low-rank, nope/rope split, ``v_head_dim != qk_head_dim``,
+interleaved rope, YaRN with ``mscale_all_dim``), sigmoid group-limited routing with a random selection bias,
+a shared expert and a first dense layer. Norm weights are randomised (HF initialises Gemma's to 0, i.e. scale 1).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import transformers
 
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
 ARCHS = ("gemma2", "gemma3", "phi3", *MOE_ARCHS)
 _COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, initializer_range=0.1, max_position_embeddings=256,
@@ -72,6 +73,17 @@ def tiny_config(kind: str, **overrides) -> transformers.PretrainedConfig:
                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
         c.update(overrides)
         return transformers.GptOssConfig(**c)
+    if kind == "deepseek_v3":
+        c.pop("head_dim")
+        c.update(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                 v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                 moe_intermediate_size=16, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                 rope_interleave=True, num_nextn_predict_layers=0,
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.8,
+                                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+                                  "beta_fast": 32, "beta_slow": 1})
+        c.update(overrides)
+        return transformers.DeepseekV3Config(**c)
     raise KeyError(kind)
 
 
@@ -87,6 +99,9 @@ def tiny_model(kind: str, seed: int = 1234, **overrides) -> torch.nn.Module:
                 p.normal_(0.0, 0.3)
             elif kind == "gpt_oss" and name.endswith(("sinks", "bias")):
                 p.normal_(0.0, 1.0)  # HF initialises biases to 0 and sinks at 0.1 scale: make them matter
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's selection bias (HF initialises it to 0)
+                b.normal_(0.0, 0.3)
     return model
 
 

@@ -30,6 +30,8 @@ qwen2_moe /        the other MoE families: ``rlhf.models.moe_archs`` (Qwen2-MoE'
 mixtral / olmoe    Mixtral's renormalised top-k, OLMoE's whole-projection q/k norm and clip_qkv)
 gpt_oss            ``rlhf.models.gpt_oss``: attention sinks, alternating sliding / full layers,
                    fp32 norm weights, transposed interleaved experts with biases, clamped SwiGLU
+deepseek_v3        multi-head latent attention (``rlhf.models.mla``), sigmoid group-limited router and
+                   ungated shared experts (``rlhf.models.deepseek_v3``)
 =================  =====================================================================
 
 Attention: :func:`attend` is the one attention function of the decoder. Its per-layer
@@ -92,6 +94,7 @@ class ArchSpec:
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after the norms
     swiglu: tuple[float, float] | None = None  # GPT-OSS: (alpha, limit) of the clamped SwiGLU
     norm_fp32: bool = False  # GPT-OSS: RMSNorm weights kept in fp32, applied before the cast back
+    rope_interleave: bool = False  # DeepSeek-V3: rotary dims in pairs (rlhf.models.mla permutes the weights)
 
 
 # Vision-language families whose language model the sampler runs -> its text family (the vision tower
@@ -173,6 +176,10 @@ def from_config(config: Any, head_dim: int) -> ArchSpec:
     if getattr(config, "use_bidirectional_attention", False):
         raise NotImplementedError(f"rollout sampler: {model_type} with use_bidirectional_attention is not a causal LM")
     scale = config.query_pre_attn_scalar ** -0.5 if gemma else head_dim ** -0.5
+    if model_type == "deepseek_v3":
+        from rlhf.models.mla import softmax_scale
+
+        scale = softmax_scale(config)
     # Gemma 3 keeps attn_logit_softcapping in its config but its attention never applies it.
     softcap = getattr(config, "attn_logit_softcapping", None) if model_type == "gemma2" else None
     window = getattr(config, "sliding_window", None)
@@ -201,6 +208,7 @@ def from_config(config: Any, head_dim: int) -> ArchSpec:
         clip_qkv=getattr(config, "clip_qkv", None) if model_type in FULL_QK_NORM_TYPES else None,
         swiglu=swiglu_params(config),
         norm_fp32=model_type in GPT_OSS_TYPES,
+        rope_interleave=model_type == "deepseek_v3" and bool(getattr(config, "rope_interleave", True)),
     )
 
 
@@ -217,7 +225,10 @@ def check_seq_len(arch: ArchSpec, model_type: str, max_seq_len: int) -> None:
 
 
 def rotary_dim(config: Any, head_dim: int) -> int:
-    """Rotated leading dims of a head: Phi-3's ``partial_rotary_factor`` (the other families rotate all)."""
+    """Rotated leading dims of a head: Phi-3's ``partial_rotary_factor``, DeepSeek-V3's ``qk_rope_head_dim``
+    (the other families rotate all)."""
+    if config.model_type == "deepseek_v3":
+        return config.qk_rope_head_dim
     if config.model_type != "phi3":
         return head_dim
     return int(head_dim * _rope_params(config).get("partial_rotary_factor", 1.0))

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.models import arch, moe, moe_archs
+from rlhf.models import arch, mla, moe, moe_archs
 from rlhf.models.arch import SUPPORTED_MODEL_TYPES, ArchSpec
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderSpec", "prefill", "prefill_chunk", "decode"]
@@ -61,6 +61,7 @@ class DecoderSpec:
     # expert-parallel rollout (rollout.ep > 1): rlhf.rollout.expert_dispatch.RolloutEP, whose ``experts``
     # replaces rlhf.models.moe.experts in the sparse layers; None: this rank holds its replica's experts
     ep: Any = dataclasses.field(default=None, compare=False, repr=False)
+    mla: mla.MLADims | None = None  # DeepSeek-V3's latent attention (rlhf.models.mla): head_dim is its cache width
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderSpec:
@@ -68,6 +69,9 @@ class DecoderSpec:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        dims = mla.MLADims.from_config(config) if model_type == "deepseek_v3" else None
+        if dims is not None:  # K and V are decompressed per query head
+            kv_heads, head_dim = heads, dims.head_dim
         return cls(
             model_type=model_type,
             num_layers=config.num_hidden_layers,
@@ -81,6 +85,7 @@ class DecoderSpec:
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             arch=arch.from_config(config, head_dim),
+            mla=dims,
         )
 
     def shard(self, tp_size: int) -> DecoderSpec:
@@ -179,6 +184,13 @@ class LayerWeights:
     router_b: Tensor | None = None  # GPT-OSS: [E] router bias
     experts_gate_up_b: Tensor | None = None  # GPT-OSS: [E_local, 2 * I] (experts stored [E, hidden, 2I], interleaved)
     experts_down_b: Tensor | None = None  # GPT-OSS: [E_local, hidden]
+    select_bias: Tensor | None = None  # DeepSeek-V3: e_score_correction_bias [E] (expert selection only)
+    mla_a_w: Tensor | None = None  # DeepSeek-V3 MLA (rlhf.models.mla.layer_weights): q_a | kv_a fused
+    mla_a_b: Tensor | None = None
+    mla_q_norm: Tensor | None = None
+    mla_q_w: Tensor | None = None  # q_b_proj (or q_proj), rope rows first per head
+    mla_kv_norm: Tensor | None = None
+    mla_kv_b_w: Tensor | None = None
 
 
 @dataclass
@@ -225,13 +237,13 @@ def prepare_weights(
     missing: list[str] = []
     take = weights.pop if consume else weights.get  # type: ignore[attr-defined]
 
-    def get(name: str, required: bool = True) -> Tensor | None:
+    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> Tensor | None:
         t = take(name, None)
         if t is None:
             if required:
                 missing.append(name)
             return None
-        return t.detach().to(device=device, dtype=dtype, copy=copy)
+        return t.detach().to(device=device, dtype=as_dtype or dtype, copy=copy)
 
     def cat(*ts: Tensor | None) -> Tensor | None:
         if any(t is None for t in ts):
@@ -252,10 +264,12 @@ def prepare_weights(
         shared = sparse and moe_spec.shared_intermediate_size > 0
         oss = sparse and spec.arch.swiglu is not None  # GPT-OSS: mlp.router, expert biases
         dense = not sparse and not fused
+        latent = {} if spec.mla is None else mla.layer_weights(get, a, spec.mla, spec.arch.rope_interleave)
+        sx = "shared_experts." if spec.mla is not None else "shared_expert."  # DeepSeek-V3: ungated, plural
         layers.append(
             LayerWeights(
                 input_norm=norm_w(p + "input_layernorm.weight"),
-                qkv_w=get(a + "qkv_proj.weight") if fused
+                qkv_w=None if latent else get(a + "qkv_proj.weight") if fused
                 else cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
                 qkv_b=None if q_b is None else cat(q_b, get(a + "k_proj.bias"), get(a + "v_proj.bias")),
                 qk_norm=_qk_norm_table(spec, norm_w(a + "q_norm.weight"), norm_w(a + "k_norm.weight"))
@@ -271,19 +285,22 @@ def prepare_weights(
                 down_b=get(m + "down_proj.bias", required=False) if dense else None,
                 attn_out_norm=norm_w(p + "post_attention_layernorm.weight") if gemma else None,
                 mlp_out_norm=norm_w(p + "post_feedforward_layernorm.weight") if gemma else None,
-                router_w=get(m + ("router" if oss else "gate") + ".weight") if sparse else None,
+                router_w=get(m + ("router" if oss else "gate") + ".weight", as_dtype=torch.float32 if latent else None)
+                if sparse else None,
                 experts_gate_up=get(m + "experts.gate_up_proj") if sparse else None,
                 experts_down=get(m + "experts.down_proj") if sparse else None,
-                shared_gate_up=cat(get(m + "shared_expert.gate_proj.weight"), get(m + "shared_expert.up_proj.weight"))
+                shared_gate_up=cat(get(m + sx + "gate_proj.weight"), get(m + sx + "up_proj.weight"))
                 if shared else None,
-                shared_down=get(m + "shared_expert.down_proj.weight") if shared else None,
-                shared_gate=get(m + "shared_expert_gate.weight") if shared else None,
+                shared_down=get(m + sx + "down_proj.weight") if shared else None,
+                shared_gate=get(m + "shared_expert_gate.weight") if shared and not latent else None,
                 q_norm_full=get(a + "q_norm.weight") if spec.arch.full_qk_norm else None,
                 k_norm_full=get(a + "k_norm.weight") if spec.arch.full_qk_norm else None,
                 sinks=get(a + "sinks") if spec.arch.norm_fp32 else None,
                 router_b=get(m + "router.bias") if oss else None,
                 experts_gate_up_b=get(m + "experts.gate_up_proj_bias") if oss else None,
                 experts_down_b=get(m + "experts.down_proj_bias") if oss else None,
+                select_bias=get(m + "gate.e_score_correction_bias", True, torch.float32) if sparse and latent else None,
+                **latent,
             )
         )
         if into is not None and not missing:  # this layer goes into the old buffers; the new copy dies
@@ -360,6 +377,11 @@ def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], 
     ``lead`` splits the M rows (``(B,)`` or ``(P, Tp)``); ``cos, sin`` ``[*lead, 1, R]``: the rope
     table rows of each token's position.
     """
+    if spec.mla is not None:
+        qkv = mla.qkv(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw, spec.mla, spec.num_heads, spec.rms_norm_eps,
+                      rms_norm).view(*lead, -1, spec.head_dim)
+        apply_rope_(qkv[..., :2 * spec.num_heads, :], cos, sin)
+        return qkv
     qkv = F.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw.qkv_w, lw.qkv_b)
     if lw.q_norm_full is not None:  # OLMoE: before the heads are split (rlhf.models.moe_archs)
         d = spec.head_dim
@@ -404,7 +426,7 @@ def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any, routes: 
     g = rms_norm(x, lw.post_norm, spec.rms_norm_eps)
     eps, a = spec.rms_norm_eps, spec.arch
     if lw.router_w is not None:
-        top_w, top_i = moe.route(a.moe, g, lw.router_w, lw.router_b)
+        top_w, top_i = moe.route(a.moe, g, lw.router_w, lw.router_b, lw.select_bias)
         if routes is not None:
             routes.append(top_i)
         gu, dn, kw = expert_weights(lw)
@@ -421,6 +443,11 @@ def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any, routes: 
     i = spec.intermediate_size
     return _residual_linear(x, arch.gated_act(a, gu[:, :i], gu[:, i:]), lw.down_w, lw.down_b, tp_group,
                             lw.mlp_out_norm, eps)
+
+
+def _heads_out(spec: DecoderSpec, a: Tensor) -> Tensor:
+    """Attention output ``[..., D]`` per head -> the ``o_proj`` input dims (MLA: the value's ``Dv`` of the padded D)."""
+    return a if spec.mla is None or spec.mla.v == spec.head_dim else a[..., :spec.mla.v]
 
 
 def _logits(spec: DecoderSpec, w: DecoderWeights, x: Tensor) -> Tensor:
@@ -482,7 +509,7 @@ def prefill(
         grid = qkv.view(p, width, -1, d).transpose(1, 2)  # [P, Hall, width, D]
         cache.write(layer, index, grid[:, h:].index_select(0, rows))
         a = arch.attend(grid[:, :h], grid[:, h : h + hkv], grid[:, h + hkv :], masks, la)  # [P, H, width, D]
-        a = a.transpose(1, 2).reshape(p * width, h * d)
+        a = _heads_out(spec, a.transpose(1, 2)).reshape(p * width, -1)
         if grid_index is not None:
             a = a.index_select(0, grid_index)  # [Ttot, H*D]
         x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
@@ -542,8 +569,8 @@ def prefill_chunk(
         k, v = cache.view(layer, slots[:1], window)  # [1, Hkv, W, D]
         q = qkv[:h].reshape(1, hkv, g * n, d)  # head kv * G + j -> kv head kv, rows j * c + i
         a = arch.attend(q, k, v, masks, la)  # [1, Hkv, G * c, D]
-        x = _residual_linear(x, a.reshape(h, n, d).transpose(0, 1).reshape(n, h * d), lw.o_w, lw.o_b, tp_group,
-                             lw.attn_out_norm, spec.rms_norm_eps)
+        a = _heads_out(spec, a.reshape(h, n, d).transpose(0, 1)).reshape(n, -1)
+        x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group, routes)
         if deepstack is not None and layer < deepstack.shape[0]:
             x = x + deepstack[layer]
@@ -589,6 +616,7 @@ def decode(
         qkv = _qkv(spec, lw, x, (b,), c[la.rope], s[la.rope], tp_group)  # [B, Hall, D]
         cache.write(layer, index, qkv[:, h:])
         a = cache.attend(layer, qkv[:, :h].view(b, hkv, h // hkv, d), plan, la)  # [B, Hkv, G, D]
-        x = _residual_linear(x, a.reshape(b, -1), lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
+        a = _heads_out(spec, a).reshape(b, -1)
+        x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group, routes)
     return _logits(spec, w, x)

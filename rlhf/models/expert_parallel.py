@@ -196,6 +196,8 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
     (``mesh["ep", "tp"]`` when tp > 1). Run after :func:`rlhf.models.tensor_parallel.apply_tp`
     with ``experts=False`` and before FSDP2."""
     ep_mesh = mesh["ep", "tp"] if mesh["tp"].size() > 1 else mesh["ep"]
-    num_experts = model.config.num_experts
+    from rlhf.models.moe_archs import num_experts as _num_experts
+
+    num_experts = _num_experts(model.config)
     for mod in expert_modules(model):
         ExpertParallel(num_experts)._apply(mod, ep_mesh)

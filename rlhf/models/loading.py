@@ -127,6 +127,7 @@ def _load_deferred(p: Path, config, dtype: torch.dtype, attn_implementation: str
         model.eval()  # as from_pretrained returns it
         model.config.use_cache = False
         sources = checkpoint_sources(model, index)
+        _load_buffers(model, index)
         if sources is None:
             # A layout transformers converts on load: its loader in the checkpoint's dtype, run at
             # placement (staggered), each tensor dropped once its shard is placed.
@@ -138,6 +139,16 @@ def _load_deferred(p: Path, config, dtype: torch.dtype, attn_implementation: str
         param._rlhf_source = sources[name]
         param._rlhf_where = f"{key}: {p}"
     return model
+
+
+def _load_buffers(model: torch.nn.Module, index: CheckpointIndex) -> None:
+    """Copy the buffers the checkpoint holds (DeepSeek-V3's ``e_score_correction_bias``: it decides the
+    routes) into the model, whole: the deferred path places parameters only, and a buffer left at its
+    init value would route differently from the checkpoint (and from the sampler)."""
+    for name, buf in model.named_buffers():
+        if name in index.entries and buf.device.type != "meta":
+            with torch.no_grad():
+                buf.copy_(index.read(name, tuple(slice(None) for _ in buf.shape)))
 
 
 def check_finite_weights(model: torch.nn.Module, where: str) -> None:

@@ -51,17 +51,28 @@ class MoESpec:
     intermediate_size: int  # per expert (moe_intermediate_size)
     sparse: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP
     shared_intermediate_size: int = 0  # Qwen2-MoE: the sigmoid-gated shared expert (0: none)
+    # DeepSeek-V3's router (rlhf.models.deepseek_v3): sigmoid scores, biased group-limited selection
+    scoring: str = "softmax"  # or "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_config(cls, config: Any) -> MoESpec:
         """Any family of ``rlhf.models.moe_archs`` (Mixtral / OLMoE name the per-expert width
         ``intermediate_size``; Mixtral always renormalises its top-k)."""
+        from rlhf.models.moe_archs import num_experts
+
+        if config.model_type == "deepseek_v3":
+            from rlhf.models.deepseek_v3 import moe_spec
+
+            return moe_spec(cls, config)
+        n = num_experts(config)
         skip = set(getattr(config, "mlp_only_layers", None) or [])
         step = getattr(config, "decoder_sparse_step", 1) or 1
-        sparse = tuple(i not in skip and config.num_experts > 0 and (i + 1) % step == 0
-                       for i in range(config.num_hidden_layers))
+        sparse = tuple(i not in skip and n > 0 and (i + 1) % step == 0 for i in range(config.num_hidden_layers))
         width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        return cls(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+        return cls(num_experts=n, top_k=config.num_experts_per_tok,
                    norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)), intermediate_size=width,
                    sparse=sparse, shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
 
@@ -70,9 +81,15 @@ class MoESpec:
         return not all(self.sparse)
 
 
-def route(spec: MoESpec, x: Tensor, router_w: Tensor, router_b: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def route(spec: MoESpec, x: Tensor, router_w: Tensor, router_b: Tensor | None = None,
+          select_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Top-k routing ``x [M, hidden]`` -> (weights ``[M, k]`` in x's dtype, expert ids ``[M, k]``).
-    ``router_b``: GPT-OSS's router bias (its softmax over the top-k logits is this renormalised top-k)."""
+    ``router_b``: GPT-OSS's router bias (its softmax over the top-k logits is this renormalised top-k);
+    DeepSeek-V3's sigmoid router (``select_bias``: its selection bias) in ``rlhf.models.deepseek_v3``."""
+    if spec.scoring == "sigmoid":
+        from rlhf.models.deepseek_v3 import route as sigmoid_route
+
+        return sigmoid_route(spec, x, router_w, select_bias)
     logits = F.linear(x, router_w, router_b)  # [M, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, spec.top_k, dim=-1)

@@ -22,6 +22,12 @@ olmoe       RMSNorm of the WHOLE q and k projections (``q_norm [H * D]``, ``k_no
             it; ``norm_topk_prob`` False; experts of ``intermediate_size``
 ==========  ==========================================================================================
 
+deepseek_v3 (``rlhf.models.deepseek_v3``, ``rlhf.models.mla``): multi-head latent attention; a sigmoid router
+whose selection adds ``e_score_correction_bias`` and is limited to ``topk_group`` of ``n_group`` expert groups,
+weights ``routed_scaling_factor`` x the (renormalised) sigmoid scores of the chosen experts; an ungated shared
+expert ``mlp.shared_experts`` of width ``n_shared_experts x moe_intermediate_size``; the first
+``first_k_dense_replace`` layers dense; ``n_routed_experts`` experts (no ``num_experts`` key: :func:`num_experts`).
+
 GPT-OSS (attention sinks, alternating sliding / full layers, expert biases, the clamped SwiGLU, a
 router with bias and top-k before the softmax): ``rlhf.models.gpt_oss``.
 
@@ -41,13 +47,18 @@ from torch import Tensor
 
 from rlhf.models.gpt_oss import GPT_OSS_TYPES
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", *GPT_OSS_TYPES)
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", *GPT_OSS_TYPES, "deepseek_v3")
 FULL_QK_NORM_TYPES = ("olmoe",)
+
+
+def num_experts(config: Any) -> int:
+    """Routed experts of a MoE config (DeepSeek-V3 names them ``n_routed_experts``); 0 for a dense one."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0)
 
 
 def is_moe(config: Any) -> bool:
     """Whether ``config`` is one of the supported mixture-of-experts families with experts."""
-    return getattr(config, "model_type", None) in MOE_MODEL_TYPES and bool(getattr(config, "num_experts", 0))
+    return getattr(config, "model_type", None) in MOE_MODEL_TYPES and bool(num_experts(config))
 
 
 def check_config(config: Any) -> None:
@@ -57,9 +68,10 @@ def check_config(config: Any) -> None:
                                   "(it makes training forwards random); set it to 0")
 
 
-def shared_expert(x: Tensor, gate_up: Tensor, down: Tensor, gate: Tensor,
+def shared_expert(x: Tensor, gate_up: Tensor, down: Tensor, gate: Optional[Tensor],
                   act: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-    """Qwen2-MoE's gated shared expert ``sigmoid(x gate^T) * down(act(gate_x) * up_x)``.
+    """Qwen2-MoE's gated shared expert ``sigmoid(x gate^T) * down(act(gate_x) * up_x)`` (DeepSeek-V3's
+    ``gate=None``: ungated).
 
     Args:
         x: ``[M, hidden]``; gate_up: ``[2 I_s, hidden]`` (gate rows then up rows; under tp this rank's
@@ -70,7 +82,8 @@ def shared_expert(x: Tensor, gate_up: Tensor, down: Tensor, gate: Tensor,
     """
     h = F.linear(x, gate_up)
     i = h.shape[-1] // 2
-    return torch.sigmoid(F.linear(x, gate)) * F.linear(act(h[:, :i], h[:, i:]), down)
+    y = F.linear(act(h[:, :i], h[:, i:]), down)
+    return y if gate is None else torch.sigmoid(F.linear(x, gate)) * y
 
 
 def _local_part(w: Tensor, n: int, tp_group: Any) -> Tensor:

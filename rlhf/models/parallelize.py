@@ -37,6 +37,7 @@ from rlhf.models.activation_checkpointing import apply_ac
 from rlhf.models.expert_parallel import apply_ep
 from rlhf.models.fsdp import apply_fsdp, resolve_fsdp_unit
 from rlhf.models.loading import decoder_layers
+from rlhf.models.moe_archs import num_experts
 from rlhf.models.parallel import ParallelDims, check_ep, expert_fsdp_mesh, fsdp_mesh
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
 from rlhf.models.shard_init import params_to_meta
@@ -145,7 +146,7 @@ def parallelize_model(
     """
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
     expert_mesh = expert_fsdp_mesh(mesh)
-    if expert_mesh is not None and not hasattr(model.config, "num_experts"):
+    if expert_mesh is not None and not num_experts(model.config):
         raise ConfigError(f"parallel.ep={mesh['ep'].size()} needs a mixture-of-experts model; "
                           f"{model.config.model_type} has no experts (set parallel.ep=1)")
     pipeline: Optional[PipelineModel] = None
@@ -269,7 +270,7 @@ def validate_layout(parallel: Any, hf_config: Any, world_size: int, *, rollout_t
     ep = getattr(parallel, "ep", 1)
     dp = ParallelDims.resolve(parallel.dp, tp, pp, world_size, sp=sp, ep=ep).dp
     if ep > 1:
-        experts = getattr(hf_config, "num_experts", None)
+        experts = num_experts(hf_config)
         if not experts:
             raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model; "
                               f"{hf_config.model_type} has no experts (set parallel.ep=1)")

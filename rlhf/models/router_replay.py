@@ -44,6 +44,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlhf.models import deepseek_v3
+
 REPLAY_MODES = ("none", "R2", "R3")
 _GATE = re.compile(r"layers\.(\d+)\.(?:_checkpoint_wrapped_module\.)?mlp\.(?:gate|router)$")  # GPT-OSS: router
 
@@ -122,11 +124,16 @@ class RouterReplay:
         return flat if self._index is None else flat.index_select(0, self._index.to(flat.device))
 
     def _forward(self, gate: nn.Module, s: int):
+        sigmoid = deepseek_v3.is_router(gate)  # DeepSeek-V3: replays the ids its biased selection chose
+
         def forward(hidden_states: Tensor):
             h = hidden_states.reshape(-1, gate.weight.shape[-1])
-            logits = F.linear(h, gate.weight, getattr(gate, "bias", None))  # GPT-OSS's router has a bias
             ref = None if self.reference is None else self._select(self.reference[:, :, s]).to(h.device)
-            w, top_i, live = replay_route(logits, self.top_k, self.norm, ref if self.replay else None)
+            if sigmoid:
+                logits, w, top_i, live = deepseek_v3.replay_route(gate, h, ref if self.replay else None)
+            else:
+                logits = F.linear(h, gate.weight, getattr(gate, "bias", None))  # GPT-OSS: a router bias
+                w, top_i, live = replay_route(logits, self.top_k, self.norm, ref if self.replay else None)
             if ref is not None:  # [used != recorded, live != recorded, pairs] over the recorded tokens
                 known = (ref >= 0).all(dim=-1)
                 diff = torch.stack([(routes_differ(top_i, ref) & known).sum(), (routes_differ(live, ref) & known).sum(),

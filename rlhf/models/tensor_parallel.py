@@ -33,6 +33,9 @@ Families beyond Llama / Qwen2 / Qwen3 / Mistral (``_family_plan``):
   the router ``mlp.router`` replicated; the attention sinks ``self_attn.sinks [H]`` split with the
   query heads (``Shard(0)``), read by the project's attention (``rlhf.models.varlen_attention``, set
   here whatever ``attn_implementation`` was: HF's eager one cannot take the local part of a DTensor).
+* DeepSeek-V3 (MLA, ``rlhf.models.mla``): heads split by ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj``
+  column-parallel, ``o_proj`` row-parallel; the low-rank ``q_a_proj`` / ``kv_a_proj_with_mqa`` and their
+  norms stay replicated (every rank needs the whole latent); shared experts column / row parallel.
 * OLMoE: q_norm / k_norm normalise the WHOLE q / k projection of a token, so q/k/v_proj are
   column-parallel with the output gathered and o_proj row-parallel on a replicated input (Phi-3's plan).
 
@@ -96,6 +99,7 @@ SUPPORTED_CLASSES = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
     "GptOssForCausalLM",
+    "DeepseekV3ForCausalLM",
     # critic / reward heads of the same families (score head kept replicated)
     "LlamaForTokenClassification",
     "Qwen2ForTokenClassification",
@@ -168,10 +172,12 @@ def validate_tp(model: nn.Module, tp: int) -> None:
 def moe_sizes(config) -> dict[str, int]:
     """Sizes a tp (training or rollout) must divide besides heads / intermediate / vocab: the experts
     (and Qwen2-MoE's shared expert, split like a dense MLP)."""
-    from rlhf.models.moe_archs import MOE_MODEL_TYPES
+    from rlhf.models.moe_archs import MOE_MODEL_TYPES, num_experts
 
-    experts = getattr(config, "num_experts", None) if config.model_type in MOE_MODEL_TYPES else None
+    experts = num_experts(config) if config.model_type in MOE_MODEL_TYPES else None
     shared = getattr(config, "shared_expert_intermediate_size", 0) if experts else 0
+    if experts and config.model_type == "deepseek_v3":
+        shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
     return {**({"num_experts": experts} if experts else {}),
             **({"shared_expert_intermediate_size": shared} if shared else {})}
 
@@ -224,6 +230,11 @@ def _family_plan(model_type: str, layer: nn.Module, experts: bool = True) -> dic
                 "mlp.gate_up_proj": ColwiseParallel(output_layouts=Replicate()),
                 "mlp.down_proj": RowwiseParallel(input_layouts=Replicate())}
     plan = _layer_plan(False)
+    if model_type == "deepseek_v3":  # MLA: the per-head up-projections split, the latent ones replicated
+        for p in "qkv":
+            del plan[f"self_attn.{p}_proj"]
+        q = "self_attn.q_b_proj" if getattr(layer.self_attn, "q_b_proj", None) is not None else "self_attn.q_proj"
+        plan.update({q: ColwiseParallel(), "self_attn.kv_b_proj": ColwiseParallel()})
     if model_type in _GATHERED_QKV_TYPES:  # OLMoE: q/k norms over the whole projection need all heads
         plan.update({f"self_attn.{p}_proj": ColwiseParallel(output_layouts=Replicate()) for p in "qkv"})
         plan["self_attn.o_proj"] = RowwiseParallel(input_layouts=Replicate())
@@ -232,10 +243,10 @@ def _family_plan(model_type: str, layer: nn.Module, experts: bool = True) -> dic
             del plan[name]
         if experts:
             plan["mlp.experts"] = ExpertsOverTP()
-        if getattr(layer.mlp, "shared_expert", None) is not None:  # Qwen2-MoE: a dense MLP beside the experts
-            plan.update({"mlp.shared_expert.gate_proj": ColwiseParallel(),
-                         "mlp.shared_expert.up_proj": ColwiseParallel(),
-                         "mlp.shared_expert.down_proj": RowwiseParallel()})
+        for shared in ("shared_expert", "shared_experts"):  # Qwen2-MoE / DeepSeek-V3: a dense MLP beside the experts
+            if getattr(layer.mlp, shared, None) is not None:
+                plan.update({f"mlp.{shared}.gate_proj": ColwiseParallel(), f"mlp.{shared}.up_proj": ColwiseParallel(),
+                             f"mlp.{shared}.down_proj": RowwiseParallel()})
     return plan
 
 
@@ -363,6 +374,10 @@ def apply_tp(
             # HF clamps v in place; the gathered projection output is a view of a DTensor autograd
             # function's output, which autograd forbids modifying in place
             layer.self_attn.v_proj.register_forward_hook(lambda mod, args, out: out.clone())
+        if model_type == "deepseek_v3":
+            from rlhf.models.mla import sum_rope_key_grad
+
+            sum_rope_key_grad(layer.self_attn.kv_a_proj_with_mqa, model.config.qk_rope_head_dim, tp_mesh.get_group())
         if model_type not in _GATHERED_QKV_TYPES:  # Phi-3's / OLMoE's attention runs on all heads (docstring)
             _localize_attention_attrs(layer.self_attn, tp)
     if sequence_parallel and getattr(inner, "norm", None) is not None:

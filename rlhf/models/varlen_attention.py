@@ -446,10 +446,12 @@ def varlen_attention_forward(
         max_len = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
         cap = {"softcap": softcap} if softcap is not None else {}  # flash-attn >= 2.6
+        dv = value.shape[-1]  # DeepSeek's MLA: v narrower than q/k; flash-attn 2 wants one head dim (zero-pad v)
+        v = value if dv == query.shape[-1] else torch.nn.functional.pad(value, (0, query.shape[-1] - dv))
         out = kernel(
             query[0].transpose(0, 1),  # [total, H, D]
             key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
+            v[0].transpose(0, 1),
             cu_seqlens_q=cu_seq_lens_q.to(torch.int32),
             cu_seqlens_k=cu_seq_lens_q.to(torch.int32),
             max_seqlen_q=max_len,
@@ -460,7 +462,7 @@ def varlen_attention_forward(
             window_size=window,
             **cap,
         )
-        return out.unsqueeze(0), None
+        return out[..., :dv].unsqueeze(0), None
 
     plan = varlen_plan if varlen_plan is not None else _get_plan(cu_seq_lens_q, varlen_bucket_ratio)
     return _bucketed_sdpa(query, key, value, plan, scaling, dropout, sliding_window, softcap, sinks), None

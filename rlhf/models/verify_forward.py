@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rlhf.models import arch
-from rlhf.models.decoder import DecoderSpec, DecoderWeights, _logits, _mlp, _qkv, _residual_linear
+from rlhf.models.decoder import DecoderSpec, DecoderWeights, _heads_out, _logits, _mlp, _qkv, _residual_linear
 
 
 def verify(spec: DecoderSpec, w: DecoderWeights, cache: Any, tokens: Tensor, pos: Tensor, valid: Tensor, window: int,
@@ -59,7 +59,8 @@ def verify(spec: DecoderSpec, w: DecoderWeights, cache: Any, tokens: Tensor, pos
         q = qkv.new_zeros((b * c, h, d)).index_copy_(0, grid_index, qkv[:, :h])
         q = q.view(b, c, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * c, d)
         a = arch.attend(q, k, v, masks, la)  # [B, Hkv, G * c, D]
-        a = a.view(b, hkv, g, c, d).permute(0, 3, 1, 2, 4).reshape(b * c, h * d).index_select(0, grid_index)
+        a = _heads_out(spec, a.view(b, hkv, g, c, d).permute(0, 3, 1, 2, 4)).reshape(b * c, -1)
+        a = a.index_select(0, grid_index)
         x = _residual_linear(x, a, lw.o_w, lw.o_b, tp_group, lw.attn_out_norm, spec.rms_norm_eps)
         x = _mlp(spec, lw, x, tp_group)
     return _logits(spec, w, x)

@@ -54,6 +54,12 @@ def _dense_matmul_params(hf_config) -> dict[str, int]:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     hd = _head_dim(hf_config)
     attn = h * heads * hd * 2 + h * kv_heads * hd * 2      # q and o; k and v (GQA)
+    if hf_config.model_type == "deepseek_v3":  # MLA: low-rank q and kv, then the per-head up-projections, o
+        c, qr = hf_config, hf_config.q_lora_rank
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        q = h * qr + qr * heads * qk if qr else h * heads * qk
+        attn = q + h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * heads * (
+            c.qk_nope_head_dim + c.v_head_dim) + heads * c.v_head_dim * h
     mlp = 3 * h * hf_config.intermediate_size               # gate, up, down
     return {"layers": layers * (attn + mlp), "lm_head": hf_config.vocab_size * h}
 
@@ -65,7 +71,9 @@ def _moe_matmul_params(cfg) -> dict[str, int]:
     h = cfg.hidden_size
     spec = MoESpec.from_config(cfg)
     sparse = sum(spec.sparse)
-    shared = 3 * h * spec.shared_intermediate_size + h if spec.shared_intermediate_size else 0  # Qwen2-MoE
+    # shared expert (+ Qwen2-MoE's gate; DeepSeek-V3's is ungated)
+    shared = 3 * h * spec.shared_intermediate_size + h * (spec.scoring == "softmax") \
+        if spec.shared_intermediate_size else 0
     routed = 3 * h * spec.intermediate_size * spec.top_k + h * spec.num_experts + shared
     mlp_dense = 3 * h * cfg.intermediate_size
     return {"layers": dense["layers"] - sparse * (mlp_dense - routed), "lm_head": dense["lm_head"]}
@@ -79,6 +87,9 @@ def model_flops_per_token(hf_config, seq_len: int, training: bool, *, causal: bo
     """
     n = matmul_params(hf_config)
     q_dim = hf_config.num_attention_heads * _head_dim(hf_config)
+    if hf_config.model_type == "deepseek_v3":  # scores over the qk dims, output over the v dims: their mean
+        q_dim = hf_config.num_attention_heads * (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
+                                                 + hf_config.v_head_dim) / 2
     attn = 4.0 * hf_config.num_hidden_layers * seq_len * q_dim
     if causal:
         attn /= 2

@@ -55,10 +55,14 @@ from rlhf.models.parallel import to_mesh_device
 
 # Prefixes/infixes that wrappers add to parameter names; rollout wants plain HF names.
 _WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_orig_mod\.|_fsdp_wrapped_module\.)")
-_COLUMN = re.compile(r"\.(self_attn\.([qkv]|qkv)_proj|mlp\.(shared_expert\.)?(gate|up|gate_up)_proj)\.(weight|bias)$")
-_ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.weight$")
+_COLUMN = re.compile(r"\.(self_attn\.([qkv]|qkv|q_b|kv_b)_proj|mlp\.(shared_experts?\.)?(gate|up|gate_up)_proj)"
+                     r"\.(weight|bias)$")
+_ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.(shared_experts?\.)?down_proj)\.weight$")
 _EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")  # GPT-OSS: per-expert biases
 _SINKS = re.compile(r"\.self_attn\.sinks$")  # GPT-OSS: one logit per query head, split with the q heads
+# DeepSeek-V3's router weight and selection bias stay in the master dtype (HF keeps them in fp32; the
+# bias is a buffer, sent too): a bf16 bias would pick other experts than the trainer
+_ROUTER = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
 _FUSED = re.compile(r"\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
@@ -374,17 +378,23 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
     weights: dict[str, torch.Tensor] = {}
     received = 0
     config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "model_type")), None)
+    fp32_router = getattr(config, "model_type", None) == "deepseek_v3"
     with torch.no_grad():
         for name, p in model.named_parameters():
             name = hf_name(name)
             if name_filter is not None and not name_filter(name):
                 continue
             t, nbytes = _rollout_tensor(p, name, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                                        dtype=dtype, do_slice=do_slice, config=config, ep_rank=ep_rank,
-                                        ep_size=ep_size, ep_group=ep_group)
+                                        dtype=None if fp32_router and _ROUTER.search(name) else dtype,
+                                        do_slice=do_slice, config=config, ep_rank=ep_rank, ep_size=ep_size,
+                                        ep_group=ep_group)
             device = t.device
             weights[name] = t
             received += nbytes
+        for name, b in model.named_buffers():
+            name = hf_name(name)
+            if _ROUTER.search(name) and (name_filter is None or name_filter(name)):
+                weights[name] = b.detach().clone()
         if pp > 1:
             weights, nbytes = _pp_exchange(weights, pp_group, device or torch.device("cpu"))
             received += nbytes

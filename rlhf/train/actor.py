@@ -209,7 +209,7 @@ class PolicyWorker:
         self.prefix_grouping = resolve_mode(
             model_cfg.prefix_grouping, use_remove_padding=model_cfg.use_remove_padding, sp=_size(mesh, "sp"),
             tp=_size(mesh, "tp"), pp=_size(mesh, "pp"), vlm=self.is_vlm,
-            moe=bool(getattr(self.hf_config, "num_experts", 0)))
+            moe=is_moe(self.hf_config))
         if self.lora:
             # Only the adapters are trainable (and so sharded with gradients / optimizer state).
             model = apply_lora(model, lora_rank=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
@@ -537,7 +537,7 @@ def _router_stats(model: torch.nn.Module, hf_config) -> Optional[RouterStats]:
     if not is_moe(hf_config):
         return None
     layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
-    return RouterStats(model, layers, hf_config.num_experts)
+    return RouterStats(model, layers, MoESpec.from_config(hf_config).num_experts)
 
 
 def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp, trainable: bool, pp: bool

@@ -41,6 +41,7 @@ from rlhf.algos.value_loss import compute_value_loss
 from rlhf.data.batching import micro_batches_for_rank
 from rlhf.models.loading import DTYPES, check_model_dir, training_attn_implementation
 from rlhf.models.logprobs import position_ids_from_mask
+from rlhf.models.moe_archs import num_experts
 from rlhf.models.packed import packed_forward_values
 from rlhf.models.parallelize import ParallelModel, parallelize_model
 from rlhf.models.prefix_grouping import resolve_mode
@@ -131,7 +132,7 @@ class CriticWorker:
         self.prefix_grouping = resolve_mode(
             model_cfg.prefix_grouping, use_remove_padding=model_cfg.use_remove_padding,
             sp=mesh["sp"].size() if "sp" in (mesh.mesh_dim_names or ()) else 1,
-            tp=mesh["tp"].size(), pp=mesh["pp"].size(), moe=bool(getattr(model.config, "num_experts", 0)))
+            tp=mesh["tp"].size(), pp=mesh["pp"].size(), moe=bool(num_experts(model.config)))
         value_head(model).register_forward_hook(_head_output_not_a_view)
         self.parallel: ParallelModel = parallelize_model(
             model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,

@@ -1,7 +1,7 @@
 """A GRPO step of Gemma 2, Gemma 3, Phi-3 and the MoE families under tp2 equals the 1-rank step, and the reshard
 into a tp2 rollout (Phi-3's fused projections sliced per part, MoE experts whole) samples what 1 rank does;
-the MoE families added after Qwen3-MoE (Qwen2-MoE, Mixtral, OLMoE, GPT-OSS; Qwen3-MoE's layouts are in
-test_expert_parallel.py) also under dp2 x ep2, in the same 2-rank launch.
+the MoE families added after Qwen3-MoE (Qwen2-MoE, Mixtral, OLMoE, GPT-OSS, DeepSeek-V3 with MLA heads split over
+tp; Qwen3-MoE's layouts are in test_expert_parallel.py) also under dp2 x ep2, in the same 2-rank launch.
 
 Per architecture, on 1 rank and on 2 (training tp2, rollout tp2; ep2: rollout tp1): padding-free old
 log-probs, one PPO-clip + KL + entropy update (two micro-batches), then the updated weights resharded
@@ -22,7 +22,7 @@ from tests.dist._dist_utils import dist_device, dist_device_type, run_distribute
 
 N_PROMPTS, N_SAMPLES, P, R = 4, 2, 6, 8
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15]]
-EP_ARCHS = ("qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+EP_ARCHS = ("qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")

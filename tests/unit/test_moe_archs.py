@@ -1,7 +1,8 @@
-"""Qwen2-MoE, Mixtral, OLMoE and GPT-OSS (rlhf/models/moe_archs.py): HF checkpoints load (deferred, by slices) and
-export back unchanged, Mixtral's hub layout (per-expert ``block_sparse_moe.experts.N.w1/w2/w3``) is read by
-slices, the FLOP counter counts active experts (and Qwen2-MoE's shared expert), what the sampler cannot
-match is refused in one line, and OLMoE's q/k norm is exact over tp ranks with replicated KV heads.
+"""Qwen2-MoE, Mixtral, OLMoE, GPT-OSS and DeepSeek-V3 (rlhf/models/moe_archs.py): HF checkpoints load (deferred,
+by slices; DeepSeek's selection-bias buffer too) and export back unchanged, Mixtral's hub layout (per-expert
+``block_sparse_moe.experts.N.w1/w2/w3``) is read by slices, the FLOP counter counts active experts (and
+Qwen2-MoE's shared expert), what the sampler cannot match is refused in one line, and OLMoE's q/k norm is
+exact over tp ranks with replicated KV heads.
 Sampler / trainer log-probs against HF are in test_sampler_archs.py / test_trainer_archs.py, the tp2 / ep2
 GRPO step in tests/dist/test_grpo_archs.py."""
 
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tests._archs import tiny_config, tiny_model
 
-NEW = ("qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+NEW = ("qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3")
 
 
 def _placed(model) -> dict[str, torch.Tensor]:
@@ -39,9 +40,15 @@ def test_checkpoint_loads_by_slices_and_exports_unchanged(kind, tmp_path):
     assert got.keys() == want.keys()
     for n, p in got.items():
         assert torch.equal(p, want[n]), n
+    # persistent buffers too (DeepSeek-V3's selection bias decides the routes; HF initialises it to 0)
+    buffers = {n: b for n, b in ref.named_buffers() if n in ref.state_dict() and "rotary" not in n}
+    assert bool(buffers) == (kind == "deepseek_v3")
+    for n, b in model.named_buffers():
+        assert n not in buffers or torch.equal(b, buffers[n]), n
     model.save_pretrained(tmp_path / "out", safe_serialization=True)  # what export_hf writes on rank 0
-    back = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
-    for n, p in want.items():
+    back_model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    back = {**dict(back_model.named_parameters()), **dict(back_model.named_buffers())}
+    for n, p in {**want, **buffers}.items():
         assert torch.equal(back[n], p), n
 
 

@@ -157,10 +157,11 @@ def test_config_and_global_metrics():
     assert "spec_acceptance_rate" not in global_rollout_stats(local, None)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "deepseek_v3"])
 def test_sliding_window_and_softcap_model_same_tokens_with_speculation(kind):
     """Gemma 2 (4-token sliding window, soft-capped attention and logits): the verify forward's masks;
-    GPT-OSS: its attention sinks over the folded query rows of the verify forward."""
+    GPT-OSS: its attention sinks over the folded query rows of the verify forward; DeepSeek-V3: its MLA
+    heads (v narrower than the cache head) through the verify forward."""
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=16, seed=1)
     off = _sampler(kind).generate(PROMPTS[:3], params)
     on = _sampler(kind, speculative=SPEC).generate(PROMPTS[:3], params)
