@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhf.models.expert_parallel import ep_experts
-from rlhf.models.decoder import expert_weights
+from rlhf.models.decoder_weights import expert_weights
 
 
 class RolloutEP:

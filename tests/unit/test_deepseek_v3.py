@@ -27,7 +27,7 @@ def test_router_equals_hf_and_the_bias_only_selects():
     _, hf_w, hf_i = gate(x)
     spec = MoESpec.from_config(model.config)
     assert spec.sparse == (False, True, True) and spec.shared_intermediate_size == 16  # first_k_dense_replace=1
-    w, i = route(spec, x, gate.weight, gate.e_score_correction_bias)
+    w, i = route(spec, x, gate.weight, select_bias=gate.e_score_correction_bias)
     order, hf_order = i.sort(-1), hf_i.sort(-1)
     assert torch.equal(order.values, hf_order.values)
     torch.testing.assert_close(w.gather(1, order.indices), hf_w.gather(1, hf_order.indices), atol=0, rtol=0)
