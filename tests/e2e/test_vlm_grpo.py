@@ -2,7 +2,8 @@
 built-in sampler runs the vision tower and M-RoPE, and its log-probs equal the trainer's recomputed
 ones on image prompts (``rollout/logprob_diff_max``: a sampler that ignored the images, or placed
 them at the wrong rotary positions, would be off by ~1e-1). The same run's HF export and its checkpoint
-exported offline load in transformers with the processor, and ``python -m rlhf.eval`` samples with images."""
+exported offline load in transformers with the processor, and ``python -m rlhf.eval`` samples with images.
+The one_step_off and fully_async runs carry the images across their exchanges."""
 
 from __future__ import annotations
 
@@ -119,3 +120,18 @@ def test_one_step_off_carries_the_images_to_the_training_rank(vlm_run, tmp_path)
     assert got["rollout/logprob_diff_max"] < 1e-4, got["rollout/logprob_diff_max"]
     for key in ("reward/mean", "response_length/mean", "actor/entropy", "actor/grad_norm", "actor/loss"):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+
+
+def test_fully_async_streams_the_images_to_the_training_rank(vlm_run, tmp_path):
+    """trainer.mode=fully_async at staleness 0 (1 rollout + 1 training rank): the streaming sampler runs the
+    tower on each admitted prompt's images and its groups carry the pixel values to the training leader, so
+    both steps equal the colocated run's (step 2's rollout runs the tower of the pushed weights)."""
+    out = tmp_path / "fully_async"
+    r = run_script("train_grpo.py", _args(vlm_run, out, steps=2) + ["trainer.mode=fully_async"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = train_steps(out / "metrics.jsonl"), train_steps(vlm_run / "out" / "metrics.jsonl")
+    assert sorted(got) == [1, 2]
+    for step in (1, 2):
+        assert got[step]["rollout/logprob_diff_max"] < 1e-4, (step, got[step]["rollout/logprob_diff_max"])
+        for key in ("reward/mean", "response_length/mean", "actor/entropy", "actor/grad_norm", "actor/loss"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-6), (step, key)

@@ -120,7 +120,7 @@ def test_start_up_check_reads_the_language_model_of_a_vlm():
     assert check_supported(tiny_vlm_config(tok, "qwen3_vl"), 128).qk_norm
 
 
-def test_start_up_refuses_what_the_vlm_rollout_does_not_run(tmp_path):
+def test_start_up_accepts_what_the_vlm_rollout_runs(tmp_path):
     from rlhf.models.loading import check_rollout_support
     from rlhf.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
     from rlhf.schema.config import ConfigError
@@ -128,8 +128,8 @@ def test_start_up_refuses_what_the_vlm_rollout_does_not_run(tmp_path):
     tiny_vlm_config(build_vlm_tokenizer(), "qwen2_5_vl").save_pretrained(tmp_path)
     check_rollout_support(str(tmp_path), max_seq_len=128)  # accepted: no refusal of the model itself
     check_rollout_support(str(tmp_path), rollout_tp=2)  # the tower runs whole on each rank of the TP group
-    with pytest.raises(ConfigError, match="^rollout.multi_turn.enable"):
-        check_rollout_support(str(tmp_path), multi_turn=True)
+    with pytest.raises(ConfigError, match="^data.max_response_length"):  # the language model's limit
+        check_rollout_support(str(tmp_path), max_seq_len=10_000)
 
 
 def test_multi_turn_on_image_prompts_resumes_on_text_positions(case):
