@@ -86,6 +86,7 @@ class StreamRun(GenerateRun):
 
     # ------------------------------------------------------------------ main loop
 
+    @torch.no_grad()  # as Sampler.generate: the vision tower is an nn.Module whose outputs would track grads
     def execute(self) -> dict:
         t0 = time.perf_counter()
         while True:
