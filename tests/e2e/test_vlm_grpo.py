@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e.conftest import run_script, train_steps
+from tests.e2e.conftest import run_script, run_script_many, train_steps
 
 pytest.importorskip("PIL")
 
@@ -43,11 +43,15 @@ def _assets(root):
 
 @pytest.fixture(scope="module")
 def vlm_run(tmp_path_factory):
-    """One 2-step GRPO run (checkpoint at step 2, HF export at the end) shared by the tests below."""
+    """One 2-step GRPO run (checkpoint at step 2, HF export at the end) shared by the tests below, and in the
+    same interpreter a 1-step LoRA run (checkpoint and merged HF export) in ``out_lora``."""
     tmp_path = tmp_path_factory.mktemp("vlm_grpo")
     _assets(tmp_path)
-    r = run_script("train_grpo.py", _args(tmp_path, tmp_path / "out", steps=2) + ["checkpoint.save_freq=2"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    full = _args(tmp_path, tmp_path / "out", steps=2) + ["checkpoint.save_freq=2"]
+    lora = _args(tmp_path, tmp_path / "out_lora", steps=1) + ["checkpoint.save_freq=1", "model.lora_rank=4",
+                                                              "model.lora_alpha=8", "actor.lr=1e-2"]
+    for r in run_script_many("train_grpo.py", [full, lora]):
+        assert r.returncode == 0, r.stderr[-3000:]
     return tmp_path
 
 
@@ -106,6 +110,29 @@ def test_vlm_export_and_eval(vlm_run, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "eval" / "generations.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and sum("<|image_pad|>" in row["prompt"] for row in rows) == 3
+
+
+def test_vlm_lora_export_loads_with_its_processor(vlm_run, tmp_path):
+    """A LoRA run of a VLM: its merged HF export and ``python -m rlhf.checkpoint export`` of its checkpoint
+    (the base rebuilt as the VLM class, adapters re-applied and merged) load in transformers with the
+    processor and hold the same weights; the adapters moved the language model only (the tower is frozen)."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlhf.export import export_checkpoint
+    from rlhf.models.processor import load_processor
+
+    out = vlm_run / "out_lora"
+    exported = export_checkpoint(out / "checkpoints" / "global_step_1", tmp_path / "lora")
+    assert (exported / "adapter").is_dir() and (out / "hf_export" / "adapter").is_dir()
+    init = dict(AutoModelForImageTextToText.from_pretrained(vlm_run / "model").named_parameters())
+    merged, offline = (dict(AutoModelForImageTextToText.from_pretrained(d).named_parameters())
+                       for d in (out / "hf_export", exported))
+    assert set(merged) == set(offline) == set(init)
+    for name, p in merged.items():
+        torch.testing.assert_close(offline[name], p, rtol=0, atol=0, msg=name)
+        adapted = "language_model.layers." in name and name.endswith("proj.weight")  # LoRA's targets
+        assert torch.equal(p, init[name]) != adapted, name
+    assert load_processor(str(exported)).image_processor.merge_size == 2
 
 
 def test_one_step_off_carries_the_images_to_the_training_rank(vlm_run, tmp_path):
