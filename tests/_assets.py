@@ -59,8 +59,8 @@ def write_tool_assets(d: Path, *, steps: int = 100, n_demos: int = 16, seed: int
 def write_tool_vlm_assets(d: Path, *, steps: int = 60, n_rows: int = 8, seed: int = 0) -> Path:
     """`d/tool_vlm` (a tiny random Qwen2.5-VL fitted, as `write_tool_assets`, on calculator demos of
     `<image>a+b=` prompts with random pictures), `d/tools.yaml` and `d/train.parquet`: `n_rows` addition
-    prompts (verl's multimodal schema), in pairs: two with a picture, then two text-only, so that unshuffled
-    batches of 4 on 2 ranks give one rank only image prompts and the other only text ones."""
+    prompts (verl's multimodal schema), in pairs: two with a picture, then two text-only (unshuffled batches
+    of 4 on 2 ranks give one rank only image prompts and the other only text ones)."""
     import io
     import random
 

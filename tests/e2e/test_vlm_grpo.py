@@ -3,7 +3,8 @@ built-in sampler runs the vision tower and M-RoPE, and its log-probs equal the t
 ones on image prompts (``rollout/logprob_diff_max``: a sampler that ignored the images, or placed
 them at the wrong rotary positions, would be off by ~1e-1). The same run's HF export and its checkpoint
 exported offline load in transformers with the processor, and ``python -m rlhf.eval`` samples with images.
-The one_step_off and fully_async runs carry the images across their exchanges."""
+The one_step_off and fully_async runs carry the images across their exchanges; a LoRA run exports merged;
+tool turns run on image prompts (``rollout.multi_turn``)."""
 
 from __future__ import annotations
 
@@ -44,13 +45,22 @@ def _assets(root):
 @pytest.fixture(scope="module")
 def vlm_run(tmp_path_factory):
     """One 2-step GRPO run (checkpoint at step 2, HF export at the end) shared by the tests below, and in the
-    same interpreter a 1-step LoRA run (checkpoint and merged HF export) in ``out_lora``."""
+    same interpreter a 1-step LoRA run (checkpoint and merged HF export) in ``out_lora`` and a 2-step run
+    with the calculator on a tool-calling tiny VLM in ``tools/out``."""
+    from tests._assets import write_tool_vlm_assets
+
     tmp_path = tmp_path_factory.mktemp("vlm_grpo")
     _assets(tmp_path)
+    tools = write_tool_vlm_assets(tmp_path / "tools")
     full = _args(tmp_path, tmp_path / "out", steps=2) + ["checkpoint.save_freq=2"]
     lora = _args(tmp_path, tmp_path / "out_lora", steps=1) + ["checkpoint.save_freq=1", "model.lora_rank=4",
                                                               "model.lora_alpha=8", "actor.lr=1e-2"]
-    for r in run_script_many("train_grpo.py", [full, lora]):
+    agent = {"model.path": tools / "tool_vlm", "data.train_files": tools / "train.parquet",
+             "data.max_response_length": 128, "checkpoint.export_hf": False, "reward.reward_fn": "gsm8k",
+             "rollout.multi_turn.enable": True, "rollout.multi_turn.tool_config_path": tools / "tools.yaml",
+             "rollout.multi_turn.num_workers": 0}
+    agent = _args(tmp_path, tools / "out", steps=2) + [f"{k}={v}" for k, v in agent.items()]
+    for r in run_script_many("train_grpo.py", [full, lora, agent]):
         assert r.returncode == 0, r.stderr[-3000:]
     return tmp_path
 
@@ -72,6 +82,19 @@ def test_vlm_grpo_steps_run_on_the_sampler_with_images(vlm_run):
     for m in steps.values():
         assert m["rollout/logprob_diff_max"] < 1e-4, m["rollout/logprob_diff_max"]
         assert m["rollout/tokens_generated"] > 0 and m["actor/grad_norm"] > 0
+
+
+def test_vlm_grpo_with_tools_on_image_prompts(vlm_run):
+    """``rollout.multi_turn`` on a VLM: the agent loop's tool turns append observations to rows whose prompts
+    carry images (batches mix image and text-only prompts); the trainer takes the stitched trajectories
+    with the rows' images (observation tokens out of the loss, M-RoPE positions over the whole trajectory)
+    and its log-probs equal the sampler's: a turn resumed at the wrong rotary positions is off by ~1."""
+    steps = train_steps(vlm_run / "tools" / "out" / "metrics.jsonl")
+    assert sorted(steps) == [1, 2]
+    for m in steps.values():
+        assert m["agent/tool_calls_per_traj"] > 0.5 and m["agent/observation_tokens_per_traj"] > 1
+        assert m["agent/turns_per_traj"] > 1
+        assert m["rollout/logprob_diff_max"] < 1e-4, m["rollout/logprob_diff_max"]
 
 
 def test_vlm_export_and_eval(vlm_run, tmp_path):
