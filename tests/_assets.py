@@ -96,11 +96,16 @@ def write_tool_vlm_assets(d: Path, *, steps: int = 60, n_rows: int = 8, seed: in
     n_tok = torch.tensor(float(sum(sum(e[2]) for e in examples)))
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        loss = sft_loss(model, examples, proc.tokenizer.pad_token_id, n_tok, torch.device("cpu"), packed=True)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: extra intra-op threads only contend (10x slower on a loaded CPU)
+    try:
+        for _ in range(steps):
+            loss = sft_loss(model, examples, proc.tokenizer.pad_token_id, n_tok, torch.device("cpu"), packed=True)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(d / "tool_vlm")
     proc.save_pretrained(d / "tool_vlm")
     return d
