@@ -122,23 +122,21 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, model_path: Optional
         hf_model_from_state_dict(AutoModelForTokenClassification, config, sd).save_pretrained(
             str(out), safe_serialization=True)
     elif any(".lora_" in k for k in sd):
-        _write_lora(sd, config, model_cfg, out)
+        _write_lora(sd, config, model_cfg, out, causal_lm)
     else:
         hf_model_from_state_dict(causal_lm, config, sd).save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
 
 
-def _write_lora(sd: dict[str, torch.Tensor], config, model_cfg: dict, out: Path) -> None:
-    """Merged model in ``out``, PEFT adapter in ``out/adapter``: the base rebuilt, LoRA re-applied
-    with the run's settings, the trained adapters loaded."""
-    from transformers import AutoModelForCausalLM
-
+def _write_lora(sd: dict[str, torch.Tensor], config, model_cfg: dict, out: Path, model_class: Any) -> None:
+    """Merged model in ``out``, PEFT adapter in ``out/adapter``: the base rebuilt (``model_class``: the
+    causal LM's or a VLM's auto class), LoRA re-applied with the run's settings, the trained adapters loaded."""
     from rlhf.models.lora import apply_lora, export_merged, hf_param_name, save_adapter
 
     if int(model_cfg.get("lora_rank", 0)) <= 0:
         raise ConfigError("the checkpoint holds LoRA adapters but the run's config.yaml has model.lora_rank 0")
-    base = hf_model_from_state_dict(AutoModelForCausalLM, config,
+    base = hf_model_from_state_dict(model_class, config,
                                     {hf_param_name(k): v for k, v in sd.items() if ".lora_" not in k})
     model = apply_lora(base, lora_rank=int(model_cfg["lora_rank"]), lora_alpha=model_cfg.get("lora_alpha", 16),
                        target_modules=model_cfg.get("target_modules", "all-linear"))

@@ -54,3 +54,58 @@ def write_tool_assets(d: Path, *, steps: int = 100, n_demos: int = 16, seed: int
     model.save_pretrained(d / "tool_model")
     tok.save_pretrained(d / "tool_model")
     return d
+
+
+def write_tool_vlm_assets(d: Path, *, steps: int = 60, n_rows: int = 8, seed: int = 0) -> Path:
+    """`d/tool_vlm` (a tiny random Qwen2.5-VL fitted, as `write_tool_assets`, on calculator demos of
+    `<image>a+b=` prompts with random pictures), `d/tools.yaml` and `d/train.parquet`: `n_rows` addition
+    prompts (verl's multimodal schema), in pairs: two with a picture, then two text-only (unshuffled batches
+    of 4 on 2 ranks give one rank only image prompts and the other only text ones)."""
+    import io
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from PIL import Image
+
+    from rlhf.data.arithmetic import tool_call
+    from rlhf.models.tiny_vlm import build_tiny_vlm
+    from rlhf.train.sft import SFTSettings, sft_loss, tokenize_sft
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tools.yaml").write_text(TOOL_CONFIG)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows, demos = [], []
+    for i in range(n_rows):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        images = []
+        if i % 4 < 2:
+            buf = io.BytesIO()
+            Image.fromarray((torch.rand(16, 16 + 8 * (i % 4), 3, generator=g) * 255).byte().numpy()).save(buf, "PNG")
+            images = [{"bytes": buf.getvalue(), "path": None}]
+        prompt = [{"role": "user", "content": ("<image>" if images else "") + f"{a}+{b}="}]
+        rows.append({"prompt": prompt, "images": images, "data_source": "arith",
+                     "reward_model": {"ground_truth": str(a + b)}})
+        demos.append({"prompt": prompt, "images": images, "response": [
+            {"role": "assistant", "content": tool_call(f"{a}+{b}")}, {"role": "tool", "content": str(a + b)},
+            {"role": "assistant", "content": f"#### {a + b}"}]})
+    pq.write_table(pa.Table.from_pylist(rows), d / "train.parquet")
+    model, proc = build_tiny_vlm("qwen2_5_vl", seed=seed, init_std=None)
+    examples, _ = tokenize_sft(demos, proc.tokenizer, SFTSettings(max_length=256, train_files=str(d / "x")), proc)
+    n_tok = torch.tensor(float(sum(sum(e[2]) for e in examples)))
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: extra intra-op threads only contend (10x slower on a loaded CPU)
+    try:
+        for _ in range(steps):
+            loss = sft_loss(model, examples, proc.tokenizer.pad_token_id, n_tok, torch.device("cpu"), packed=True)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(d / "tool_vlm")
+    proc.save_pretrained(d / "tool_vlm")
+    return d

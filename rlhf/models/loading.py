@@ -183,20 +183,14 @@ def language_config(config):
 
 
 def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_len: int | None = None,
-                          key: str = "model.path", *, rollout_tp: int = 1, multi_turn: bool = False) -> None:
+                          key: str = "model.path", *, rollout_tp: int = 1) -> None:
     """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
-    traceback from the sampler after the model has loaded); a vision-language model also with
-    multi-turn rollouts, which its sampler path does not run yet."""
+    traceback from the sampler after the model has loaded)."""
     config = model_config(path, trust_remote_code, key)
     try:
         check_supported(config, max_seq_len)
     except NotImplementedError as e:
         raise ConfigError(f"{key}: {e}") from None
-    from rlhf.models.mrope import is_vlm_config
-
-    if is_vlm_config(config) and multi_turn:
-        raise ConfigError(f"rollout.multi_turn.enable: multi-turn rollouts of a vision-language model "
-                          f"({config.model_type}, {key}) are not supported yet")
     limit = getattr(language_config(config), "max_position_embeddings", None)
     if max_seq_len is not None and isinstance(limit, int) and max_seq_len > limit:
         raise ConfigError(f"data.max_response_length: prompt + response = {max_seq_len} tokens exceeds the "

@@ -31,6 +31,7 @@ import torch
 from rlhf.rollout.sampling import SamplingParams, sequence_keys
 from rlhf.rollout.routes import RouteBook
 from rlhf.rollout.scheduler import GenerateRun
+from rlhf.rollout.vision import VisionPrompts
 
 STOP = "stop"  # poll_weights' answer when the run must end
 
@@ -38,12 +39,14 @@ STOP = "stop"  # poll_weights' answer when the run must end
 @dataclass
 class StreamPrompt:
     """One prompt to generate ``n`` samples of: its tokens, dataset key, the step its draws are
-    keyed by, and the driver's tag (e.g. its position in the data order)."""
+    keyed by, the driver's tag (e.g. its position in the data order) and a VLM prompt's images
+    (``{"pixel_values", "image_grid_thw"}``, as ``Sampler.generate``'s ``multi_modal`` entries)."""
 
     ids: list[int]
     key: int
     step: int
     tag: Any = None
+    multi_modal: Optional[dict] = None
 
 
 class StreamDriver(Protocol):
@@ -67,7 +70,9 @@ class StreamRun(GenerateRun):
         if kv not in ("recompute", "keep"):
             raise ValueError(f"async_training.partial_rollout_kv must be recompute or keep, got {kv!r}")
         sampler._ensure_capacity(max_prompt_len + params.max_new_tokens)
-        super().__init__(sampler, [[0]] * groups, params, 0, [0] * groups)
+        # a VLM's group slots hold their prompts' image features and M-RoPE rows (set as prompts arrive)
+        vis = VisionPrompts(sampler, [[0]] * groups, [None] * groups) if getattr(sampler, "vlm_config", None) else None
+        super().__init__(sampler, [[0]] * groups, params, 0, [0] * groups, vision=vis)
         self.queue.clear()
         self.driver, self.partial, self.kv, self.version = driver, partial_rollout, kv, version
         self.free_groups: deque[int] = deque(range(groups))
@@ -81,6 +86,7 @@ class StreamRun(GenerateRun):
 
     # ------------------------------------------------------------------ main loop
 
+    @torch.no_grad()  # as Sampler.generate: the vision tower is an nn.Module whose outputs would track grads
     def execute(self) -> dict:
         t0 = time.perf_counter()
         while True:
@@ -121,6 +127,8 @@ class StreamRun(GenerateRun):
             for slot in range(self.live - 1, -1, -1):
                 self._preempt(slot)
         self.s.load_weights(weights, consume=True)
+        if self.vision is not None:  # the prompts in flight are prefilled again with the new tower's features
+            self.vision.refresh(sorted(self.group_of))
         self.version = version
         self.counts["weight_loads"] += 1
         if in_flight:
@@ -130,8 +138,11 @@ class StreamRun(GenerateRun):
     def _refill(self) -> None:
         if not self.free_groups or (self.pending is not None and not self.partial):
             return
-        for p in self.driver.next_prompts(len(self.free_groups), self.version):
-            self._add(self.free_groups.popleft(), p)
+        added = [(self.free_groups.popleft(), p) for p in self.driver.next_prompts(len(self.free_groups), self.version)]
+        for g, p in added:
+            self._add(g, p)
+        if self.vision is not None and added:  # one tower forward for the new prompts' images
+            self.vision.set([g for g, _ in added], [p.ids for _, p in added], [p.multi_modal for _, p in added])
 
     def _add(self, g: int, p: StreamPrompt) -> None:
         n, dev = self.n, self.s.device

@@ -142,20 +142,32 @@ class _Prompt:
 
 
 class VisionPrompts:
-    """The multimodal prompts of one ``generate`` call: what prefill and decode need beyond token ids."""
+    """The multimodal prompts of one ``generate`` call: what prefill and decode need beyond token ids.
+
+    A streaming run (``rlhf.rollout.stream``) reuses its prompt indices (group slots): :meth:`set`
+    puts new prompts at them, and :meth:`refresh` recomputes their image features after a weight load."""
 
     def __init__(self, sampler: Any, prompts: list[list[int]], multi_modal: list[Optional[dict]]):
         cfg, dev = sampler.vlm_config, sampler.device
         if len(multi_modal) != len(prompts):
             raise ValueError(f"generate: {len(multi_modal)} multi_modal entries for {len(prompts)} prompts")
         self.sampler = sampler
-        inv_freq = sampler._inv_freq[0].to(dev)
-        select = mrope_selector(cfg, inv_freq.shape[0])
-        spec = MRopeSpec.from_config(cfg)
-        with_images = [i for i, mm in enumerate(multi_modal) if mm is not None and mm["image_grid_thw"].numel()]
-        features: list[Tensor] = []
+        self.inv_freq = sampler._inv_freq[0].to(dev)
+        self.select = mrope_selector(cfg, self.inv_freq.shape[0])
+        self.spec = MRopeSpec.from_config(cfg)
         self.n_deep = len(getattr(cfg.vision_config, "deepstack_visual_indexes", None) or []) \
             if cfg.model_type == "qwen3_vl" else 0
+        self.prompts: list[Optional[_Prompt]] = [None] * len(prompts)
+        self.inputs: list[tuple[list[int], Optional[dict]]] = [([], None)] * len(prompts)  # what each was set from
+        self.deltas = torch.zeros(len(prompts), dtype=torch.int64, device=dev)  # per prompt
+        self.set(list(range(len(prompts))), prompts, multi_modal)
+
+    def set(self, indices: list[int], prompts: list[list[int]], multi_modal: list[Optional[dict]]) -> None:
+        """Prompts ``prompts`` (with their images) at ``indices`` (of the call's prompts): one tower forward
+        for all their images."""
+        sampler, spec, dev = self.sampler, self.spec, self.sampler.device
+        with_images = [i for i, mm in enumerate(multi_modal) if mm is not None and mm["image_grid_thw"].numel()]
+        features: list[Tensor] = []
         deep: list[list[Tensor]] = []  # per deepstack layer, per image
         if with_images:  # one tower forward for every image of the call
             pixels = torch.cat([multi_modal[i]["pixel_values"] for i in with_images]).to(dev, sampler.dtype)
@@ -165,11 +177,11 @@ class VisionPrompts:
             sizes = (grids.prod(-1) // spec.spatial_merge_size ** 2).tolist()
             features = list(merged.split(sizes))
             deep = [list(f.split(sizes)) for f in (getattr(out, "deepstack_features", None) or [])][:self.n_deep]
-        self.prompts: list[_Prompt] = []
+        deltas = self.deltas.tolist()
         k = 0
-        for i, ids in enumerate(prompts):
+        for j, (i, ids) in enumerate(zip(indices, prompts)):
             ids_t = torch.tensor(ids, dtype=torch.long)
-            mm = multi_modal[i]
+            mm = multi_modal[j]
             grid = mm["image_grid_thw"] if mm is not None and mm["image_grid_thw"].numel() else None
             pos, delta = mrope_position_ids(ids_t[None], None, grid, spec)  # [3, 1, T], [1]
             where = feats = stack = None
@@ -180,9 +192,17 @@ class VisionPrompts:
                 if self.n_deep:
                     stack = torch.stack([torch.cat(d[k:k + n_img]) for d in deep]).to(sampler.dtype)
                 k += n_img
-            cos, sin = mrope_tables(pos[:, 0].to(dev), inv_freq, select, sampler.dtype)
-            self.prompts.append(_Prompt(where, feats, stack, cos, sin, int(delta[0])))
-        self.deltas = torch.tensor([p.delta for p in self.prompts], dtype=torch.int64, device=dev)  # per prompt
+            cos, sin = mrope_tables(pos[:, 0].to(dev), self.inv_freq, self.select, sampler.dtype)
+            self.prompts[i] = _Prompt(where, feats, stack, cos, sin, int(delta[0]))
+            self.inputs[i] = (list(ids), mm)
+            deltas[i] = int(delta[0])
+        self.deltas = torch.tensor(deltas, dtype=torch.int64, device=dev)
+
+    def refresh(self, indices: list[int]) -> None:
+        """Recompute the image features of the prompts at ``indices`` with the sampler's current vision
+        tower (after a weight load)."""
+        if indices:
+            self.set(indices, [self.inputs[i][0] for i in indices], [self.inputs[i][1] for i in indices])
 
     def unit(self, prompt: int, tokens: list[int]) -> PromptInputs:
         """Inputs of ``tokens`` = prompt ``prompt`` (+ tokens generated after it: a recomputed sequence)."""

@@ -2,14 +2,16 @@
 built-in sampler runs the vision tower and M-RoPE, and its log-probs equal the trainer's recomputed
 ones on image prompts (``rollout/logprob_diff_max``: a sampler that ignored the images, or placed
 them at the wrong rotary positions, would be off by ~1e-1). The same run's HF export and its checkpoint
-exported offline load in transformers with the processor, and ``python -m rlhf.eval`` samples with images."""
+exported offline load in transformers with the processor, and ``python -m rlhf.eval`` samples with images.
+The one_step_off and fully_async runs carry the images across their exchanges; a LoRA run exports merged;
+tool turns run on image prompts (``rollout.multi_turn``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.e2e.conftest import run_script, train_steps
+from tests.e2e.conftest import run_script, run_script_many, train_steps
 
 pytest.importorskip("PIL")
 
@@ -42,11 +44,24 @@ def _assets(root):
 
 @pytest.fixture(scope="module")
 def vlm_run(tmp_path_factory):
-    """One 2-step GRPO run (checkpoint at step 2, HF export at the end) shared by the tests below."""
+    """One 2-step GRPO run (checkpoint at step 2, HF export at the end) shared by the tests below, and in the
+    same interpreter a 1-step LoRA run (checkpoint and merged HF export) in ``out_lora`` and a 2-step run
+    with the calculator on a tool-calling tiny VLM in ``tools/out``."""
+    from tests._assets import write_tool_vlm_assets
+
     tmp_path = tmp_path_factory.mktemp("vlm_grpo")
     _assets(tmp_path)
-    r = run_script("train_grpo.py", _args(tmp_path, tmp_path / "out", steps=2) + ["checkpoint.save_freq=2"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    tools = write_tool_vlm_assets(tmp_path / "tools")
+    full = _args(tmp_path, tmp_path / "out", steps=2) + ["checkpoint.save_freq=2"]
+    lora = _args(tmp_path, tmp_path / "out_lora", steps=1) + ["checkpoint.save_freq=1", "model.lora_rank=4",
+                                                              "model.lora_alpha=8", "actor.lr=1e-2"]
+    agent = {"model.path": tools / "tool_vlm", "data.train_files": tools / "train.parquet",
+             "data.max_response_length": 128, "checkpoint.export_hf": False, "reward.reward_fn": "gsm8k",
+             "rollout.multi_turn.enable": True, "rollout.multi_turn.tool_config_path": tools / "tools.yaml",
+             "rollout.multi_turn.num_workers": 0}
+    agent = _args(tmp_path, tools / "out", steps=2) + [f"{k}={v}" for k, v in agent.items()]
+    for r in run_script_many("train_grpo.py", [full, lora, agent]):
+        assert r.returncode == 0, r.stderr[-3000:]
     return tmp_path
 
 
@@ -67,6 +82,19 @@ def test_vlm_grpo_steps_run_on_the_sampler_with_images(vlm_run):
     for m in steps.values():
         assert m["rollout/logprob_diff_max"] < 1e-4, m["rollout/logprob_diff_max"]
         assert m["rollout/tokens_generated"] > 0 and m["actor/grad_norm"] > 0
+
+
+def test_vlm_grpo_with_tools_on_image_prompts(vlm_run):
+    """``rollout.multi_turn`` on a VLM: the agent loop's tool turns append observations to rows whose prompts
+    carry images (batches mix image and text-only prompts); the trainer takes the stitched trajectories
+    with the rows' images (observation tokens out of the loss, M-RoPE positions over the whole trajectory)
+    and its log-probs equal the sampler's: a turn resumed at the wrong rotary positions is off by ~1."""
+    steps = train_steps(vlm_run / "tools" / "out" / "metrics.jsonl")
+    assert sorted(steps) == [1, 2]
+    for m in steps.values():
+        assert m["agent/tool_calls_per_traj"] > 0.5 and m["agent/observation_tokens_per_traj"] > 1
+        assert m["agent/turns_per_traj"] > 1
+        assert m["rollout/logprob_diff_max"] < 1e-4, m["rollout/logprob_diff_max"]
 
 
 def test_vlm_export_and_eval(vlm_run, tmp_path):
@@ -107,6 +135,29 @@ def test_vlm_export_and_eval(vlm_run, tmp_path):
     assert len(rows) == 4 and sum("<|image_pad|>" in row["prompt"] for row in rows) == 3
 
 
+def test_vlm_lora_export_loads_with_its_processor(vlm_run, tmp_path):
+    """A LoRA run of a VLM: its merged HF export and ``python -m rlhf.checkpoint export`` of its checkpoint
+    (the base rebuilt as the VLM class, adapters re-applied and merged) load in transformers with the
+    processor and hold the same weights; the adapters moved the language model only (the tower is frozen)."""
+    from transformers import AutoModelForImageTextToText
+
+    from rlhf.export import export_checkpoint
+    from rlhf.models.processor import load_processor
+
+    out = vlm_run / "out_lora"
+    exported = export_checkpoint(out / "checkpoints" / "global_step_1", tmp_path / "lora")
+    assert (exported / "adapter").is_dir() and (out / "hf_export" / "adapter").is_dir()
+    init = dict(AutoModelForImageTextToText.from_pretrained(vlm_run / "model").named_parameters())
+    merged, offline = (dict(AutoModelForImageTextToText.from_pretrained(d).named_parameters())
+                       for d in (out / "hf_export", exported))
+    assert set(merged) == set(offline) == set(init)
+    for name, p in merged.items():
+        torch.testing.assert_close(offline[name], p, rtol=0, atol=0, msg=name)
+        adapted = "language_model.layers." in name and name.endswith("proj.weight")  # LoRA's targets
+        assert torch.equal(p, init[name]) != adapted, name
+    assert load_processor(str(exported)).image_processor.merge_size == 2
+
+
 def test_one_step_off_carries_the_images_to_the_training_rank(vlm_run, tmp_path):
     """trainer.mode=one_step_off (1 rollout + 1 training rank): the batch and its pixel values cross in the
     exchange, so step 1 (generated by the initial weights, like the colocated run's) equals the colocated
@@ -119,3 +170,18 @@ def test_one_step_off_carries_the_images_to_the_training_rank(vlm_run, tmp_path)
     assert got["rollout/logprob_diff_max"] < 1e-4, got["rollout/logprob_diff_max"]
     for key in ("reward/mean", "response_length/mean", "actor/entropy", "actor/grad_norm", "actor/loss"):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+
+
+def test_fully_async_streams_the_images_to_the_training_rank(vlm_run, tmp_path):
+    """trainer.mode=fully_async at staleness 0 (1 rollout + 1 training rank): the streaming sampler runs the
+    tower on each admitted prompt's images and its groups carry the pixel values to the training leader, so
+    both steps equal the colocated run's (step 2's rollout runs the tower of the pushed weights)."""
+    out = tmp_path / "fully_async"
+    r = run_script("train_grpo.py", _args(vlm_run, out, steps=2) + ["trainer.mode=fully_async"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = train_steps(out / "metrics.jsonl"), train_steps(vlm_run / "out" / "metrics.jsonl")
+    assert sorted(got) == [1, 2]
+    for step in (1, 2):
+        assert got[step]["rollout/logprob_diff_max"] < 1e-4, (step, got[step]["rollout/logprob_diff_max"])
+        for key in ("reward/mean", "response_length/mean", "actor/entropy", "actor/grad_norm", "actor/loss"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-6), (step, key)

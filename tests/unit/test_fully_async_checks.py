@@ -120,12 +120,3 @@ def test_use_rollout_log_probs_skips_the_old_log_prob_forward(monkeypatch):
     assert n == 1 and float(diff.abs().max()) == 0.0 and metrics["actor/entropy"] == 1.0
     diff, metrics, n = run(_cfg())
     assert n == 1 and torch.allclose(diff, torch.full((1, 2), 0.5)) and metrics["rollout/logprob_diff_max"] == 0.5
-
-
-def test_vision_language_model_is_refused_not_run_without_its_images(tmp_path):
-    # The streaming sampler takes no images: a Qwen-VL ran there would decode as if the pictures were absent.
-    (tmp_path / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
-    with pytest.raises(ConfigError, match="does not support vision-language models yet"):
-        check_fully_async(_cfg(**{"model.path": tmp_path}), 4)
-    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
-    assert check_fully_async(_cfg(**{"model.path": tmp_path}), 4) == (2, 2)

@@ -120,7 +120,7 @@ def test_start_up_check_reads_the_language_model_of_a_vlm():
     assert check_supported(tiny_vlm_config(tok, "qwen3_vl"), 128).qk_norm
 
 
-def test_start_up_refuses_what_the_vlm_rollout_does_not_run(tmp_path):
+def test_start_up_accepts_what_the_vlm_rollout_runs(tmp_path):
     from rlhf.models.loading import check_rollout_support
     from rlhf.models.tiny_vlm import build_vlm_tokenizer, tiny_vlm_config
     from rlhf.schema.config import ConfigError
@@ -128,8 +128,8 @@ def test_start_up_refuses_what_the_vlm_rollout_does_not_run(tmp_path):
     tiny_vlm_config(build_vlm_tokenizer(), "qwen2_5_vl").save_pretrained(tmp_path)
     check_rollout_support(str(tmp_path), max_seq_len=128)  # accepted: no refusal of the model itself
     check_rollout_support(str(tmp_path), rollout_tp=2)  # the tower runs whole on each rank of the TP group
-    with pytest.raises(ConfigError, match="^rollout.multi_turn.enable"):
-        check_rollout_support(str(tmp_path), multi_turn=True)
+    with pytest.raises(ConfigError, match="^data.max_response_length"):  # the language model's limit
+        check_rollout_support(str(tmp_path), max_seq_len=10_000)
 
 
 def test_multi_turn_on_image_prompts_resumes_on_text_positions(case):
@@ -166,3 +166,57 @@ def test_multi_turn_on_image_prompts_resumes_on_text_positions(case):
     m = (out.log_probs != 0) & ~turns._holes(tool, out)
     assert m[sorted(image_rows)].sum() > 10
     torch.testing.assert_close(out.log_probs[m], trainer[m], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["qwen3_vl"], indirect=True)  # deepstack too; one family keeps it cheap
+def test_stream_run_carries_each_prompts_images(case):
+    """trainer.mode fully_async's StreamRun on image prompts: group slots refilled with other prompts' images
+    give generate()'s tokens and log-probs; after a weight push (kv=recompute) the re-prefilled sequences use
+    the new tower's features: their new tokens' log-probs equal the new model's forward with the images."""
+    from rlhf.rollout.stream import STOP, StreamPrompt, StreamRun
+
+    model, _, prompts, mms, _ = case
+    other, _ = build_tiny_vlm(model.config.model_type, seed=1)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=R, seed=5)
+    keys = [10 + i for i in range(len(prompts))]
+
+    class Driver:
+        def __init__(self, push_at: int = -1):
+            self.todo = [StreamPrompt(p, key=k, step=2, tag=i, multi_modal=mm)
+                         for i, (p, k, mm) in enumerate(zip(prompts, keys, mms))]
+            self.groups, self.polls, self.push_at = {}, 0, push_at
+
+        def poll_weights(self, block):
+            self.polls += 1
+            if self.polls == self.push_at:
+                return 1, dict(other.state_dict())
+            return STOP if len(self.groups) == len(prompts) else None
+
+        def next_prompts(self, free, version):
+            out, self.todo = self.todo[:free], self.todo[free:]
+            return out
+
+        def on_group(self, prompt, out):
+            self.groups[prompt.tag] = out
+
+    ref = _sampler(model).generate(prompts, params, step=2, prompt_keys=keys, multi_modal=mms)
+    plain, pushed = Driver(), Driver(push_at=4)
+    for d in (plain, pushed):  # 2 group slots for 3 prompts: a slot is refilled with another prompt's images
+        StreamRun(_sampler(model, max_seq_len=64), params, 2, d, max_prompt_len=48, kv="recompute").execute()
+    for i in range(len(prompts)):
+        g = plain.groups[i]
+        assert g["response_ids"].tolist() == ref.response_ids[2 * i:2 * i + 2].tolist()
+        torch.testing.assert_close(g["log_probs"], ref.log_probs[2 * i:2 * i + 2], atol=1e-5, rtol=0)
+    checked = 0
+    for i, p in enumerate(prompts):
+        g = pushed.groups[i]
+        new = g["versions"] == 1
+        if not new.any():
+            continue
+        ids = torch.tensor([p + row.tolist() for row in g["response_ids"]])
+        mm = None if mms[i] is None else {k: torch.cat([v, v]) for k, v in mms[i].items()}
+        with torch.no_grad():
+            want, _ = forward_log_probs(other, ids, torch.ones_like(ids), response_length=R, multi_modal=mm)
+        torch.testing.assert_close(g["log_probs"][new], want[new], atol=1e-5, rtol=0)
+        checked += int(new.sum()) if mms[i] is not None else 0
+    assert checked > 0  # image rows sampled under the pushed weights

@@ -63,24 +63,7 @@ def check_fully_async(cfg: Config, world_size: int) -> tuple[int, int]:
                       (alg.adv_estimator == "remax", "algorithm.adv_estimator=remax")):
         if bad:
             raise ConfigError(f"{mode} does not support {what} yet; use trainer.mode=one_step_off or colocated")
-    if _is_vlm(cfg.model.path):  # the streaming sampler takes no images yet: it would decode without them
-        raise ConfigError(f"{mode} does not support vision-language models yet (model.path {cfg.model.path}); "
-                          f"use trainer.mode=one_step_off or colocated")
     return world_size - g, g
-
-
-def _is_vlm(path: str) -> bool:
-    """Whether the model directory holds a Qwen-VL config (a missing one is reported by the model load)."""
-    import json
-    from pathlib import Path
-
-    from rlhf.models.mrope import VL_MODEL_TYPES
-
-    f = Path(path).expanduser() / "config.json"
-    try:
-        return json.loads(f.read_text()).get("model_type") in VL_MODEL_TYPES
-    except (OSError, ValueError):
-        return False
 
 
 @dataclass

@@ -118,7 +118,8 @@ class StreamWorker:
             while len(self.batches) <= b:
                 self.batches.append(self.loader.next_batch())
             pb = prompt_batch([self.batches[b][s % self.B]], self.data.examples)
-            out.append(StreamPrompt(pb.prompt_ids[0], key=pb.keys[0], step=b + 1, tag=(s, pb)))
+            out.append(StreamPrompt(pb.prompt_ids[0], key=pb.keys[0], step=b + 1, tag=(s, pb),
+                                    multi_modal=pb.multi_modal[0] if pb.multi_modal else None))
         return out
 
     def on_group(self, prompt: StreamPrompt, out: dict[str, torch.Tensor]) -> None:
