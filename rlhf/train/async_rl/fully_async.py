@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlhf.agent.loop import summed_counts
+from rlhf.agent.rollout import tool_use_metrics
 from rlhf.rollout.reshard import gather_rollout_weights
 from rlhf.schema.batch import RolloutBatch, minibatch_major_shard
 from rlhf.train.async_rl.pipeline import Schedule, offpolicy_metrics
@@ -149,6 +151,8 @@ class FullyAsync:
                        "async/groups_held": float(len(self.held)), "async/train_wait_s": wait,
                        "async/trainer_idle_share": idle_share(wait, now - self.last_take),
                        "async/rollout_idle_share": self._rollout_idle_share()}
+            if self.cfg.rollout.multi_turn.enable:  # tallied per group by the rollout ranks' agent loops
+                metrics.update(tool_use_metrics(batch, summed_counts([m["tools"] for m in chosen]), reduce=False))
             self.last_take = now
             payload = [{k: v for k, v in vars(batch).items()}, metrics, [m["idx"] for m in chosen]]
         box = [payload]
