@@ -70,6 +70,7 @@ class Watchdog:
         # rank -> (last value, when its beat last changed, when it fell behind at its current seq)
         self._seen: dict[int, tuple] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a phase changed: publish it now, not at the next interval
         self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
 
     # ------------------------------------------------------------------ main-thread side
@@ -82,10 +83,12 @@ class Watchdog:
         # Plain attribute writes: atomic under the GIL, read by the thread at its next beat.
         self.phase, self.step = phase, step
         self.seq += 1
+        self._wake.set()
 
     def exit(self, phase: str, step: int) -> None:
         self.phase = f"after {phase}"
         self.seq += 1
+        self._wake.set()
 
     def abort(self, line: str) -> None:
         """End the whole job now with ``line`` (every rank's thread sees the abort key)."""
@@ -103,6 +106,7 @@ class Watchdog:
         except Exception:  # the store may already be gone at interpreter exit
             pass
         self._stop.set()
+        self._wake.set()
 
     # ------------------------------------------------------------------ thread side
 
@@ -118,6 +122,7 @@ class Watchdog:
         if detector or self.local_rank == 0:
             print(line, file=sys.stderr, flush=True)
         self._stop.set()
+        self._wake.set()
         self.exit_fn(EXIT_CODE)
 
     def _run(self) -> None:
@@ -143,7 +148,8 @@ class Watchdog:
                     pass
                 self._abort(line, detector=True)
                 return
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
 
     def check_peers(self, now: Optional[float] = None) -> Optional[str]:
         """One look at every rank's beat; the abort line when a rank is stopped or stuck."""

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -32,21 +32,22 @@ from rlhf.schema.config import Config
 from rlhf.train.async_rl.rollout_worker import rollout_inputs
 from rlhf.train.async_rl.split import StreamRoles
 from rlhf.train.async_rl.staleness import admission_bound
-from rlhf.train.async_rl.transfer import recv_object, recv_tensors, send_object
+from rlhf.train.async_rl.transfer import WeightReceiver, recv_object, recv_tensors, send_object
 from rlhf.train.prompts import make_loader, prompt_batch
 
 END = "end"  # the last message a rollout rank sends the leader
 
 
-def receive_weights(src: int, device: torch.device, group, out: queue.Queue) -> None:
-    """Thread body: ``(version, weights)`` messages from ``src`` into ``out`` until STOP (or the error)."""
+def receive_weights(src: int, device: torch.device, group, out: queue.Queue, receiver: WeightReceiver) -> None:
+    """Thread body: ``(version, weights)`` messages from ``src`` into ``out`` until STOP (or the error);
+    ``receiver`` merges LoRA adapters into the base it keeps (one_step_off's rule: the base crosses once)."""
     try:
         while True:
             head = recv_object(src, device, group)
             if head[0] == STOP:
                 out.put(STOP)
                 return
-            out.put((int(head[1]), recv_tensors(src, device, group)))
+            out.put((int(head[1]), receiver.merged(recv_tensors(src, device, group))))
     except Exception as e:  # noqa: BLE001 - handed to the main thread, which raises it naming the rank
         out.put(e)
 
@@ -86,6 +87,10 @@ class StreamWorker:
         self.idle_s, self.t0 = 0.0, time.perf_counter()
         self.groups_sent = 0
         self.agent = None  # rollout.multi_turn: the ToolAgent, built in run()
+        # The job watchdog's phase seam (``Watchdog.enter``): the loop reports waiting for weights vs
+        # generating, with the weights version it holds as the step, as it switches.
+        self.on_phase: Callable[[str, int], None] = lambda phase, step: None
+        self.version = 0
         self.capacity = max(1, math.ceil((1 + a.staleness_threshold) * a.trigger_parameter_sync_step * self.B
                                          / self.G) + 1)
 
@@ -93,6 +98,8 @@ class StreamWorker:
 
     def poll_weights(self, block: bool) -> Any:
         t0 = time.perf_counter()
+        if block:
+            self.on_phase("stream_wait_weights", self.version)
         try:
             msg = self.inbox.get(block=block, timeout=self.cfg.trainer.exchange_timeout_s if block else None)
         except queue.Empty:
@@ -103,9 +110,12 @@ class StreamWorker:
         finally:
             if block:
                 self.idle_s += time.perf_counter() - t0
+                self.on_phase("stream_generate", self.version)
         if isinstance(msg, Exception):
             raise RuntimeError(f"fully_async: rollout rank {self.roles.env.rank} lost its weight source, training "
                                f"rank {self.roles.partner}: {msg}") from msg
+        if msg is not None and msg != STOP:
+            self.version = int(msg[0])
         return msg
 
     def next_prompts(self, free: int, version: int) -> list[StreamPrompt]:
@@ -160,8 +170,10 @@ class StreamWorker:
 
     def _run(self) -> None:
         r = self.roles
+        m = self.cfg.model
+        receiver = WeightReceiver(r.partner, self.device, (m.lora_alpha, m.lora_rank) if m.lora_rank else None)
         thread = threading.Thread(target=receive_weights, daemon=True,
-                                  args=(r.partner, self.device, r.weight_groups[r.env.rank], self.inbox))
+                                  args=(r.partner, self.device, r.weight_groups[r.env.rank], self.inbox, receiver))
         thread.start()
         first = self.poll_weights(block=True)
         stats: dict[str, float] = {}
