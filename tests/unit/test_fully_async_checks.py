@@ -129,3 +129,28 @@ def test_vision_language_model_is_refused_not_run_without_its_images(tmp_path):
         check_fully_async(_cfg(**{"model.path": tmp_path}), 4)
     (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
     assert check_fully_async(_cfg(**{"model.path": tmp_path}), 4) == (2, 2)
+
+
+def test_idle_shares_are_shares_of_the_role_s_own_cycle():
+    """one_step_off's rollout idle share (bench/async.py): per cycle of the rollout rank (generate, hand
+    over, wait for weights), never above 1, and the rows waiting on warm-up steps are left out. The old
+    figure, idle seconds over the trainer's step time, read 600%+ from a slow first step."""
+    import importlib
+
+    from rlhf.train.async_rl.staleness import IdleClock
+
+    clock = IdleClock(now=10.0)
+    clock.wait(1.0)
+    clock.wait(0.5)
+    assert clock.lap(now=16.0) == (0.25, 1.5)  # 1.5 s of a 6 s cycle
+    assert clock.lap(now=17.0) == (0.0, 0.0)  # a new cycle, nothing booked
+    clock.wait(9.0)
+    assert clock.lap(now=20.0)[0] == 1.0  # clamped (a clock step)
+    bench = importlib.import_module("bench.async")
+    # row 1 (first timed) waited 12 s on a slow warm-up step while later steps take 1 s
+    rows = [{"async/rollout_idle_s": 12.0, "async/rollout_idle_share": 0.92, "timing/step": 1.0},
+            {"async/rollout_idle_s": 0.4, "async/rollout_idle_share": 0.3, "timing/step": 1.0},
+            {"async/rollout_idle_s": 0.2, "async/rollout_idle_share": 0.2, "timing/step": 1.0},
+            {"async/rollout_idle_s": 0.4, "async/rollout_idle_share": 0.4, "timing/step": 1.0}]
+    assert bench.mean(rows, "async/rollout_idle_s") / bench.mean(rows, "timing/step") > 3  # the old 300%+
+    assert bench.one_step_off_rollout_idle_share(rows) == pytest.approx(0.3)
