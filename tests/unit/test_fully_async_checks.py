@@ -75,6 +75,17 @@ def test_quickstart_config_is_a_valid_split_of_four():
     assert cfg.trainer.mode == "fully_async" and check_fully_async(cfg, 4) == (1, 3)
 
 
+def test_tools_quickstart_and_lora_are_valid_fully_async_splits():
+    """Multi-turn tools and LoRA are no longer refused: the tools quickstart as 2 + 2 (README's command)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "quickstart_tools.yaml"
+    over = ["trainer.mode=fully_async", "parallel.rollout_ranks=2", "async_training.require_batches=2"]
+    cfg = load_config(str(path), over, check=lambda c: None)
+    assert cfg.rollout.multi_turn.enable and check_fully_async(cfg, 4) == (2, 2)
+    assert check_fully_async(_cfg(**{"model.lora_rank": 8}), 4) == (2, 2)
+
+
 def test_verl_fully_async_keys_map_to_the_same_names():
     from rlhf.config.verl import translate
 
