@@ -63,6 +63,13 @@ def FULLY_ASYNC(args, rollout_ranks: int, rollout_log_probs: bool) -> dict:
 TRAINER_PHASES = ("score", "logprobs", "advantage", "update", "async_exchange")
 
 
+def wall_steps_per_s(rows: list[dict]) -> float:
+    """Steps per second of the timed rows by the logger's wall clock (``time``): ``timing/step`` leaves
+    out what the training leader does between steps (logging, the next step's set-up), which the
+    other role waits through."""
+    return (len(rows) - 1) / (rows[-1]["time"] - rows[0]["time"]) if len(rows) > 1 else float("nan")
+
+
 def one_step_off_rollout_idle_share(rows: list[dict]) -> float:
     """Mean rollout idle share of one_step_off's timed rows. Row j holds the cycle the rollout rank
     ended when it started batch j: it generated B_{j-1}, then waited for training step j-2 to take it
@@ -135,6 +142,8 @@ def main() -> None:
         res["fully_async_baseline_split_train_idle_share"] = mean(base, "async/trainer_idle_share")
         res["fully_async_baseline_split_rollout_idle_share"] = mean(base, "async/rollout_idle_share")
         res["fully_async_baseline_split_trainer_s"] = trainer_breakdown(base)
+    for mode, r in (("colocated", colo), ("one_step_off", off), ("fully_async", full)):
+        res[f"wall_steps_per_s_{mode}"] = wall_steps_per_s(r)
     samples = args.batch * args.n
     for mode in ("colocated", "one_step_off", "fully_async"):
         res[f"samples_per_s_{mode}"] = res[f"steps_per_s_{mode}"] * samples
@@ -162,6 +171,10 @@ def main() -> None:
           f"{res['fully_async_rollout_idle_share']:.0%}, staleness mean {res['fully_async_staleness_mean']:.2f} max "
           f"{res['fully_async_staleness_max']:.0f}; {res['fully_async_vs_one_step_off']:.2f}x one_step_off, "
           f"{res['fully_async_vs_colocated']:.2f}x colocated")
+    print(f"by wall clock (logged rows): colocated {res['wall_steps_per_s_colocated']:.3f}, one_step_off "
+          f"{res['wall_steps_per_s_one_step_off']:.3f}, fully_async {res['wall_steps_per_s_fully_async']:.3f} steps/s; "
+          f"fully_async {res['wall_steps_per_s_fully_async'] / res['wall_steps_per_s_one_step_off']:.2f}x one_step_off, "
+          f"{res['wall_steps_per_s_fully_async'] / res['wall_steps_per_s_colocated']:.2f}x colocated")
     print(json.dumps(res))
 
 
