@@ -5,7 +5,8 @@ node, or stuck in rank-local work (a reward function that never returns), the ot
 until the process-group timeout and then fail with a transport error that names nobody (or,
 on gloo's default of 30 minutes, look hung). Each rank here runs a daemon thread that talks
 over a side channel that does not need the stuck rank: the job's TCPStore (torchrun's agent
-hosts it at ``MASTER_ADDR:MASTER_PORT``). Every ``interval_s`` a rank writes
+hosts it at ``MASTER_ADDR:MASTER_PORT``). Every ``interval_s``, and at once when its phase
+changes (so a rank stopped just after is named in its new phase), a rank writes
 ``[beat, phase, step, seq, done]`` to its key, where ``seq`` counts the phase boundaries
 (:class:`rlhf.ops.metrics.PhaseTimer` enter and exit) its main thread has crossed. Ranks 0 and 1
 watch every key and end the job when a rank
@@ -80,7 +81,7 @@ class Watchdog:
         return self
 
     def enter(self, phase: str, step: int) -> None:
-        # Plain attribute writes: atomic under the GIL, read by the thread at its next beat.
+        # Plain attribute writes (atomic under the GIL); the thread wakes and publishes them at once.
         self.phase, self.step = phase, step
         self.seq += 1
         self._wake.set()
