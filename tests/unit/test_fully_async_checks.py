@@ -72,7 +72,7 @@ def test_quickstart_config_is_a_valid_split_of_four():
 
     path = Path(__file__).resolve().parents[2] / "configs" / "quickstart_fully_async.yaml"
     cfg = load_config(str(path), [], check=lambda c: None)
-    assert cfg.trainer.mode == "fully_async" and check_fully_async(cfg, 4) == (1, 3)
+    assert cfg.trainer.mode == "fully_async" and check_fully_async(cfg, 4) == (2, 2)
 
 
 def test_tools_quickstart_and_lora_are_valid_fully_async_splits():
