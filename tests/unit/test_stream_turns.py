@@ -64,6 +64,17 @@ def _run(driver: Driver, tool: Tool, **kw) -> dict:
     return stats
 
 
+_PLAIN: list = []
+
+
+def _plain() -> tuple[Driver, Tool, dict]:
+    """The tool run without a weight load (shared by the tests that compare against it)."""
+    if not _PLAIN:
+        d, tool = Driver(), Tool()
+        _PLAIN.append((d, tool, _run(d, tool)))
+    return _PLAIN[0]
+
+
 def _rows(driver: Driver):
     for i, p in enumerate(PROMPTS):
         g = driver.groups[i]
@@ -76,8 +87,7 @@ def test_streamed_tool_trajectories_equal_one_batched_multi_turn_generate():
     batched = Tool(n=PARAMS.n)
     ref = Sampler(A.config, A.state_dict(), pad_token_id=0).generate(PROMPTS, PARAMS, step=STEP, turns=batched,
                                                                     prompt_keys=[10 + i for i in range(5)])
-    d, tool = Driver(), Tool()
-    stats = _run(d, tool)
+    d, tool, stats = _plain()
     assert stats["turns"] >= 4 and len(tool.log) == len(batched.log)
     assert sum(g["tools"]["calls"] for g in d.groups.values()) == len(tool.log)  # end_group's tally travels
     for i in range(len(PROMPTS)):
@@ -107,3 +117,15 @@ def test_recompute_re_prefills_parked_trajectories_under_the_new_weights():
         torch.testing.assert_close(lp[old], _teacher_forced(A, p, r.tolist())[old], atol=1e-5, rtol=0)
         torch.testing.assert_close(lp[new], _teacher_forced(B, p, r.tolist())[new], atol=1e-5, rtol=0)
     assert split > 0  # a tool trajectory that crossed the weight load
+
+
+def test_a_pause_with_the_same_weights_changes_no_tool_trajectory():
+    """Draws are keyed by position and the tool answers from the trajectory: a weight load (the same
+    weights, ``recompute``) that re-prefills live and parked trajectories changes no token."""
+    plain = _plain()[0]
+    d = Driver(new=A, push_at=12)
+    stats = _run(d, Tool(), kv="recompute")
+    assert stats["pauses"] == 1 and stats["parked_at_load"] > 0
+    for (_, r0, lp0, _, o0), (_, r1, lp1, _, o1) in zip(_rows(plain), _rows(d)):
+        assert torch.equal(r0, r1) and torch.equal(o0, o1)
+        torch.testing.assert_close(lp0, lp1, atol=1e-5, rtol=0)
