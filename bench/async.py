@@ -19,8 +19,13 @@ the same config, data and seeds; the first ``--warmup`` steps are not timed.
 
 Printed per run: steps/s, and the share of wall time each role sits idle
 (colocated: no role idles, but every rank runs both phases back to back; one_step_off:
-the training ranks' wait for the next batch, ``async/train_wait_s``, and the rollout
-ranks' wait for weights and for the partner to take the batch, ``async/rollout_idle_s``).
+the training ranks' wait for the next batch, ``async/train_wait_s`` over the step, and the
+rollout ranks' wait for weights and for the partner to take the batch over their own
+generate-and-hand-over cycle, ``async/rollout_idle_share``; fully_async: each role's idle
+seconds over its wall time between updates). Each is a share of the role's own wall time, so
+the modes compare. (The rollout figure was once ``async/rollout_idle_s`` over the trainer's step
+time: no share, and the row of step 3 carries the wait through the slow first step, which
+printed 600%+.)
 
 Expected gain, from phase times, beside the measured one:
 
@@ -56,6 +61,21 @@ def FULLY_ASYNC(args, rollout_ranks: int, rollout_log_probs: bool) -> dict:
 
 
 TRAINER_PHASES = ("score", "logprobs", "advantage", "update", "async_exchange")
+
+
+def wall_steps_per_s(rows: list[dict]) -> float:
+    """Steps per second of the timed rows by the logger's wall clock (``time``): ``timing/step`` leaves
+    out what the training leader does between steps (logging, the next step's set-up), which the
+    other role waits through."""
+    return (len(rows) - 1) / (rows[-1]["time"] - rows[0]["time"]) if len(rows) > 1 else float("nan")
+
+
+def one_step_off_rollout_idle_share(rows: list[dict]) -> float:
+    """Mean rollout idle share of one_step_off's timed rows. Row j holds the cycle the rollout rank
+    ended when it started batch j: it generated B_{j-1}, then waited for training step j-2 to take it
+    and send theta_{j-2}. So the first two timed rows wait on untimed (warm-up) steps: left out."""
+    rows = rows[2:] or rows
+    return mean(rows, "async/rollout_idle_share")
 
 
 def trainer_breakdown(rows: list[dict]) -> dict[str, float]:
@@ -103,7 +123,7 @@ def main() -> None:
         "steps_per_s_colocated": 1 / t_colo, "steps_per_s_one_step_off": 1 / t_off, "speedup": t_colo / t_off,
         "colocated_generate_share": g4 / t_colo,
         "one_step_off_train_idle_share": mean(off, "async/train_wait_s") / t_off,
-        "one_step_off_rollout_idle_share": mean(off, "async/rollout_idle_s") / t_off,
+        "one_step_off_rollout_idle_share": one_step_off_rollout_idle_share(off),
         "expected_ideal_overlap": t_colo / max(gen_busy, train_busy),
         "expected_linear_scaling": t_colo / max(2 * g4, 2 * u4),
         "policy_lag_mean": mean(off, "async/policy_lag"),
@@ -122,6 +142,8 @@ def main() -> None:
         res["fully_async_baseline_split_train_idle_share"] = mean(base, "async/trainer_idle_share")
         res["fully_async_baseline_split_rollout_idle_share"] = mean(base, "async/rollout_idle_share")
         res["fully_async_baseline_split_trainer_s"] = trainer_breakdown(base)
+    for mode, r in (("colocated", colo), ("one_step_off", off), ("fully_async", full)):
+        res[f"wall_steps_per_s_{mode}"] = wall_steps_per_s(r)
     samples = args.batch * args.n
     for mode in ("colocated", "one_step_off", "fully_async"):
         res[f"samples_per_s_{mode}"] = res[f"steps_per_s_{mode}"] * samples
@@ -149,6 +171,10 @@ def main() -> None:
           f"{res['fully_async_rollout_idle_share']:.0%}, staleness mean {res['fully_async_staleness_mean']:.2f} max "
           f"{res['fully_async_staleness_max']:.0f}; {res['fully_async_vs_one_step_off']:.2f}x one_step_off, "
           f"{res['fully_async_vs_colocated']:.2f}x colocated")
+    print(f"by wall clock (logged rows): colocated {res['wall_steps_per_s_colocated']:.3f}, one_step_off "
+          f"{res['wall_steps_per_s_one_step_off']:.3f}, fully_async {res['wall_steps_per_s_fully_async']:.3f} steps/s; "
+          f"fully_async {res['wall_steps_per_s_fully_async'] / res['wall_steps_per_s_one_step_off']:.2f}x one_step_off, "
+          f"{res['wall_steps_per_s_fully_async'] / res['wall_steps_per_s_colocated']:.2f}x colocated")
     print(json.dumps(res))
 
 

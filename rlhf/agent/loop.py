@@ -53,6 +53,16 @@ class AgentCounts:
     errors: dict = field(default_factory=lambda: dict.fromkeys(ERROR_KINDS, 0))
 
 
+def summed_counts(tallies: list[dict]) -> AgentCounts:
+    """One :class:`AgentCounts` from tallies ``{"calls": int, "errors": {kind: int}}`` (e.g. per group)."""
+    out = AgentCounts()
+    for t in tallies:
+        out.calls += t["calls"]
+        for k, v in t["errors"].items():
+            out.errors[k] += v
+    return out
+
+
 class AgentLoop:
     """TurnHandler of one generate call (see the module docstring).
 
@@ -84,6 +94,10 @@ class AgentLoop:
         tool kwargs (verl's ``extra_info.tools_kwargs``) and the keys the step rewards are filed under."""
         self.prompt_infos, self.n = list(zip(keys, extra_infos)), n
 
+    def counts_of(self, row: int) -> AgentCounts:
+        """Where row ``row``'s tool calls and errors are counted (one tally per generate call here)."""
+        return self.counts
+
     def _create_kwargs(self, row: int, name: str) -> dict:
         if not self.prompt_infos:
             return {}
@@ -104,7 +118,7 @@ class AgentLoop:
                 (self.max_user_turns is not None and st.observations >= self.max_user_turns):
             return False
         calls = calls[:self.max_parallel_calls]
-        self.counts.calls += len(calls)
+        self.counts_of(row).calls += len(calls)
         items: list[Union[int, ToolResult, None]] = []
         names: list[str] = []
         for call in calls:
@@ -133,7 +147,7 @@ class AgentLoop:
             st = self.rows[row]
             for name, r in zip(w.names, results):
                 if r.error is not None:
-                    self.counts.errors[r.error] += 1
+                    self.counts_of(row).errors[r.error] += 1
                 if r.reward is not None and self.prompt_infos:
                     key = (self.prompt_infos[row // self.n][0], row % self.n)
                     self.step_rewards.setdefault(key, {}).setdefault(name, []).append(r.reward)

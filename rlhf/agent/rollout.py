@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.agent.format import ObservationFormat
-from rlhf.agent.loop import AgentLoop
+from rlhf.agent.loop import AgentCounts, AgentLoop
 from rlhf.agent.parser import ERROR_KINDS
 from rlhf.agent.runner import make_tool_runner
 from rlhf.agent.tools import load_tool_config
@@ -54,35 +54,23 @@ class ToolAgent:
         self.runner = make_tool_runner(specs, num_workers=cfg.num_workers, timeout_s=cfg.tool_timeout_s,
                                        label=cfg.tool_config_path) if self.runs_tools else None
 
-    def turns(self) -> AgentLoop:
-        """The turn handler of one generate call."""
+    def turns(self, groups: int = 0, n: int = 1) -> AgentLoop:
+        """The turn handler of one generate call; with ``groups``, of a fully_async stream run's ``groups``
+        reusable group slots of ``n`` samples (:class:`rlhf.agent.stream_loop.StreamAgentLoop`)."""
         c = self.cfg
-        return AgentLoop(self.tokenizer, self.runner, self.fmt, self.schemas, max_assistant_turns=c.max_assistant_turns,
-                         max_user_turns=c.max_user_turns, max_parallel_calls=c.max_parallel_calls,
-                         tp_group=getattr(self.layout, "tp_group", None), tp_src=self.tp_src)
+        kw = dict(max_assistant_turns=c.max_assistant_turns, max_user_turns=c.max_user_turns,
+                  max_parallel_calls=c.max_parallel_calls, tp_group=getattr(self.layout, "tp_group", None),
+                  tp_src=self.tp_src)
+        if groups:
+            from rlhf.agent.stream_loop import StreamAgentLoop
+
+            return StreamAgentLoop(self.tokenizer, self.runner, self.fmt, self.schemas, groups=groups, n=n, **kw)
+        return AgentLoop(self.tokenizer, self.runner, self.fmt, self.schemas, **kw)
 
     def metrics(self, batch, loop: AgentLoop, dp_group=None, prefix: str = "agent/") -> dict[str, float]:
         """Global tool-use metrics of a generated batch (collective over ``dp_group`` and the replicas)."""
-        dev = batch.response_mask.device
-        resp = batch.response_mask  # [N, R] 1 on generated tokens
-        in_traj = batch.attention_mask[:, -resp.shape[1]:].to(resp.dtype)  # [N, R] 1 on the whole trajectory
-        starts = resp.clone()
-        starts[:, 1:] = resp[:, 1:] * (1 - resp[:, :-1])  # first token of each assistant turn
-        local = torch.tensor([float(len(batch)), starts.sum().item(), (in_traj - resp).sum().item()],
-                             dtype=torch.float64, device=dev)
-        all_reduce_sum(local, dp_group)
-        c = loop.counts
-        tools = torch.tensor([float(c.calls)] + [float(c.errors[k]) for k in ERROR_KINDS], dtype=torch.float64,
-                             device=dev)
-        if getattr(self.layout, "dp", 1) > 1:
-            all_reduce_sum(tools, self.layout.dp_group)
-        n = max(float(local[0]), 1.0)
-        calls = float(tools[0])
-        out = {f"{prefix}tool_calls_per_traj": calls / n, f"{prefix}turns_per_traj": float(local[1]) / n,
-               f"{prefix}observation_tokens_per_traj": float(local[2]) / n,
-               f"{prefix}tool_error_rate": float(tools[1:].sum()) / max(calls, 1.0)}
-        out.update({f"{prefix}tool_errors/{k}": float(tools[1 + i]) for i, k in enumerate(ERROR_KINDS)})
-        return out
+        return tool_use_metrics(batch, loop.counts, dp_group, getattr(self.layout, "dp_group", None)
+                                if getattr(self.layout, "dp", 1) > 1 else None, prefix)
 
     def attach_step_rewards(self, batch, loop: AgentLoop, n: int, group=None) -> None:
         """As verl, each trajectory's tool step rewards go to the reward function in its ``extra_info``:
@@ -106,6 +94,33 @@ class ToolAgent:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+
+
+def tool_use_metrics(batch, counts: AgentCounts, dp_group=None, replica_group=None, prefix: str = "agent/",
+                     reduce: bool = True) -> dict[str, float]:
+    """The module docstring's metrics: trajectory and token counts from ``batch`` (summed over ``dp_group``),
+    calls and errors from ``counts`` (summed over ``replica_group``, the rollout replicas that generated).
+    ``reduce=False``: ``batch`` and ``counts`` are already global (no collective)."""
+    dev = batch.response_mask.device
+    resp = batch.response_mask  # [N, R] 1 on generated tokens
+    in_traj = batch.attention_mask[:, -resp.shape[1]:].to(resp.dtype)  # [N, R] 1 on the whole trajectory
+    starts = resp.clone()
+    starts[:, 1:] = resp[:, 1:] * (1 - resp[:, :-1])  # first token of each assistant turn
+    local = torch.tensor([float(len(batch)), starts.sum().item(), (in_traj - resp).sum().item()],
+                         dtype=torch.float64, device=dev)
+    if reduce:
+        all_reduce_sum(local, dp_group)
+    tools = torch.tensor([float(counts.calls)] + [float(counts.errors[k]) for k in ERROR_KINDS], dtype=torch.float64,
+                         device=dev)
+    if reduce and replica_group is not None:
+        all_reduce_sum(tools, replica_group)
+    n = max(float(local[0]), 1.0)
+    calls = float(tools[0])
+    out = {f"{prefix}tool_calls_per_traj": calls / n, f"{prefix}turns_per_traj": float(local[1]) / n,
+           f"{prefix}observation_tokens_per_traj": float(local[2]) / n,
+           f"{prefix}tool_error_rate": float(tools[1:].sum()) / max(calls, 1.0)}
+    out.update({f"{prefix}tool_errors/{k}": float(tools[1 + i]) for i, k in enumerate(ERROR_KINDS)})
+    return out
 
 
 def make_agent(cfg: MultiTurnConfig, tokenizer: Any, layout: Any = None) -> Optional[ToolAgent]:

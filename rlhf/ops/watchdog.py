@@ -5,7 +5,8 @@ node, or stuck in rank-local work (a reward function that never returns), the ot
 until the process-group timeout and then fail with a transport error that names nobody (or,
 on gloo's default of 30 minutes, look hung). Each rank here runs a daemon thread that talks
 over a side channel that does not need the stuck rank: the job's TCPStore (torchrun's agent
-hosts it at ``MASTER_ADDR:MASTER_PORT``). Every ``interval_s`` a rank writes
+hosts it at ``MASTER_ADDR:MASTER_PORT``). Every ``interval_s``, and at once when its phase
+changes (so a rank stopped just after is named in its new phase), a rank writes
 ``[beat, phase, step, seq, done]`` to its key, where ``seq`` counts the phase boundaries
 (:class:`rlhf.ops.metrics.PhaseTimer` enter and exit) its main thread has crossed. Ranks 0 and 1
 watch every key and end the job when a rank
@@ -70,6 +71,7 @@ class Watchdog:
         # rank -> (last value, when its beat last changed, when it fell behind at its current seq)
         self._seen: dict[int, tuple] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a phase changed: publish it now, not at the next interval
         self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
 
     # ------------------------------------------------------------------ main-thread side
@@ -79,13 +81,15 @@ class Watchdog:
         return self
 
     def enter(self, phase: str, step: int) -> None:
-        # Plain attribute writes: atomic under the GIL, read by the thread at its next beat.
+        # Plain attribute writes (atomic under the GIL); the thread wakes and publishes them at once.
         self.phase, self.step = phase, step
         self.seq += 1
+        self._wake.set()
 
     def exit(self, phase: str, step: int) -> None:
         self.phase = f"after {phase}"
         self.seq += 1
+        self._wake.set()
 
     def abort(self, line: str) -> None:
         """End the whole job now with ``line`` (every rank's thread sees the abort key)."""
@@ -103,6 +107,7 @@ class Watchdog:
         except Exception:  # the store may already be gone at interpreter exit
             pass
         self._stop.set()
+        self._wake.set()
 
     # ------------------------------------------------------------------ thread side
 
@@ -118,6 +123,7 @@ class Watchdog:
         if detector or self.local_rank == 0:
             print(line, file=sys.stderr, flush=True)
         self._stop.set()
+        self._wake.set()
         self.exit_fn(EXIT_CODE)
 
     def _run(self) -> None:
@@ -143,7 +149,8 @@ class Watchdog:
                     pass
                 self._abort(line, detector=True)
                 return
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
 
     def check_peers(self, now: Optional[float] = None) -> Optional[str]:
         """One look at every rank's beat; the abort line when a rank is stopped or stuck."""

@@ -14,6 +14,16 @@ decode steps (token boundaries) it asks its driver
 
 and hands every finished group (all ``n`` samples of a prompt) to ``on_group`` at once.
 
+Multi-turn (``turns``, a :class:`~rlhf.rollout.turns.TurnHandler` over the slots' rows, e.g.
+``rlhf.agent.stream_loop.StreamAgentLoop``): a trajectory whose turn ended parks (as in
+``GenerateRun``) while the others decode; its observation is written into its row (a hole of the
+mask, version 0, log-prob 0) and it resumes. A weight load with ``recompute`` also frees the
+blocks of parked trajectories, so each resumes by prefilling ``prompt + trajectory`` under the
+new weights; with ``keep`` they resume on the cache the old weights wrote. Without
+``partial_rollout`` new weights also wait for the parked ones. A handler with ``begin_group(g,
+key, info)`` / ``end_group(g)`` hears of slot ``g`` starting a prompt and finishing its group; what
+``end_group`` returns goes to ``on_group`` as ``out["tools"]``.
+
 Each response token records the policy version that sampled it (``versions``, [n, R]) and its
 log-prob under those weights. Draws stay keyed by (seed, step, prompt key, sample, position), so
 a pause changes no token unless the weights changed.
@@ -32,6 +42,7 @@ from rlhf.rollout.sampling import SamplingParams, sequence_keys
 from rlhf.rollout.routes import RouteBook
 from rlhf.rollout.scheduler import GenerateRun
 from rlhf.rollout.vision import VisionPrompts
+from rlhf.rollout.turns import TurnHandler
 
 STOP = "stop"  # poll_weights' answer when the run must end
 
@@ -47,6 +58,7 @@ class StreamPrompt:
     step: int
     tag: Any = None
     multi_modal: Optional[dict] = None
+    info: Any = None  # the prompt's extra_info (per-sample tool kwargs), for the turn handler
 
 
 class StreamDriver(Protocol):
@@ -59,20 +71,22 @@ class StreamDriver(Protocol):
 
     def on_group(self, prompt: StreamPrompt, out: dict[str, torch.Tensor]) -> None:
         """A finished group: ``response_ids`` / ``log_probs`` / ``versions`` [n, R], ``lengths`` /
-        ``truncated`` [n] (host tensors); ``routes`` [n, W + R, S, k] when the sampler records them."""
+        ``truncated`` [n] (host tensors); ``routes`` [n, W + R, S, k] when the sampler records them;
+        multi-turn: ``observation`` [n, R] (True on observation tokens) and ``tools`` (``end_group``'s)."""
 
 
 class StreamRun(GenerateRun):
     """See the module docstring. ``sampler`` must already hold ``version``'s weights."""
 
     def __init__(self, sampler: Any, params: SamplingParams, groups: int, driver: StreamDriver, *,
-                 max_prompt_len: int, partial_rollout: bool = True, kv: str = "recompute", version: int = 0):
+                 max_prompt_len: int, partial_rollout: bool = True, kv: str = "recompute", version: int = 0,
+                 turns: Optional[TurnHandler] = None):
         if kv not in ("recompute", "keep"):
             raise ValueError(f"async_training.partial_rollout_kv must be recompute or keep, got {kv!r}")
         sampler._ensure_capacity(max_prompt_len + params.max_new_tokens)
         # a VLM's group slots hold their prompts' image features and M-RoPE rows (set as prompts arrive)
         vis = VisionPrompts(sampler, [[0]] * groups, [None] * groups) if getattr(sampler, "vlm_config", None) else None
-        super().__init__(sampler, [[0]] * groups, params, 0, [0] * groups, vision=vis)
+        super().__init__(sampler, [[0]] * groups, params, 0, [0] * groups, vision=vis, turns=turns)
         self.queue.clear()
         self.driver, self.partial, self.kv, self.version = driver, partial_rollout, kv, version
         self.free_groups: deque[int] = deque(range(groups))
@@ -89,10 +103,16 @@ class StreamRun(GenerateRun):
     @torch.no_grad()  # as Sampler.generate: the vision tower is an nn.Module whose outputs would track grads
     def execute(self) -> dict:
         t0 = time.perf_counter()
+        lot = self.lot
         while True:
             if not self._sync(block=False):
                 break
             self._refill()
+            if lot is not None and lot.parked:
+                self._take_observations(wait=False)
+                if lot.ready and self.live < self.S:
+                    self._resume()
+                    continue
             free, waiting = self.S - self.live, len(self.queue)
             if waiting and free:
                 admit = self._fitting(free)
@@ -100,6 +120,9 @@ class StreamRun(GenerateRun):
                     self._admit(admit)
                     continue
             if self.live == 0:
+                if lot is not None and lot.parked:  # everything waits for tools
+                    self._take_observations(wait=True)
+                    continue
                 if not self._sync(block=True):  # idle: admission waits for newer weights
                     break
                 continue
@@ -115,17 +138,24 @@ class StreamRun(GenerateRun):
             return False
         if msg is not None:
             self.pending = msg  # a newer push supersedes one still waiting
-        if self.pending is not None and (self.partial or (self.live == 0 and not self.queue)):
+        if self.pending is not None and (self.partial or (self.live == 0 and not self.queue and not self._parked())):
             self._load(*self.pending)
             self.pending = None
         return True
 
+    def _parked(self) -> int:
+        return 0 if self.lot is None else len(self.lot.parked)
+
     def _load(self, version: int, weights: Any) -> None:
-        in_flight = self.live
+        in_flight = self.live + self._parked()
         if in_flight and self.kv == "recompute":
             # The latest slot first, so no slot moves and the queue keeps the admission order.
             for slot in range(self.live - 1, -1, -1):
                 self._preempt(slot)
+            for q in ([] if self.lot is None else self.lot.holding_blocks()):  # re-prefilled when they resume
+                p = self.lot.parked[q]
+                self.cache.free_blocks(p.blocks)
+                p.blocks = None
         self.s.load_weights(weights, consume=True)
         if self.vision is not None:  # the prompts in flight are prefilled again with the new tower's features
             self.vision.refresh(sorted(self.group_of))
@@ -155,6 +185,10 @@ class StreamRun(GenerateRun):
         self.out_ver[rows] = 0
         self.out_len[rows] = 0
         self.out_stopped[rows] = False
+        if self.out_obs is not None:
+            self.out_obs[rows] = False
+            if hasattr(self.lot.handler, "begin_group"):
+                self.lot.handler.begin_group(g, p.key, p.info)
         if self.routes is not None:
             self.routes.start_rows(list(range(g * n, (g + 1) * n)), len(p.ids))
         for q in range(g * n, (g + 1) * n):
@@ -186,7 +220,11 @@ class StreamRun(GenerateRun):
                "lengths": self.out_len[rows], "truncated": ~self.out_stopped[rows]}
         if self.routes is not None:
             out["routes"] = self.routes.table()[rows]
+        if self.out_obs is not None:
+            out["observation"] = self.out_obs[rows]
         out = {k: v.to("cpu", copy=True) for k, v in out.items()}
+        if self.lot is not None and hasattr(self.lot.handler, "end_group"):
+            out["tools"] = self.lot.handler.end_group(g)
         p = self.group_of.pop(g)
         self.free_groups.append(g)
         self.counts["groups"] += 1

@@ -52,6 +52,30 @@ def test_one_step_off_with_tools_first_step_equals_colocated(tool_assets, coloca
     assert lagged[2]["val/agent/tool_calls_per_traj"] > 0.5  # the training ranks validate with their own tools
 
 
+def test_fully_async_with_tools_at_zero_staleness_equals_colocated(tool_assets, colocated, tmp_path):
+    """2 training + 2 rollout ranks, staleness_threshold 0 and a sync every update (the synchronous
+    algorithm): the rollout ranks stream tool trajectories (parked at each call, resumed with the
+    observation) from their own tools, and every metric of every step equals colocated's (1e-6), the
+    tool-use metrics (tallied per group, summed by the training leader) and validation included."""
+    r = run_script("train_grpo.py", _args(tool_assets, tmp_path, **{
+        "trainer.mode": "fully_async", "parallel.rollout_ranks": 2, "async_training.require_batches": 2,
+        "async_training.staleness_threshold": 0, "async_training.trigger_parameter_sync_step": 1}), nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    streamed = train_steps(tmp_path / "metrics.jsonl")
+    assert sorted(streamed) == sorted(colocated) == [1, 2]
+    compared = 0
+    for step, row in colocated.items():
+        for key, value in row.items():
+            if key.startswith(("timing/", "perf/", "rollout/", "reshard/", "async/", "step", "data/epoch_progress")) \
+                    or not isinstance(value, (int, float)):
+                continue
+            assert abs(streamed[step][key] - value) <= 1e-6 * max(1.0, abs(value)), (step, key, value, streamed[step][key])
+            compared += 1
+        assert streamed[step]["async/staleness_max"] == 0.0
+    assert compared > 40 and any(k.startswith("agent/") for k in colocated[1])
+    assert streamed[1]["agent/tool_calls_per_traj"] > 0.5
+
+
 def test_eval_cli_runs_the_agent_loop_with_tools(tool_assets, tmp_path):
     import json
     import os

@@ -72,7 +72,18 @@ def test_quickstart_config_is_a_valid_split_of_four():
 
     path = Path(__file__).resolve().parents[2] / "configs" / "quickstart_fully_async.yaml"
     cfg = load_config(str(path), [], check=lambda c: None)
-    assert cfg.trainer.mode == "fully_async" and check_fully_async(cfg, 4) == (1, 3)
+    assert cfg.trainer.mode == "fully_async" and check_fully_async(cfg, 4) == (2, 2)
+
+
+def test_tools_quickstart_and_lora_are_valid_fully_async_splits():
+    """Multi-turn tools and LoRA are no longer refused: the tools quickstart as 2 + 2 (README's command)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "quickstart_tools.yaml"
+    over = ["trainer.mode=fully_async", "parallel.rollout_ranks=2", "async_training.require_batches=2"]
+    cfg = load_config(str(path), over, check=lambda c: None)
+    assert cfg.rollout.multi_turn.enable and check_fully_async(cfg, 4) == (2, 2)
+    assert check_fully_async(_cfg(**{"model.lora_rank": 8}), 4) == (2, 2)
 
 
 def test_verl_fully_async_keys_map_to_the_same_names():
@@ -120,3 +131,28 @@ def test_use_rollout_log_probs_skips_the_old_log_prob_forward(monkeypatch):
     assert n == 1 and float(diff.abs().max()) == 0.0 and metrics["actor/entropy"] == 1.0
     diff, metrics, n = run(_cfg())
     assert n == 1 and torch.allclose(diff, torch.full((1, 2), 0.5)) and metrics["rollout/logprob_diff_max"] == 0.5
+
+
+def test_idle_shares_are_shares_of_the_role_s_own_cycle():
+    """one_step_off's rollout idle share (bench/async.py): per cycle of the rollout rank (generate, hand
+    over, wait for weights), never above 1, and the rows waiting on warm-up steps are left out. The old
+    figure, idle seconds over the trainer's step time, read 600%+ from a slow first step."""
+    import importlib
+
+    from rlhf.train.async_rl.staleness import IdleClock
+
+    clock = IdleClock(now=10.0)
+    clock.wait(1.0)
+    clock.wait(0.5)
+    assert clock.lap(now=16.0) == (0.25, 1.5)  # 1.5 s of a 6 s cycle
+    assert clock.lap(now=17.0) == (0.0, 0.0)  # a new cycle, nothing booked
+    clock.wait(9.0)
+    assert clock.lap(now=20.0)[0] == 1.0  # clamped (a clock step)
+    bench = importlib.import_module("bench.async")
+    # row 1 (first timed) waited 12 s on a slow warm-up step while later steps take 1 s
+    rows = [{"async/rollout_idle_s": 12.0, "async/rollout_idle_share": 0.92, "timing/step": 1.0},
+            {"async/rollout_idle_s": 0.4, "async/rollout_idle_share": 0.3, "timing/step": 1.0},
+            {"async/rollout_idle_s": 0.2, "async/rollout_idle_share": 0.2, "timing/step": 1.0},
+            {"async/rollout_idle_s": 0.4, "async/rollout_idle_share": 0.4, "timing/step": 1.0}]
+    assert bench.mean(rows, "async/rollout_idle_s") / bench.mean(rows, "timing/step") > 3  # the old 300%+
+    assert bench.one_step_off_rollout_idle_share(rows) == pytest.approx(0.3)

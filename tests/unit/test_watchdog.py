@@ -102,3 +102,25 @@ def test_fully_async_roles_stall_only_against_their_own_role_and_replicas_by_hea
     w = watcher(store, world=4)
     lines = [beats(t, 2 * t, rollout=(2,) if t > 201 else (2, 3)) for t in range(200, 215)]  # rank 3 goes silent
     assert not any(lines[:12]) and "rank 3 stopped responding (last seen in phase 'stream_generate'" in lines[-1]
+
+
+def test_a_phase_change_is_published_at_once_not_at_the_next_beat():
+    """A rank that changes phase (the fully_async rollout loop: waiting for weights <-> generating) and
+    is stopped right after is named in its new phase, even with a long beat interval."""
+    import time
+
+    store = FakeStore()
+    w = Watchdog(rank=2, world_size=3, store=store, heartbeat_timeout_s=10, stall_timeout_s=30, interval_s=60,
+                 exit_fn=lambda code: None, role=None).start()
+    try:
+        t0 = time.monotonic()
+        while "rlhf/watchdog/hb/2" not in store.d:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+        w.enter("stream_wait_weights", 3)
+        while json.loads(store.d["rlhf/watchdog/hb/2"])[1] != "stream_wait_weights":
+            assert time.monotonic() - t0 < 10, "the phase waited for the 60 s beat interval"
+            time.sleep(0.01)
+        assert json.loads(store.d["rlhf/watchdog/hb/2"])[2] == 3
+    finally:
+        w.finish()

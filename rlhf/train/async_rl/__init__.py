@@ -42,6 +42,7 @@ def run_async(cfg: Config, trainer_factory: Callable, *, dry_run: bool = False):
         worker = StreamWorker(cfg, roles, box[0])
         if not dry_run:
             if watchdog is not None:
+                worker.on_phase = watchdog.enter
                 watchdog.enter("stream_generate", 0)
             worker.run()
             if watchdog is not None:

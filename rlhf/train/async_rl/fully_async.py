@@ -24,13 +24,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlhf.agent.loop import summed_counts
+from rlhf.agent.rollout import tool_use_metrics
 from rlhf.rollout.reshard import gather_rollout_weights
 from rlhf.schema.batch import RolloutBatch, minibatch_major_shard
 from rlhf.train.async_rl.pipeline import Schedule, offpolicy_metrics
 from rlhf.train.async_rl.split import StreamRoles
 from rlhf.train.async_rl.staleness import idle_share, staleness_metrics
 from rlhf.train.async_rl.stream_worker import END
-from rlhf.train.async_rl.transfer import recv_object, send_object, send_tensors
+from rlhf.train.async_rl.transfer import is_adapter, recv_object, send_object, send_tensors
 from rlhf.rollout.stream import STOP
 
 
@@ -64,6 +66,7 @@ class FullyAsync:
         self.clock_at_take: dict[int, tuple[float, float]] = {}
         self.dropped = 0
         self.last_take = time.perf_counter()
+        self.base_sent = False
         # Data-order positions trained on: all below ``base``, and ``consumed`` above it (checkpointed,
         # so a resumed rollout role regenerates exactly the others).
         self.base, self.consumed = 0, set()
@@ -73,7 +76,11 @@ class FullyAsync:
     def _push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
         """Gather the rollout weights (a collective of the training mesh); send them to my rollout ranks."""
         t0 = time.perf_counter()
-        weights, _ = gather_rollout_weights(model, dtype=self.dtype, pp_group=getattr(model, "pp_group", None))
+        # LoRA: the frozen base crosses once; later pushes carry only the adapters (one_step_off's rule)
+        only_adapters = self.cfg.model.lora_rank > 0 and self.base_sent
+        weights, _ = gather_rollout_weights(model, dtype=self.dtype, pp_group=getattr(model, "pp_group", None),
+                                            name_filter=is_adapter if only_adapters else None)
+        self.base_sent = True
         sent = 0
         for g in self.roles.weight_targets():
             send_object(("weights", version), g, self.device, self.roles.weight_groups[g])
@@ -149,6 +156,8 @@ class FullyAsync:
                        "async/groups_held": float(len(self.held)), "async/train_wait_s": wait,
                        "async/trainer_idle_share": idle_share(wait, now - self.last_take),
                        "async/rollout_idle_share": self._rollout_idle_share()}
+            if self.cfg.rollout.multi_turn.enable:  # tallied per group by the rollout ranks' agent loops
+                metrics.update(tool_use_metrics(batch, summed_counts([m["tools"] for m in chosen]), reduce=False))
             self.last_take = now
             payload = [{k: v for k, v in vars(batch).items()}, metrics, [m["idx"] for m in chosen]]
         box = [payload]

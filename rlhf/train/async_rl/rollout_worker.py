@@ -28,6 +28,7 @@ from rlhf.schema.batch import minibatch_major_shard
 from rlhf.schema.config import Config
 from rlhf.train.async_rl.pipeline import Schedule
 from rlhf.train.async_rl.roles import Roles
+from rlhf.train.async_rl.staleness import IdleClock
 from rlhf.train.async_rl.transfer import WeightReceiver, send_object
 from rlhf.train.prompts import load_data, make_loader, prompt_batch
 
@@ -62,12 +63,12 @@ class RolloutWorker:
                                       (m.lora_alpha, m.lora_rank) if m.lora_rank else None, roles.pair_group)
         self.dp_rank, self.dp = roles.mesh["dp"].get_local_rank(), roles.mesh["dp"].size()
         self.agent = make_agent(cfg.rollout.multi_turn, self.tokenizer, roles.layout)
-        self.idle_s = 0.0  # time spent waiting on the partner since the last batch was sent
+        self.clock = IdleClock(time.perf_counter())  # waits on the partner, per generate-and-hand-over cycle
 
     def _recv_weights(self) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         weights = self.weights.recv()
-        self.idle_s += time.perf_counter() - t0
+        self.clock.wait(time.perf_counter() - t0)
         return weights
 
     def generate(self, step: int, weights: dict[str, torch.Tensor]) -> None:
@@ -77,6 +78,7 @@ class RolloutWorker:
         local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dp,
                                            c.actor.ppo_mini_batch_size)
         t0 = time.perf_counter()
+        share, idle_s = self.clock.lap(t0)  # the cycle that ended: the previous batch generated and handed over
         turns = self.agent.turns() if self.agent is not None else None
         batch, stats = self.engine.sample(weights, self.hf_config, prompt_batch(global_idx, self.data.examples),
                                           step=step, n=c.rollout.n, temperature=c.rollout.temperature,
@@ -84,12 +86,12 @@ class RolloutWorker:
         if turns is not None:  # each rank holds its partner's dp rows: sum over the role's dp ranks
             stats.update(self.agent.metrics(batch, turns, self.roles.mesh["dp"].get_group()))
         stats["async/rollout_generate_s"] = time.perf_counter() - t0
-        stats["async/rollout_idle_s"] = self.idle_s
+        stats["async/rollout_idle_s"], stats["async/rollout_idle_share"] = idle_s, share
         t1 = time.perf_counter()
         send_object({"step": step, "version": Schedule.version_of(step), "global_idx": global_idx,
                      "batch": batch.to(torch.device("cpu")), "stats": stats}, self.roles.partner, self.device,
                     self.roles.pair_group)
-        self.idle_s = time.perf_counter() - t1
+        self.clock.wait(time.perf_counter() - t1)
 
     def run(self) -> None:
         try:

@@ -57,8 +57,6 @@ def check_fully_async(cfg: Config, world_size: int) -> tuple[int, int]:
     alg = cfg.algorithm
     for bad, what in ((cfg.rollout.tp != 1, "rollout.tp > 1 (each rollout rank is one replica)"),
                       (cfg.parallel.sp != 1, "parallel.sp > 1"),
-                      (cfg.model.lora_rank > 0, "model.lora_rank (LoRA)"),
-                      (bool(cfg.rollout.multi_turn.enable), "rollout.multi_turn"),
                       (alg.filter_groups.enable, "algorithm.filter_groups"),
                       (alg.adv_estimator == "remax", "algorithm.adv_estimator=remax")):
         if bad:

@@ -43,6 +43,25 @@ def idle_share(idle_s: float, wall_s: float) -> float:
     return float(min(max(idle_s / wall_s, 0.0), 1.0)) if wall_s > 0 else 0.0
 
 
+class IdleClock:
+    """One rank's idle share per cycle of its own (one_step_off's rollout rank: generate a batch, then
+    wait to hand it over and for the next weights). ``wait(s)`` books idle seconds; ``lap(now)`` ends
+    the cycle: the share of its wall time that was idle, the cycle's idle seconds. A share of the
+    rank's own cycle, as fully_async's ``async/rollout_idle_share`` is of its wall time: dividing the
+    idle seconds by another rank's step time is no share (it exceeds 1 when the cycles differ)."""
+
+    def __init__(self, now: float):
+        self.t, self.idle_s = now, 0.0
+
+    def wait(self, seconds: float) -> None:
+        self.idle_s += seconds
+
+    def lap(self, now: float) -> tuple[float, float]:
+        out = idle_share(self.idle_s, now - self.t), self.idle_s
+        self.t, self.idle_s = now, 0.0
+        return out
+
+
 def uses_rollout_log_probs(cfg) -> bool:
     """fully_async with ``async_training.use_rollout_log_probs`` (verl's name): the sampler's per-token
     log-probs (each under the weights that produced the token) are the old policy's."""

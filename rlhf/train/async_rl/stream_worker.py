@@ -7,7 +7,9 @@ bound for the weights it holds (:func:`staleness.admission_bound`), decodes with
 batching (:class:`rlhf.rollout.stream.StreamRun`), sends each finished group to the training
 leader at once, and takes new weights at a token boundary (partial rollout). A thread receives
 the weights (so the training rank's send never waits for a decode step); the main thread picks
-them up between decode steps.
+them up between decode steps. With ``rollout.multi_turn`` the rank runs the agent loop and its
+tools (its own worker processes) over its group slots; each group's tool calls, errors and step
+rewards travel with its rows, as one_step_off's rollout role ships them with a batch.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from rlhf.agent.rollout import make_agent
 from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.rollout.sampler import RolloutOutput
 from rlhf.rollout.stream import STOP, StreamPrompt, StreamRun
@@ -29,21 +32,22 @@ from rlhf.schema.config import Config
 from rlhf.train.async_rl.rollout_worker import rollout_inputs
 from rlhf.train.async_rl.split import StreamRoles
 from rlhf.train.async_rl.staleness import admission_bound
-from rlhf.train.async_rl.transfer import recv_object, recv_tensors, send_object
+from rlhf.train.async_rl.transfer import WeightReceiver, recv_object, recv_tensors, send_object
 from rlhf.train.prompts import make_loader, prompt_batch
 
 END = "end"  # the last message a rollout rank sends the leader
 
 
-def receive_weights(src: int, device: torch.device, group, out: queue.Queue) -> None:
-    """Thread body: ``(version, weights)`` messages from ``src`` into ``out`` until STOP (or the error)."""
+def receive_weights(src: int, device: torch.device, group, out: queue.Queue, receiver: WeightReceiver) -> None:
+    """Thread body: ``(version, weights)`` messages from ``src`` into ``out`` until STOP (or the error);
+    ``receiver`` merges LoRA adapters into the base it keeps (one_step_off's rule: the base crosses once)."""
     try:
         while True:
             head = recv_object(src, device, group)
             if head[0] == STOP:
                 out.put(STOP)
                 return
-            out.put((int(head[1]), recv_tensors(src, device, group)))
+            out.put((int(head[1]), receiver.merged(recv_tensors(src, device, group))))
     except Exception as e:  # noqa: BLE001 - handed to the main thread, which raises it naming the rank
         out.put(e)
 
@@ -82,6 +86,11 @@ class StreamWorker:
         self.inbox: queue.Queue = queue.Queue()
         self.idle_s, self.t0 = 0.0, time.perf_counter()
         self.groups_sent = 0
+        self.agent = None  # rollout.multi_turn: the ToolAgent, built in run()
+        # The job watchdog's phase seam (``Watchdog.enter``): the loop reports waiting for weights vs
+        # generating, with the weights version it holds as the step, as it switches.
+        self.on_phase: Callable[[str, int], None] = lambda phase, step: None
+        self.version = 0
         self.capacity = max(1, math.ceil((1 + a.staleness_threshold) * a.trigger_parameter_sync_step * self.B
                                          / self.G) + 1)
 
@@ -89,6 +98,8 @@ class StreamWorker:
 
     def poll_weights(self, block: bool) -> Any:
         t0 = time.perf_counter()
+        if block:
+            self.on_phase("stream_wait_weights", self.version)
         try:
             msg = self.inbox.get(block=block, timeout=self.cfg.trainer.exchange_timeout_s if block else None)
         except queue.Empty:
@@ -99,9 +110,12 @@ class StreamWorker:
         finally:
             if block:
                 self.idle_s += time.perf_counter() - t0
+                self.on_phase("stream_generate", self.version)
         if isinstance(msg, Exception):
             raise RuntimeError(f"fully_async: rollout rank {self.roles.env.rank} lost its weight source, training "
                                f"rank {self.roles.partner}: {msg}") from msg
+        if msg is not None and msg != STOP:
+            self.version = int(msg[0])
         return msg
 
     def next_prompts(self, free: int, version: int) -> list[StreamPrompt]:
@@ -118,7 +132,7 @@ class StreamWorker:
             while len(self.batches) <= b:
                 self.batches.append(self.loader.next_batch())
             pb = prompt_batch([self.batches[b][s % self.B]], self.data.examples)
-            out.append(StreamPrompt(pb.prompt_ids[0], key=pb.keys[0], step=b + 1, tag=(s, pb),
+            out.append(StreamPrompt(pb.prompt_ids[0], key=pb.keys[0], step=b + 1, tag=(s, pb), info=pb.extra_infos[0],
                                     multi_modal=pb.multi_modal[0] if pb.multi_modal else None))
         return out
 
@@ -126,23 +140,41 @@ class StreamWorker:
         s, pb = prompt.tag
         n, R = out["response_ids"].shape
         mask = torch.arange(R)[None, :] < out["lengths"][:, None]
+        if "observation" in out:  # the loss mask has holes on tool observations
+            mask &= ~out["observation"]
         ro = RolloutOutput(response_ids=out["response_ids"], response_mask=mask, log_probs=out["log_probs"],
                            response_lengths=out["lengths"], truncated=out["truncated"],
                            prompt_index=torch.zeros(n, dtype=torch.long), routes=out.get("routes"))
         batch = self.engine.to_batch(pb, ro, n).to(torch.device("cpu"))
         batch.token_versions = out["versions"] * mask
+        tools = out.get("tools")
+        if tools is not None and self.agent.executes:  # verl: step rewards to the reward function's extra_info
+            batch.extra_infos = [dict(info or {}, rollout_reward_scores=sc,
+                                      tool_rewards=[r for rs in sc.values() for r in rs])
+                                 for info, sc in zip(batch.extra_infos, tools["step_rewards"])]
         fields = {k: v for k, v in vars(batch).items()}
         self.groups_sent += 1
         send_object({"seq": s, "idx": pb.keys[0], "batch": fields, "rank": self.roles.env.rank,
-                     "idle_s": self.idle_s, "wall_s": time.perf_counter() - self.t0},
+                     "idle_s": self.idle_s, "wall_s": time.perf_counter() - self.t0,
+                     "tools": None if tools is None else {k: tools[k] for k in ("calls", "errors")}},
                     0, self.device, self.roles.row_groups[self.roles.env.rank])
 
     # ------------------------------------------------------------------ loop
 
     def run(self) -> None:
+        self.agent = make_agent(self.cfg.rollout.multi_turn, self.tokenizer, self.roles.layout)
+        try:
+            self._run()
+        finally:
+            if self.agent is not None:
+                self.agent.close()
+
+    def _run(self) -> None:
         r = self.roles
+        m = self.cfg.model
+        receiver = WeightReceiver(r.partner, self.device, (m.lora_alpha, m.lora_rank) if m.lora_rank else None)
         thread = threading.Thread(target=receive_weights, daemon=True,
-                                  args=(r.partner, self.device, r.weight_groups[r.env.rank], self.inbox))
+                                  args=(r.partner, self.device, r.weight_groups[r.env.rank], self.inbox, receiver))
         thread.start()
         first = self.poll_weights(block=True)
         stats: dict[str, float] = {}
@@ -151,8 +183,10 @@ class StreamWorker:
             c, a = self.cfg, self.cfg.async_training
             sampler = self.engine._sampler(self.hf_config, weights, consume=True)
             params = self.engine.sampling_params(n=c.rollout.n, temperature=c.rollout.temperature, seed=c.rollout.seed)
+            turns = None if self.agent is None else self.agent.turns(groups=self.capacity, n=c.rollout.n)
             stats = StreamRun(sampler, params, self.capacity, self, max_prompt_len=c.data.max_prompt_length,
-                              partial_rollout=a.partial_rollout, kv=a.partial_rollout_kv, version=version).execute()
+                              partial_rollout=a.partial_rollout, kv=a.partial_rollout_kv, version=version,
+                              turns=turns).execute()
         send_object({END: True, "rank": r.env.rank, "idle_s": self.idle_s, "wall_s": time.perf_counter() - self.t0,
                      "stats": stats}, 0, self.device, r.row_groups[r.env.rank])
         thread.join()

@@ -28,6 +28,11 @@ from rlhf.rollout.reshard import gather_rollout_weights
 _LORA = ".lora_"
 
 
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter tensor (PEFT names): what crosses after the first transfer."""
+    return _LORA in name
+
+
 def _object_device(device: torch.device) -> Optional[torch.device]:
     return device if device.type == "cuda" else None
 
@@ -165,7 +170,10 @@ class WeightReceiver:
         self.base: Optional[dict[str, torch.Tensor]] = None
 
     def recv(self) -> dict[str, torch.Tensor]:
-        got = recv_tensors(self.partner, self.device, self.group)
+        return self.merged(recv_tensors(self.partner, self.device, self.group))
+
+    def merged(self, got: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Received tensors -> rollout weights: LoRA's first message holds the base (kept), each one the adapters."""
         if self.lora is None:
             return got
         if self.base is None:
