@@ -278,7 +278,8 @@ class CascadeAttention:
             size = h2 * blocks.shape[0] * bs * d
             buf = self._buffers.get(name)
             if buf is None or buf.numel() < size or buf.dtype != cache.kv.dtype:
-                buf = self._buffers[name] = torch.empty(size, dtype=cache.kv.dtype, device=cache.kv.device)
+                with torch.inference_mode(False):  # kept across calls, with inference_mode on or off
+                    buf = self._buffers[name] = torch.empty(size, dtype=cache.kv.dtype, device=cache.kv.device)
             kv = torch.index_select(src, 1, blocks, out=buf[:size].view(h2, blocks.shape[0], bs * d))
         h = cache.num_kv_heads
         kv = kv.view(2, h * rows, -1, d)  # [2, Hkv * rows, W, D]: (kv head, row) folds without a copy

@@ -283,8 +283,9 @@ class PagedKVCache:
         if self.kv.device.type == "cuda":
             out = None
         else:
-            if self._window.numel() < size:
-                self._window = torch.empty(size, dtype=self.kv.dtype, device=self.kv.device)
+            if self._window.numel() < size:  # a normal tensor even when decode runs under inference_mode:
+                with torch.inference_mode(False):  # prefill writes into it outside that mode
+                    self._window = torch.empty(size, dtype=self.kv.dtype, device=self.kv.device)
             out = self._window[:size].view(h2, blocks.shape[0], bs * d)
         src = self.kv[layer].view(h2, self.num_blocks + 1, bs * d)
         kv = torch.index_select(src, 1, blocks, out=out) if out is not None else src.index_select(1, blocks)

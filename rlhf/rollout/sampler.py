@@ -11,6 +11,7 @@ attention window so that its shapes are static, and is captured once as a CUDA g
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Mapping
@@ -229,6 +230,10 @@ class Sampler:
         # static decode shapes: all slots, bucketed windows (what a CUDA graph needs; also
         # runnable on CPU, which is how the static path is tested without a GPU)
         self.static_shapes = use_cuda_graph
+        # Eager decode forwards and sampling run under torch.inference_mode: no version counters and view
+        # records per op, ~10% of a small decode step's CPU time (docs/benchmarks.md). Tensors kept across
+        # steps are created outside it. False: no_grad only (bench/sampler.py --no-inference-mode).
+        self.inference_mode = True
         self.speculative = speculative  # rollout.speculative (rlhf.rollout.speculative); None = off
         self.tp_group = tp_group
         m = self.spec.arch.moe
@@ -384,6 +389,10 @@ class Sampler:
 
     # ------------------------------------------------------------------ decode forward
 
+    def lean(self) -> Any:
+        """The context of decode forwards and sampling (``torch.inference_mode`` unless turned off)."""
+        return torch.inference_mode() if self.inference_mode else contextlib.nullcontext()
+
     def decode_logits(self, live: int, window: int, rope_pos: Tensor | None = None) -> Tensor:
         """Logits ``[live, V]`` of one decode step of slots ``[0, live)`` (inputs in token/pos_buf);
         ``rope_pos`` ``[live]``: a VLM's rotary positions."""
@@ -392,15 +401,17 @@ class Sampler:
         rope = self.rope_buf
         routes = [] if self.route_shape is not None else None
         if not self.static_shapes:
-            out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
-                                 window, self.cos, self.sin, self.tp_group, None if rope is None else rope[:live],
-                                 routes)
+            with self.lean():
+                out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
+                                     window, self.cos, self.sin, self.tp_group, None if rope is None else rope[:live],
+                                     routes)
             self._keep_routes(routes, live)
             return out
         window = min(self.max_seq_len, max(64, 1 << (window - 1).bit_length()))
         if not self.use_cuda_graph:
-            out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
-                                 window, self.cos, self.sin, self.tp_group, rope, routes)[:live]
+            with self.lean():
+                out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
+                                     window, self.cos, self.sin, self.tp_group, rope, routes)[:live]
             self._keep_routes(routes, live)
             return out
         key = graph_key(self.decode_attention, window, self.cache.contiguous)

@@ -402,29 +402,30 @@ class GenerateRun(TurnSteps):
         """Sample the next token of live slots [a, b), record it, retire finished sequences."""
         sl, p = self.slots, self.params
         gen, seq = sl.gen[a:b], sl.seq[a:b]
-        u = None if sl.u is None else sl.u[a:b].gather(1, gen[:, None]).squeeze(1)
-        banned = self.s.banned_ids
-        if banned is None or not banned.numel():
-            tok, logp = sample_next(logits, p, u)
-        else:  # never draw an image / video placeholder; the log-prob stays the untruncated policy's
-            tok, _ = sample_next(logits.index_fill(1, banned, float("-inf")), p, u)
-            scaled = logits if p.greedy or p.temperature == 1.0 else logits / p.temperature
-            logp = torch.log_softmax(scaled, dim=-1).gather(1, tok[:, None]).squeeze(1)
-        self.out_ids.index_put_((seq, gen), tok)
-        self.out_logp.index_put_((seq, gen), logp)
-        stopped: Tensor | None = None
-        if self.stop_ids.numel():
-            stopped = torch.isin(tok, self.stop_ids)
-        if sl.window is not None:
-            win = torch.cat((sl.window[a:b, 1:], tok[:, None]), dim=1)
-            sl.window[a:b] = win
-            match = ((win[:, None, :] == self.stop_table[None]) | ~self.stop_care[None]).all(-1).any(-1)
-            stopped = match if stopped is None else stopped | match
-        gen += 1  # in place on the slot state
-        sl.token[a:b] = tok
-        sl.pos[a:b] += 1
-        done = gen >= self.R if stopped is None else stopped | (gen >= self.R)
-        finished = done.nonzero().squeeze(1)
+        with self.s.lean():  # writes only into state made outside it; its own results are only read later
+            u = None if sl.u is None else sl.u[a:b].gather(1, gen[:, None]).squeeze(1)
+            banned = self.s.banned_ids
+            if banned is None or not banned.numel():
+                tok, logp = sample_next(logits, p, u)
+            else:  # never draw an image / video placeholder; the log-prob stays the untruncated policy's
+                tok, _ = sample_next(logits.index_fill(1, banned, float("-inf")), p, u)
+                scaled = logits if p.greedy or p.temperature == 1.0 else logits / p.temperature
+                logp = torch.log_softmax(scaled, dim=-1).gather(1, tok[:, None]).squeeze(1)
+            self.out_ids.index_put_((seq, gen), tok)
+            self.out_logp.index_put_((seq, gen), logp)
+            stopped: Tensor | None = None
+            if self.stop_ids.numel():
+                stopped = torch.isin(tok, self.stop_ids)
+            if sl.window is not None:
+                win = torch.cat((sl.window[a:b, 1:], tok[:, None]), dim=1)
+                sl.window[a:b] = win
+                match = ((win[:, None, :] == self.stop_table[None]) | ~self.stop_care[None]).all(-1).any(-1)
+                stopped = match if stopped is None else stopped | match
+            gen += 1  # in place on the slot state
+            sl.token[a:b] = tok
+            sl.pos[a:b] += 1
+            done = gen >= self.R if stopped is None else stopped | (gen >= self.R)
+            finished = done.nonzero().squeeze(1)
         self._retire(a, seq, gen, stopped, finished, finished.tolist())  # the one host sync of a step
 
     def _retire(self, a: int, seq: Tensor, gen: Tensor, stopped: Tensor | None, finished: Tensor,
