@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from tests._archs import ARCHS, write_tiny_model
 from tests.dist._batches import random_rollout_batch
+from tests.dist.test_expert_parallel import _rollout_ep
 from tests.dist._dist_utils import dist_device, dist_device_type, run_distributed
 
 N_PROMPTS, N_SAMPLES, P, R = 4, 2, 6, 8
@@ -66,7 +67,10 @@ def _step(path: str, dp: int, tp: int, ep: int) -> tuple:
                                         tp_group=layout.tp_group)
     sampler = Sampler(worker.hf_config, weights, pad_token_id=0, tp_group=layout.tp_group, device=dist_device())
     gen = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=6))
-    return metrics, params, lp, gen.response_ids.cpu(), gen.log_probs.cpu()
+    del weights, sampler
+    # under ep2: the rollout with rollout.ep=2 (each family's experts through the rollout's all-to-all) vs 1
+    rollout_ep = {e: _rollout_ep(worker, 1, e)["rows"] for e in (1, 2)} if ep > 1 else None
+    return metrics, params, lp, gen.response_ids.cpu(), gen.log_probs.cpu(), rollout_ep
 
 
 def _worker(rank: int, world: int, dirs: dict, out: str) -> None:
@@ -84,7 +88,7 @@ def test_grpo_step_and_rollout_under_tp2_and_ep2_match_one_rank(model_dirs, tmp_
     r1, r2 = torch.load(one, weights_only=False), torch.load(two, weights_only=False)
     for name in (*ARCHS, *(f"{k}/ep2" for k in EP_ARCHS)):
         kind = name.split("/")[0]
-        (m1, p1, lp1, ids1, glp1), (m2, p2, lp2, ids2, glp2) = r1[kind], r2[name]
+        (m1, p1, lp1, ids1, glp1, _), (m2, p2, lp2, ids2, glp2, rollout_ep) = r1[kind], r2[name]
         torch.testing.assert_close(lp2, lp1, atol=1e-5, rtol=0, msg=name)
         assert m1["actor/loss"] == pytest.approx(m2["actor/loss"], rel=1e-5, abs=1e-7), name
         assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-4), name
@@ -99,3 +103,7 @@ def test_grpo_step_and_rollout_under_tp2_and_ep2_match_one_rank(model_dirs, tmp_
         assert max(float((p1[n] - init[n]).abs().max()) for n in p1) > 1e-3, f"{name}: parameters did not move"
         assert torch.equal(ids2, ids1), name
         torch.testing.assert_close(glp2, glp1, atol=1e-4, rtol=0, msg=name)
+        for temperature, (ids, lp) in (rollout_ep or {}).get(1, {}).items():  # rollout.ep=2 equals rollout.ep=1
+            got_ids, got_lp = rollout_ep[2][temperature]
+            assert torch.equal(got_ids, ids), f"{name} rollout.ep=2, temperature {temperature}"
+            torch.testing.assert_close(got_lp, lp, atol=1e-5, rtol=0, msg=f"{name} rollout.ep=2 {temperature}")
