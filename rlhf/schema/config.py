@@ -188,6 +188,9 @@ class ActorConfig:
                                           "seq-mean-token-sum-norm.")
     entropy_coeff: float = _f(0.0, "Entropy bonus coefficient.")
     use_kl_loss: bool = _f(False, "Add KL(actor || reference) as a loss term (GRPO style).")
+    skip_zero_advantage_rows: bool = _f(True, "Rows whose advantage is 0 on every token run no backward in the update "
+                                              "(their gradient is exactly 0; same step to fp32 rounding, same metrics; "
+                                              "rlhf/train/grad_free.py says for which losses).")
     kl_loss_coef: float = _f(0.001, "Coefficient of the KL loss.")
     kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss: kl(k1), abs, mse(k2), low_var_kl(k3).")
     tis_imp_ratio_cap: float = _f(-1.0, "Truncated importance sampling cap between sampler and trainer; -1 off.")

@@ -18,7 +18,6 @@ The gradient norm is global over all pp x dp x tp ranks.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -52,43 +51,15 @@ from rlhf.models.vlm import dummy_image_forward, padded_inputs
 from rlhf.models.vocab_parallel import log_probs_from_logits
 from rlhf.schema.batch import RolloutBatch, split_rows
 from rlhf.schema.config import ActorConfig, ConfigError, ModelConfig, ParallelConfig
+from rlhf.train.grad_free import grad_free_rows, reduce_with_splits, skips_grad_free_rows, split_mini_step
+from rlhf.train.metric_sums import MetricSums
 from rlhf.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
-
-
-@dataclass
-class MetricSums:
-    """Sums of (value x weight) and weights per metric, kept on the device: adding a micro-batch's
-    metrics never waits for the device; :meth:`reduce` does one all-reduce and one ``.tolist()``."""
-
-    sums: dict  # name -> float64 [2] tensor (sum of value x weight, sum of weights)
-    device: torch.device
-
-    @classmethod
-    def new(cls, device):
-        return cls({}, device)
-
-    def _scalar(self, x: torch.Tensor | float) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):
-            return x.detach().to(self.device, torch.float64)
-        return torch.full((), float(x), dtype=torch.float64, device=self.device)  # a fill, not a host copy
-
-    def add(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
-        w = self._scalar(weight)
-        pair = torch.stack([self._scalar(value) * w, w])
-        old = self.sums.get(name)
-        self.sums[name] = pair if old is None else old + pair
-
-    def reduce(self, group=None) -> dict[str, float]:
-        if not self.sums:
-            return {}
-        names = sorted(self.sums)
-        t = all_reduce_sum(torch.stack([self.sums[n] for n in names]), group)  # [metrics, 2]
-        return {n: s / w if w > 0 else 0.0 for n, (s, w) in zip(names, t.tolist())}
 
 
 def run_ppo_epochs(worker, batch: RolloutBatch, *, mini_batch_rows: int, epochs: int, shuffle: bool,
                    max_response_len: int, grad_clip: float, prefix: str, loss_name: str,
-                   mini_step: Callable[[RolloutBatch, AggNorm, "MetricSums"], torch.Tensor]) -> dict[str, float]:
+                   mini_step: Callable[..., torch.Tensor],
+                   row_split: Optional[Callable[[RolloutBatch], torch.Tensor]] = None) -> dict[str, float]:
     """The update loop shared by the actor and the critic: `epochs` passes over mini-batches of
     `mini_batch_rows` local rows, one clipped optimizer step per mini-batch.
 
@@ -97,6 +68,8 @@ def run_ppo_epochs(worker, batch: RolloutBatch, *, mini_batch_rows: int, epochs:
     without a response token do not count, as in agg_loss with norm=None). Steps whose loss
     or global grad norm is not finite are skipped by the worker's NonFiniteGuard. Returns
     metrics reduced over dp (and taken from the last pipeline stage, which computes the loss).
+    `row_split(mini)` ([rows] bool, rows without a gradient; rlhf/train/grad_free.py) adds a
+    ``split=RowSplit`` argument to `mini_step`, from the same all-reduce and host read.
     """
     metrics = MetricSums.new(worker.device)
     params = [p for p in worker.model.parameters() if p.requires_grad]
@@ -112,11 +85,15 @@ def run_ppo_epochs(worker, batch: RolloutBatch, *, mini_batch_rows: int, epochs:
             # Every mini-batch's global counts: one all-reduce and one host read per epoch.
             counts = torch.stack([torch.stack([m.response_mask.sum(), (m.response_mask.sum(-1) > 0).sum()]).double()
                                   for m in minis]) if minis else torch.zeros(0, 2, dtype=torch.float64)
-            counts = all_reduce_sum(counts.to(worker.device), worker.dp_group).tolist()
-            for mini, (tokens, seqs) in zip(minis, counts):
+            if row_split is None:
+                counts, splits = all_reduce_sum(counts.to(worker.device), worker.dp_group).tolist(), [{}] * len(minis)
+            else:
+                counts, splits = reduce_with_splits(counts, [row_split(m) for m in minis], worker.dp_group, worker.device)
+                splits = [{"split": s} for s in splits]
+            for mini, (tokens, seqs), split in zip(minis, counts, splits):
                 norm = AggNorm(global_tokens=tokens, global_seqs=seqs, max_response_len=max_response_len)
                 worker.optimizer.zero_grad(set_to_none=True)
-                step_loss = mini_step(mini, norm, metrics)
+                step_loss = mini_step(mini, norm, metrics, **split)
                 all_reduce_sum(step_loss, worker.dp_group)
                 grad_norm = clip_grad_norm_(params, grad_clip, stage_ranks=worker.stage_ranks, norm_params=norm_params,
                                             device=worker.device, group=worker.mesh_group)
@@ -380,10 +357,12 @@ class PolicyWorker:
     # ------------------------------------------------------------------ update
 
     def update_policy(self, batch: RolloutBatch, *, mini_batch_rows: int, temperature: float,
-                      max_response_length: int) -> dict[str, float]:
+                      max_response_length: int, old_log_probs_current: bool = False) -> dict[str, float]:
         """PPO epochs over mini-batches of `mini_batch_rows` local rows; one optimizer step each.
 
         Requires batch.old_log_probs, batch.advantages (and ref_log_probs when use_kl_loss).
+        ``old_log_probs_current``: batch.old_log_probs are this actor's own at its current weights
+        (then the first mini-batch's zero-advantage rows need no forward: rlhf/train/grad_free.py).
         """
         cfg = self.actor_cfg
         assert cfg is not None and self.optimizer is not None
@@ -398,7 +377,12 @@ class PolicyWorker:
         self.model.train()
         cov_sums: list[torch.Tensor] = []  # read on the host once, after the update
 
-        def mini_step(mini: RolloutBatch, norm: AggNorm, metrics: MetricSums) -> torch.Tensor:
+        skip = skips_grad_free_rows(cfg, self.entropy_coeff, moe=self.router_stats is not None or
+                                    self.router_replay is not None, pipeline=self.pipeline is not None)
+        calls = []
+
+        def mini_step(mini: RolloutBatch, norm: AggNorm, metrics: MetricSums, split=None) -> torch.Tensor:
+            calls.append(mini)  # the first call runs at the weights the old log-probs were computed with
             sums = all_reduce_sum(covariance_sums(mini.old_log_probs, mini.advantages, mini.response_mask),
                                   self.dp_group)
             cov_sums.append(sums)
@@ -406,13 +390,17 @@ class PolicyWorker:
                 mini.cov_select = select_cov_tokens(cfg.policy_loss, mini.old_log_probs, mini.advantages,
                                                     mini.response_mask, params, sums, self.dp_group)
             terms = dict(pg_fn=loss_fn, low=low, high=high, mode=mode, norm=norm, params=params)
+            if split is not None:
+                return split_mini_step(self, mini, split, terms, temperature, metrics,
+                                       on_policy=old_log_probs_current and len(calls) == 1)
             step = self._pp_mini_step if self.pipeline is not None else self._mini_step
             return step(mini, terms, temperature, metrics)
 
         with self.router_stats.record() if self.router_stats is not None else nullcontext():
             out = run_ppo_epochs(self, batch, mini_batch_rows=mini_batch_rows, epochs=cfg.ppo_epochs,
                                  shuffle=cfg.shuffle, max_response_len=max_response_length, grad_clip=cfg.grad_clip,
-                                 prefix="actor", loss_name="loss", mini_step=mini_step)
+                                 prefix="actor", loss_name="loss", mini_step=mini_step,
+                                 row_split=(lambda m: grad_free_rows(m.advantages, m.response_mask)) if skip else None)
         if self.router_stats is not None:  # MoE: expert load and router entropy of the update's forwards
             out.update(self.router_stats.reduce(self.device, self.mesh_group))
         if self.router_replay is not None:
@@ -427,6 +415,13 @@ class PolicyWorker:
         """Gradient accumulation over micro-batches; returns this rank's loss sum (float64)."""
         cfg = self.actor_cfg
         micro_list = self._micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
+        return self._grad_pass(mini, micro_list, terms, temperature, metrics, mini)
+
+    def _grad_pass(self, mini: RolloutBatch, micro_list: list, terms: dict, temperature: float, metrics: MetricSums,
+                   dummy: RolloutBatch) -> torch.Tensor:
+        """Forward, loss and backward over ``micro_list`` (row indices into ``mini``); an empty entry runs
+        a zero-weight pass on ``dummy``'s first row. Returns this rank's loss sum (float64)."""
+        cfg = self.actor_cfg
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for k, rows in enumerate(micro_list):
             set_grad_sync(self.model, self.cfg, last=k == len(micro_list) - 1)
@@ -436,8 +431,8 @@ class PolicyWorker:
                 if self.router_replay is not None:
                     self.router_replay.reference = None
                 with self.router_stats.paused() if self.router_stats is not None else nullcontext():
-                    lp, _ = self.forward_log_probs(mini.input_ids[:1], mini.attention_mask[:1],
-                                                   response_length=mini.response_length, temperature=temperature)
+                    lp, _ = self.forward_log_probs(dummy.input_ids[:1], dummy.attention_mask[:1],
+                                                   response_length=dummy.response_length, temperature=temperature)
                 (lp.sum() * 0.0).backward()
                 continue
             mb = mini.select(rows)

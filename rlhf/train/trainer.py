@@ -393,7 +393,8 @@ class RLTrainer:
         a = self.cfg.actor
         mini_rows = a.ppo_mini_batch_size * self.cfg.rollout.n // self.dims.dp
         return self.actor.update_policy(batch, mini_batch_rows=mini_rows, temperature=self.cfg.rollout.temperature or 1.0,
-                                        max_response_length=self.cfg.data.max_response_length)
+                                        max_response_length=self.cfg.data.max_response_length,
+                                        old_log_probs_current=not rollout_lp(self.cfg))
 
     # ------------------------------------------------------------------ one step
 
