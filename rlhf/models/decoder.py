@@ -37,9 +37,10 @@ from torch import Tensor
 
 from rlhf.models import arch, mla, moe, moe_archs
 from rlhf.models.arch import SUPPORTED_MODEL_TYPES, ArchSpec
-from rlhf.models.decoder_weights import DecoderWeights, LayerWeights, expert_weights, prepare_weights  # noqa: F401
+from rlhf.models.decoder_weights import DecoderWeights, LayerWeights, expert_weights, prepare_weights
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderSpec", "prefill", "prefill_chunk", "decode"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderSpec", "DecoderWeights", "LayerWeights", "prepare_weights", "expert_weights",
+           "prefill", "prefill_chunk", "decode"]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from rlhf.models.expert_parallel import apply_ep
 from rlhf.models.fsdp import apply_fsdp, resolve_fsdp_unit
 from rlhf.models.loading import decoder_layers
 from rlhf.models.moe_archs import num_experts
-from rlhf.models.parallel import ParallelDims, check_ep, expert_fsdp_mesh, fsdp_mesh
+from rlhf.models.parallel import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from rlhf.models.pipeline import SCHEDULES, PipelineModel, PipelineStageModule
 from rlhf.models.shard_init import params_to_meta
 from rlhf.models.tensor_parallel import apply_tp, moe_sizes
