@@ -9,7 +9,8 @@ ones; and, for comparison, the earlier 3 rollout + 1 training rank with recomput
 ``--lengths long-tail`` stops a response at any of 8 of the tiny model's 102 character tokens
 (``rollout.stop``): a near-geometric length with median ~R/11 and a tail to R, the regime where a
 lockstep batch waits for its longest response and streaming does not. fully_async runs with
-``staleness_threshold`` 1 (``--staleness``), partial rollout, truncated IS (cap 2),
+``staleness_threshold`` 1 (``--staleness``), a weight push every ``--trigger`` updates
+(``trigger_parameter_sync_step``, default 1), partial rollout, truncated IS (cap 2),
 ``use_rollout_log_probs`` (``--recompute`` turns it off) on ``--rollout-ranks`` of the 4 ranks.
 Printed for fully_async: the training rank's seconds per step by phase (the bottleneck of 3 + 1).
 
@@ -56,7 +57,7 @@ from bench.tiny_run import add_shape_args, mean, tiny_grpo_rows  # noqa: E402
 def FULLY_ASYNC(args, rollout_ranks: int, rollout_log_probs: bool) -> dict:
     """fully_async on ``rollout_ranks`` rollout + the rest training: an update per batch, weights pushed after each."""
     return {"parallel.rollout_ranks": rollout_ranks, "async_training.require_batches": 1,
-            "async_training.staleness_threshold": args.staleness, "async_training.trigger_parameter_sync_step": 1,
+            "async_training.staleness_threshold": args.staleness, "async_training.trigger_parameter_sync_step": args.trigger,
             "async_training.partial_rollout": True, "async_training.use_rollout_log_probs": rollout_log_probs}
 
 
@@ -92,6 +93,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lengths", choices=("uniform", "long-tail"), default="uniform")
     ap.add_argument("--staleness", type=float, default=1.0, help="fully_async staleness_threshold")
+    ap.add_argument("--trigger", type=int, default=1,
+                    help="fully_async trigger_parameter_sync_step: updates between weight pushes")
     ap.add_argument("--rollout-ranks", type=int, default=2, help="fully_async: rollout ranks of the 4")
     ap.add_argument("--recompute", action="store_true",
                     help="fully_async: the trainer recomputes old log-probs (default: use_rollout_log_probs)")
