@@ -35,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.memory_plan import SIZES, overrides  # noqa: E402
 
+# every row runs the update's backward, as in the simulation (whose fake advantages are not zero)
+COMMON = ["actor.skip_zero_advantage_rows=false"]
 LAYOUTS = {"dp2": [], "tp2": ["parallel.tp=2", "rollout.tp=2"],
            "pp2": ["parallel.pp=2", "model.use_remove_padding=false", "parallel.pp_microbatches=2"]}
 PHASES = {"rollout": "rollout", "log-probs": "logprobs", "update": "update"}
@@ -86,12 +88,12 @@ def run_case(name: str, tmp: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="65536",
                MALLOC_TRIM_THRESHOLD_="0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve()), "--child", str(workdir), str(out), *LAYOUTS[name]]
+           str(Path(__file__).resolve()), "--child", str(workdir), str(out), *COMMON, *LAYOUTS[name]]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode:
         raise RuntimeError(p.stderr[-3000:])
     measured = json.loads(out.read_text())["growth"]
-    sim = simulated(workdir, LAYOUTS[name])
+    sim = simulated(workdir, [*COMMON, *LAYOUTS[name]])
     rows = []
     for ph, real_ph in PHASES.items():
         m = measured.get(real_ph)
