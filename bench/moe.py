@@ -136,6 +136,16 @@ def child(rank: int, world: int, store_path: str, path: str, layout: str, args, 
     dist.destroy_process_group()
 
 
+def launch_four(child, workdir: str, path: str, name: str, args, tag: str) -> dict:
+    """``child(rank, 4, store, path, name, args, out)`` on 4 spawned processes; prints and returns the JSON
+    rank 0 wrote (with the load average)."""
+    out, store = os.path.join(workdir, f"{name}{tag}.json"), os.path.join(workdir, f"{name}{tag}.store")
+    mp.spawn(child, args=(4, store, path, name, args, out), nprocs=4, join=True)
+    res = json.loads(Path(out).read_text())
+    print(json.dumps({**res, "load": os.getloadavg()[0]}), flush=True)
+    return res
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3)
@@ -147,12 +157,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = write_model(os.path.join(d, "model"))
         for r in range(args.rounds):
-            results = {}
-            for layout in LAYOUTS:
-                out, store = os.path.join(d, f"{layout}{r}.json"), os.path.join(d, f"{layout}{r}.store")
-                mp.spawn(child, args=(4, store, path, layout, args, out), nprocs=4, join=True)
-                results[layout] = json.loads(Path(out).read_text())
-                print(json.dumps({**results[layout], "load": os.getloadavg()[0]}), flush=True)
+            results = {layout: launch_four(child, d, path, layout, args, str(r)) for layout in LAYOUTS}
             ep, tp = results["ep4"], results["tp4"]
             ratio = ep["tokens_per_s"] / tp["tokens_per_s"]
             mem = max(ep["peak_rss_growth_mib_per_rank"]) / max(max(tp["peak_rss_growth_mib_per_rank"]), 1e-9)

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.moe import PeakRSS, write_model  # noqa: E402
+from bench.moe import PeakRSS, launch_four, write_model  # noqa: E402
 
 
 def child(rank: int, world: int, store_path: str, path: str, ep: int, args, out: str) -> None:
@@ -79,12 +78,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = write_model(os.path.join(d, "model"))
         for r in range(args.rounds):
-            res = {}
-            for ep in (1, 4):
-                out, store = os.path.join(d, f"{ep}{r}.json"), os.path.join(d, f"{ep}{r}.store")
-                mp.spawn(child, args=(4, store, path, ep, args, out), nprocs=4, join=True)
-                res[ep] = json.loads(Path(out).read_text())
-                print(json.dumps({**res[ep], "load": os.getloadavg()[0]}), flush=True)
+            res = {ep: launch_four(child, d, path, ep, args, str(r)) for ep in (1, 4)}
             ratio = res[4]["tokens_per_s"] / res[1]["tokens_per_s"]
             mem = max(res[4]["expert_weights_mib_per_rank"]) / max(res[1]["expert_weights_mib_per_rank"])
             print(f"round {r}: ep4 / ep1 tokens/s x{ratio:.2f}, expert weights per rank x{mem:.2f}, "

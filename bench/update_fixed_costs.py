@@ -61,10 +61,29 @@ def count_fsdp_collectives() -> dict[str, int]:
     return counts
 
 
-def worker_main(rank: int, world: int, port: int, model_dir: str, repeats: int, out: str) -> None:
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """This spawned process joins the local gloo group of ``world`` ranks, on one intra-op thread."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def run_two_ranks(worker_main, model: str, *args) -> dict:
+    """``worker_main(rank, 2, port, model_dir, *args, out)`` on 2 spawned gloo ranks over ``model`` (default:
+    a fresh quickstart-shaped tiny model); returns the JSON rank 0 wrote to ``out``."""
+    from rlhf.models.tiny import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = model or str(write_tiny_model(os.path.join(tmp, "m")))
+        out = os.path.join(tmp, "out.json")
+        port = 29500 + os.getpid() % 1000
+        mp.spawn(worker_main, args=(2, port, model_dir, *args, out), nprocs=2, join=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def worker_main(rank: int, world: int, port: int, model_dir: str, repeats: int, out: str) -> None:
+    join_gloo(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh
 
     from rlhf.schema.config import ActorConfig, ModelConfig
@@ -117,15 +136,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--model", default="", help="HF model dir (default: a fresh quickstart-shaped tiny model)")
     args = ap.parse_args()
-    from rlhf.models.tiny import write_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or str(write_tiny_model(os.path.join(tmp, "m")))
-        out = os.path.join(tmp, "out.json")
-        port = 29500 + os.getpid() % 1000
-        mp.spawn(worker_main, args=(2, port, model_dir, args.repeats, out), nprocs=2, join=True)
-        with open(out) as f:
-            summary = json.load(f)
+    summary = run_two_ranks(worker_main, args.model, args.repeats)
     with open("/proc/loadavg") as f:
         summary["loadavg"] = f.read().split()[:3]
     for unit in UNITS:

@@ -19,22 +19,18 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.update_fixed_costs import quickstart_batch  # noqa: E402
+from bench.update_fixed_costs import join_gloo, quickstart_batch, run_two_ranks  # noqa: E402
 
 
 def worker_main(rank: int, world: int, port: int, model_dir: str, zeros: list, repeats: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh
 
     from rlhf.schema.config import ActorConfig, ModelConfig
@@ -95,15 +91,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default="", help="HF model dir (default: a fresh quickstart-shaped tiny model)")
     args = ap.parse_args()
-    from rlhf.models.tiny import write_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or str(write_tiny_model(os.path.join(tmp, "m")))
-        out = os.path.join(tmp, "out.json")
-        port = 29500 + os.getpid() % 1000
-        mp.spawn(worker_main, args=(2, port, model_dir, args.zero, args.repeats, out), nprocs=2, join=True)
-        with open(out) as f:
-            summary = json.load(f)
+    summary = run_two_ranks(worker_main, args.model, args.zero, args.repeats)
     summary["loadavg"] = os.getloadavg()
     for zero, s in summary.items():
         if zero != "loadavg":

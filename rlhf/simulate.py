@@ -460,11 +460,10 @@ def stage_ranks(pp: int, world: int) -> list[int]:
 def _in_children(argv: list[str], ranks: list[int]) -> list[Simulation]:
     """Each rank's simulation in a fresh process, all at once (DTensor keeps caches that a second
     fake group in one process would trip on; the stages are independent)."""
-    import os
     import subprocess
 
     procs = [subprocess.Popen([sys.executable, "-m", "rlhf.simulate", *argv, "--rank", str(r), "--json"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in ranks]
     sims = []
     for p in procs:

@@ -30,6 +30,12 @@ from rlhf.models.parallel import all_reduce_sum
 from rlhf.schema.config import ConfigError, MultiTurnConfig
 
 
+def with_step_rewards(info: dict | None, scores: dict) -> dict:
+    """A trajectory's ``extra_info`` with its tool step rewards, as verl hands them to the reward function:
+    ``rollout_reward_scores`` (``{tool name: [rewards]}``) and ``tool_rewards`` (all, in call order per tool)."""
+    return dict(info or {}, rollout_reward_scores=scores, tool_rewards=[r for rs in scores.values() for r in rs])
+
+
 class ToolAgent:
     """Tools of ``rollout.multi_turn`` and their workers for one run (see the module docstring)."""
 
@@ -82,13 +88,8 @@ class ToolAgent:
         merged: dict = {}
         for piece in all_gather_object(loop.step_rewards, group):
             merged.update(piece)
-        infos = []
-        for j, key in enumerate(batch.index.tolist()):
-            info = dict(batch.extra_infos[j] or {})
-            scores = merged.get((key, j % n), {})
-            info["rollout_reward_scores"] = scores
-            info["tool_rewards"] = [r for rewards in scores.values() for r in rewards]
-            infos.append(info)
+        infos = [with_step_rewards(batch.extra_infos[j], merged.get((key, j % n), {}))
+                 for j, key in enumerate(batch.index.tolist())]
         batch.extra_infos = infos
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from rlhf.models import arch, mla
+from rlhf.models.gpt_oss import expert_layout
 
 
 @dataclass
@@ -182,8 +183,7 @@ def prepare_weights(
 
 def expert_weights(lw: LayerWeights) -> tuple[Tensor, Tensor, dict]:
     """A sparse layer's ``(gate_up, down, extra kwargs)`` in :func:`rlhf.models.moe.experts`' layout."""
-    gu, dn, kw = lw.experts_gate_up, lw.experts_down, {}
-    if lw.experts_gate_up_b is not None:  # GPT-OSS: transposed, gate / up interleaved, biases
-        gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
-        kw = dict(gate_up_b=lw.experts_gate_up_b, down_b=lw.experts_down_b, interleaved=True)
-    return gu, dn, kw
+    if lw.experts_gate_up_b is None:
+        return lw.experts_gate_up, lw.experts_down, {}
+    kw = expert_layout(lw.experts_gate_up, lw.experts_down, lw.experts_gate_up_b, lw.experts_down_b)  # GPT-OSS
+    return kw.pop("gate_up"), kw.pop("down"), kw

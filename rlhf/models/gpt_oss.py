@@ -63,6 +63,13 @@ def local(t: Tensor | None) -> Tensor | None:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def expert_layout(gate_up: Tensor, down: Tensor, gate_up_b: Tensor, down_b: Tensor) -> dict:
+    """:func:`rlhf.models.moe.experts` arguments for GPT-OSS's stored experts (``gate_up [E, hidden, 2I]``
+    with gate / up interleaved, ``down [E, I, hidden]``, biases): transposed views, no copy."""
+    return dict(gate_up=gate_up.transpose(1, 2), down=down.transpose(1, 2), gate_up_b=gate_up_b, down_b=down_b,
+                interleaved=True)
+
+
 def experts_args(module: Any, gate_up: Tensor, down: Tensor, scale: Any = None) -> dict:
     """Keyword arguments of :func:`rlhf.models.moe.experts` for an HF experts module whose local weights
     are ``gate_up`` / ``down`` (plain tensors of this rank's experts). GPT-OSS: the transposed views, the
@@ -74,5 +81,4 @@ def experts_args(module: Any, gate_up: Tensor, down: Tensor, scale: Any = None) 
     if scale is not None:
         bias = [scale(b) for b in bias]
     alpha, limit = module.alpha, module.limit
-    return dict(gate_up=gate_up.transpose(1, 2), down=down.transpose(1, 2), gate_up_b=bias[0], down_b=bias[1],
-                interleaved=True, act=lambda g, u: clamped_swiglu(g, u, alpha, limit))
+    return dict(**expert_layout(gate_up, down, *bias), act=lambda g, u: clamped_swiglu(g, u, alpha, limit))

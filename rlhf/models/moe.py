@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlhf.models import deepseek_v3
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -64,9 +66,7 @@ class MoESpec:
         from rlhf.models.moe_archs import num_experts
 
         if config.model_type == "deepseek_v3":
-            from rlhf.models.deepseek_v3 import moe_spec
-
-            return moe_spec(cls, config)
+            return deepseek_v3.moe_spec(cls, config)
         n = num_experts(config)
         skip = set(getattr(config, "mlp_only_layers", None) or [])
         step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -87,9 +87,7 @@ def route(spec: MoESpec, x: Tensor, router_w: Tensor, router_b: Tensor | None = 
     ``router_b``: GPT-OSS's router bias (its softmax over the top-k logits is this renormalised top-k);
     DeepSeek-V3's sigmoid router (``select_bias``: its selection bias) in ``rlhf.models.deepseek_v3``."""
     if spec.scoring == "sigmoid":
-        from rlhf.models.deepseek_v3 import route as sigmoid_route
-
-        return sigmoid_route(spec, x, router_w, select_bias)
+        return deepseek_v3.route(spec, x, router_w, select_bias)
     logits = F.linear(x, router_w, router_b)  # [M, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, spec.top_k, dim=-1)

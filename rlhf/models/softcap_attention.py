@@ -23,6 +23,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def sink_softmax(scores: Tensor, sink: Tensor | None) -> Tensor:
+    """fp32 softmax of ``scores [..., Tk]`` over the last dim. ``sink``: one logit per row (broadcastable to
+    ``[..., 1]``, GPT-OSS) that joins each row's softmax and whose column is then dropped."""
+    if sink is None:
+        return F.softmax(scores, dim=-1, dtype=torch.float32)
+    sink = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return F.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: float, softcap: float | None,
               dropout: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """Soft-capped and / or sink attention.
@@ -52,12 +61,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: fl
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    if sinks is not None:  # one more column per (head, query row): the head's sink logit
-        sink = (sinks.reshape(-1, 1) if sinks.dim() == 1 else sinks)[..., None]
-        sink = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
-        probs = F.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
-    else:
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    # with sinks: one more column per (head, query row), the head's sink logit
+    sink = None if sinks is None else (sinks.reshape(-1, 1) if sinks.dim() == 1 else sinks)[..., None]
+    probs = sink_softmax(scores, sink).to(q.dtype)
     if dropout > 0:
         probs = F.dropout(probs, p=dropout)
     return torch.matmul(probs, v)

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhf.models.gpt_oss import local
 from rlhf.models.softcap_attention import attention as softcap_attention
 
 __all__ = [
@@ -413,9 +414,7 @@ def varlen_attention_forward(
     Returns:
         ``(attn_output [1, total, H, D], None)``.
     """
-    sinks = kwargs.pop("s_aux", None)  # GPT-OSS's [H] sink logits (this rank's heads under tp)
-    if sinks is not None and hasattr(sinks, "to_local"):
-        sinks = sinks.to_local()
+    sinks = local(kwargs.pop("s_aux", None))  # GPT-OSS's [H] sink logits (this rank's heads under tp)
     softcap = kwargs.pop("softcap", None)
     if sliding_window is None:  # Qwen2-MoE keeps its window on the module only (its sdpa mask carries it)
         sliding_window = getattr(module, "sliding_window", None)

@@ -79,11 +79,17 @@ class LiveBytes(TorchDispatchMode):
         self.calls.setdefault(name, defaultdict(int))
         self.comm_cross.setdefault(name, defaultdict(int))
 
+    def _bump(self, cat: str, delta: int) -> None:
+        """``delta`` bytes more under ``cat`` (host bytes stay out of the device total); a new peak is kept."""
+        self.by_cat[cat] += delta
+        self._total += delta if cat != HOST else 0
+        if delta > 0 and self._total > self.peaks[self._phase]["total"]:
+            self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
+
     def _free(self, key: int) -> None:
         n, cat = self.live.pop(key, (0, ""))
         if n:
-            self.by_cat[cat] -= n
-            self._total -= n if cat != HOST else 0
+            self._bump(cat, -n)
 
     def _add(self, t: torch.Tensor, cat: str) -> None:
         st = t.untyped_storage()
@@ -92,11 +98,8 @@ class LiveBytes(TorchDispatchMode):
             return
         n = st.nbytes()
         self.live[key] = (n, cat)
-        self.by_cat[cat] += n
-        self._total += n if cat != HOST else 0
         weakref.finalize(st, self._free, key)
-        if self._total > self.peaks[self._phase]["total"]:
-            self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
+        self._bump(cat, n)
 
     def resized(self, t: torch.Tensor) -> None:
         """``t``'s storage was resized in place (FSDP2 frees an unsharded parameter with
@@ -110,10 +113,7 @@ class LiveBytes(TorchDispatchMode):
         n, cat = self.live[key]
         delta = st.nbytes() - n
         self.live[key] = (n + delta, cat)
-        self.by_cat[cat] += delta
-        self._total += delta if cat != HOST else 0
-        if self._total > self.peaks[self._phase]["total"]:
-            self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
+        self._bump(cat, delta)
 
     def adopt(self, tensors: Iterable[torch.Tensor], cat: str) -> None:
         """Register tensors made before counting began (or outside this mode) under ``cat``."""

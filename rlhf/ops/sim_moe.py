@@ -27,14 +27,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-
-def _on_host(fn):
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    def run(*args, **kwargs):
-        with unset_fake_temporarily():
-            return fn(*args, **kwargs)
-    return run
+from rlhf.ops.sim_packed import on_host
 
 
 def balanced_counts(assignments: int, num_experts: int, ep: int) -> torch.Tensor:
@@ -88,8 +81,8 @@ def moe_on_host() -> Iterator[None]:
 
     prop = RouterReplay.tokens
     saved = ep_mod.dispatch_counts, ep_mod.split_sizes, moe.grouped_linear
-    RouterReplay.tokens = property(prop.fget, _on_host(prop.fset))
-    ep_mod.dispatch_counts, ep_mod.split_sizes = balanced_dispatch, _on_host(ep_mod.split_sizes)
+    RouterReplay.tokens = property(prop.fget, on_host(prop.fset))
+    ep_mod.dispatch_counts, ep_mod.split_sizes = balanced_dispatch, on_host(ep_mod.split_sizes)
     moe.grouped_linear = _grouped_shapes
     try:
         yield

@@ -26,7 +26,8 @@ from rlhf.models import packed as _packed
 from rlhf.models.varlen_attention import use_varlen_kernel
 
 
-def _on_host(fn):
+def on_host(fn):
+    """``fn`` run with fake-tensor mode suspended: its tensors are real host values."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def run(*args, **kwargs):
@@ -42,7 +43,7 @@ def packed_layout_on_host() -> Iterator[None]:
     names = ("unpad", "response_positions", "shard_packed", "_local_positions")
     saved = {n: getattr(_packed, n) for n in names}
     for n, fn in saved.items():
-        setattr(_packed, n, _on_host(fn))
+        setattr(_packed, n, on_host(fn))
     try:
         yield
     finally:

@@ -33,8 +33,8 @@ with ``1F1B``'s warm-up depth per stage, a bound that may differ from the interl
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,7 @@ class StageRunner:
         return dist.get_global_rank(self.p.pp_group, (self.p.pp_rank + offset) % self.p.pp)
 
     def _buffers(self, k: int, b: int, L: int) -> list[torch.Tensor]:
-        ctx = self.counter.category("pipeline buffers") if self.counter is not None else _null()
+        ctx = self.counter.category("pipeline buffers") if self.counter is not None else nullcontext()
         with ctx:
             return [torch.empty(b, L, self.H, dtype=self.dtype) for _ in range(k)]
 
@@ -154,7 +154,7 @@ class StageRunner:
         return self.p._broadcast_from_last(out, shape, torch.float32)
 
     def _repeated(self, times: int):
-        return self.counter.repeated(times) if self.counter is not None and times > 0 else _null()
+        return self.counter.repeated(times) if self.counter is not None and times > 0 else nullcontext()
 
     def forward_backward(self, ids: torch.Tensor, mask: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -204,17 +204,10 @@ class StageRunner:
         of the embedding / lm_head gradient shard, all-reduced over pp."""
         mods = [m for s in self.p.stages for m in (s.model.embed_tokens if s.is_first else None,
                                                      s.lm_head if s.is_last else None) if m is not None]
-        for m in mods[:1]:
-            g = m.weight.grad
-            local = g.to_local() if hasattr(g, "to_local") else g
-            total = torch.zeros(local.shape, dtype=torch.float32)
-            dist.all_reduce(total, group=self.p.pp_group)
-            del total
-        if not mods:  # a middle stage joins the all-reduce with zeros of the end stages' shape
-            total = torch.zeros(self.tied_numel, dtype=torch.float32)
-            dist.all_reduce(total, group=self.p.pp_group)
+        if mods:
+            g = mods[0].weight.grad
+            shape = (g.to_local() if hasattr(g, "to_local") else g).shape
+        else:  # a middle stage joins the all-reduce with zeros of the end stages' shape
+            shape = (self.tied_numel,)
+        dist.all_reduce(torch.zeros(shape, dtype=torch.float32), group=self.p.pp_group)
 
-
-@contextmanager
-def _null() -> Iterator[None]:
-    yield

@@ -157,7 +157,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     # Expert parallelism: a block's experts are Shard(0) over ep before FSDP2, so a block unshards only
     # its ep rank's experts (the per-rank shard, experts / (dp x tp), is the same with or without ep).
     ep = dims.ep
-    block_experts = s._experts_params(s.num_experts) - s.num_experts * s.hidden_size if s.sparse_layers else 0
+    block_experts = s.routed_expert_params() if s.sparse_layers else 0
     block = (s.layer_params() - block_experts * (1 - 1 / ep)) / tp
     unsharded_frozen = (root + 2 * block) * cb
     unsharded_update = unsharded_frozen + (0 if lora else (root + block) * cb)
@@ -186,7 +186,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     # the reshard splits the attention / MLP projections over rollout.tp; embedding and head stay whole
     ends = s.embed_params() + s.head_params()
     # rollout.ep: a replica holds 1 / ep of the routed experts (rlhf.rollout.expert_dispatch)
-    routed = s.sparse_layers * s.num_experts * 3 * s.hidden_size * s.moe_intermediate_size * (1 - 1 / r.ep)
+    routed = s.sparse_layers * s.routed_expert_params() * (1 - 1 / r.ep)
     rollout_copy = ((s.num_params() - ends - routed) / r.tp + ends) * rb
     comp["rollout weights"] = rollout_copy
     seq_len = d.max_prompt_length + d.max_response_length

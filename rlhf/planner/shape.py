@@ -20,9 +20,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024 ** 3
 
 
-_CHECKPOINT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """Sizes of a supported decoder read from an HF config.json dict.
@@ -88,7 +85,7 @@ class ModelShape:
                        moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if moe else 0,
                        shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0) if moe else 0,
                        sparse_layers=sum(i not in skip and (i + 1) % step == 0 for i in range(layers)) if moe else 0,
-                       checkpoint_bytes=_CHECKPOINT_BYTES.get(str(d.get("dtype") or d.get("torch_dtype")), 4))
+                       checkpoint_bytes=DTYPE_BYTES.get(str(d.get("dtype") or d.get("torch_dtype")), 4))
         except KeyError as e:
             raise ConfigError(f"{source}: missing key {e.args[0]!r} needed by the memory planner") from None
 
@@ -134,6 +131,11 @@ class ModelShape:
         H, S = self.hidden_size, self.shared_expert_size
         shared = 3 * H * S + H if S else 0
         return experts * 3 * H * self.moe_intermediate_size + self.num_experts * H + shared
+
+    def routed_expert_params(self) -> int:
+        """The routed experts (gate, up, down) of one sparse block: what ep shards (not the router, not the
+        shared expert)."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
 
     def layer_params(self) -> int:
         """Parameters of the largest decoder block."""

@@ -75,12 +75,11 @@ class RolloutEP:
         if self._layer:
             raise RuntimeError("rollout.ep: drain() called in the middle of a forward pass")
         served = 0
-        sparse = [lw for lw in layers if lw.router_w is not None]
+        sparse = [expert_weights(lw) for lw in layers if lw.router_w is not None]  # (gate_up, down, kwargs)
+        none = sparse[0][0].new_zeros((0, sparse[0][0].shape[-1])) if sparse else None  # no rows of our own
+        ids = torch.zeros((0, 1), dtype=torch.int64, device=none.device) if sparse else None
         while self._flag(False):
-            for lw in sparse:
-                gate_up, down, kw = expert_weights(lw)
-                none = gate_up.new_zeros((0, gate_up.shape[-1]))
-                ids = torch.zeros((0, 1), dtype=torch.int64, device=gate_up.device)
+            for gate_up, down, kw in sparse:
                 ep_experts(none, ids, none[:, :1], gate_up, down, act, num_experts=self.num_experts,
                            ep_group=self.group, expert_offset=tp_rank * gate_up.shape[0], **kw)
             served += 1

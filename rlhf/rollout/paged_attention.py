@@ -38,6 +38,7 @@ from torch import Tensor
 
 from rlhf.models.gpt_oss import sink_scale
 from rlhf.models.softcap_attention import attention as capped_attention
+from rlhf.models.softcap_attention import sink_softmax
 
 _FLASH: dict[str, Any] = {}
 
@@ -85,13 +86,12 @@ class GatherAttention:
             out = capped_attention(q3, k, v, mask, scale=p.scale, softcap=p.softcap)
         else:
             scores = torch.baddbmm(mask, q3, k.transpose(1, 2), alpha=p.scale)  # [N, G, W]
-            if p.sinks is None:
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-            else:  # GPT-OSS: the head's sink logit joins each row's softmax, then is dropped
+            sink = None
+            if p.sinks is not None:  # GPT-OSS: the head's sink logit joins each row's softmax
                 sink = p.sinks.view(hkv, g)
                 sink = sink.expand(b, hkv, g) if plan.kv is not None else sink[:, None].expand(hkv, b, g)
-                scores = torch.cat((scores, sink.reshape(n, g, 1).to(scores.dtype)), dim=-1)
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+                sink = sink.reshape(n, g, 1)
+            probs = sink_softmax(scores, sink)
             out = torch.bmm(probs.to(q.dtype), v)  # [N, G, D]
         return out.view(b, hkv, g, d) if plan.kv is not None else out.view(hkv, b, g, d).transpose(0, 1)
 

@@ -240,14 +240,20 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _redistribute_local(t: DTensor, shards: dict[int, int]) -> tuple[torch.Tensor, int]:
+    """``t`` gathered on every mesh dim except ``shards`` (mesh dim -> tensor dim kept ``Shard``); returns
+    (this rank's local tensor, bytes received)."""
+    target = [Shard(shards[i]) if i in shards else Replicate() for i in range(t.device_mesh.ndim)]
+    local_bytes = _nbytes(t.to_local())
+    out = t.redistribute(t.device_mesh, target).to_local()
+    return out, _nbytes(out) - local_bytes
+
+
 def gather_full_tensor(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """DTensor -> full local tensor via redistribute to Replicate; returns (tensor, bytes received)."""
     if not isinstance(t, DTensor):
         return t.detach(), 0
-    t = to_mesh_device(t)
-    local_bytes = _nbytes(t.to_local())
-    full = t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim).to_local()
-    return full, _nbytes(full) - local_bytes
+    return _redistribute_local(to_mesh_device(t), {})
 
 
 def _tp_dim_matches(t: DTensor, dim: int, tp_group: Optional[dist.ProcessGroup], tp_size: int) -> Optional[int]:
@@ -274,14 +280,8 @@ def _ep_shard(t: DTensor, tp_rank: int, tp_size: int, tp_group: Optional[dist.Pr
     if t.placements[i] != Shard(0) or \
             dist.get_process_group_ranks(t.device_mesh.get_group(i)) != dist.get_process_group_ranks(ep_group):
         return None
-    target = [Replicate()] * t.device_mesh.ndim
-    target[i] = Shard(0)
     j = _tp_dim_matches(t, 0, tp_group, tp_size)
-    if j is not None:
-        target[j] = Shard(0)
-    local_bytes = _nbytes(t.to_local())
-    out = t.redistribute(t.device_mesh, target).to_local()
-    received = _nbytes(out) - local_bytes
+    out, received = _redistribute_local(t, {i: 0} if j is None else {i: 0, j: 0})
     if tp_size > 1 and j is None:
         out = _narrow_heads(out, 0, tp_rank, tp_size, 1).clone()
     return out, received
@@ -306,11 +306,7 @@ def _rollout_tensor(p: torch.Tensor, name: str, *, tp_rank: int, tp_size: int,
             and not (_KV.search(name) and kv_replicas(tp_size, config) > 1):  # a fused one is sliced per part
         keep = _tp_dim_matches(t, dim, tp_group, tp_size)
         if keep is not None:  # training TP shard == rollout TP shard: gather dp only
-            local_bytes = _nbytes(t.to_local())
-            target = [Replicate()] * t.device_mesh.ndim
-            target[keep] = Shard(dim)
-            out = t.redistribute(t.device_mesh, target).to_local()
-            return out, _nbytes(out) - local_bytes
+            return _redistribute_local(t, {keep: dim})
     full, received = gather_full_tensor(t)
     if dim is None:
         return full, received

@@ -153,9 +153,7 @@ class StreamRun(GenerateRun):
             for slot in range(self.live - 1, -1, -1):
                 self._preempt(slot)
             for q in ([] if self.lot is None else self.lot.holding_blocks()):  # re-prefilled when they resume
-                p = self.lot.parked[q]
-                self.cache.free_blocks(p.blocks)
-                p.blocks = None
+                self._drop_parked(self.lot.parked[q])
         self.s.load_weights(weights, consume=True)
         if self.vision is not None:  # the prompts in flight are prefilled again with the new tower's features
             self.vision.refresh(sorted(self.group_of))

@@ -49,8 +49,7 @@ class TurnSteps:
                 need = cache.blocks_for(length + 1) - len(p.blocks)
                 self._evict_parked(need)
                 if need > cache.num_free:
-                    cache.free_blocks(p.blocks)
-                    p.blocks = None
+                    self._drop_parked(p)
                     self.stats["parked_preemptions"] += 1
             if p.blocks is None:  # recompute prompt + trajectory when re-admitted
                 self.resume_gen[q] = g
@@ -62,7 +61,7 @@ class TurnSteps:
             last = self.out_ids[q, p.length - 1:g].tolist()  # the stop token is not cached yet
             slot_t = torch.tensor([slot], dtype=torch.int64, device=self.s.device)
             # a VLM's tool turn continues on text positions: cache position + the prompt's M-RoPE delta
-            shift = 0 if self.vision is None else int(self.vision.deltas[q // self.n])
+            shift = 0 if self.vision is None else self.vision.prompts[q // self.n].delta  # host copy: no sync
             logits.append(self._extend(last, length - len(last), slot_t, seqs=[q], rope_shift=shift))
             self.stats["prefill_tokens"] += len(last)
             seqs.append(q), gens.append(g), orders.append(p.order)
@@ -80,11 +79,15 @@ class TurnSteps:
         for q in self.lot.holding_blocks():
             if self.cache.num_free >= need:
                 break
-            p = self.lot.parked[q]
-            self.cache.free_blocks(p.blocks)
-            p.blocks = None
+            self._drop_parked(self.lot.parked[q])
             self.stats["parked_preemptions"] += 1
         return self.cache.num_free >= need
+
+    def _drop_parked(self, p) -> None:
+        """A parked sequence gives its cache blocks back; it is prefilled again (prompt + trajectory) when
+        it resumes."""
+        self.cache.free_blocks(p.blocks)
+        p.blocks = None
 
     def _end_turns(self, slots: list[int], rows: list[int], lens: list[int], stopped: list[bool]) -> list[int]:
         """Ask the handler about each stopped sequence below max_new_tokens; park the ones that

@@ -177,7 +177,6 @@ class VisionPrompts:
             sizes = (grids.prod(-1) // spec.spatial_merge_size ** 2).tolist()
             features = list(merged.split(sizes))
             deep = [list(f.split(sizes)) for f in (getattr(out, "deepstack_features", None) or [])][:self.n_deep]
-        deltas = self.deltas.tolist()
         k = 0
         for j, (i, ids) in enumerate(zip(indices, prompts)):
             ids_t = torch.tensor(ids, dtype=torch.long)
@@ -195,8 +194,7 @@ class VisionPrompts:
             cos, sin = mrope_tables(pos[:, 0].to(dev), self.inv_freq, self.select, sampler.dtype)
             self.prompts[i] = _Prompt(where, feats, stack, cos, sin, int(delta[0]))
             self.inputs[i] = (list(ids), mm)
-            deltas[i] = int(delta[0])
-        self.deltas = torch.tensor(deltas, dtype=torch.int64, device=dev)
+        self.deltas = torch.tensor([0 if p is None else p.delta for p in self.prompts], dtype=torch.int64, device=dev)
 
     def refresh(self, indices: list[int]) -> None:
         """Recompute the image features of the prompts at ``indices`` with the sampler's current vision

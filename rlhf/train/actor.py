@@ -379,10 +379,10 @@ class PolicyWorker:
 
         skip = skips_grad_free_rows(cfg, self.entropy_coeff, moe=self.router_stats is not None or
                                     self.router_replay is not None, pipeline=self.pipeline is not None)
-        calls = []
+        calls = [0]  # mini-batch steps so far: the first runs at the weights of the old log-probs
 
         def mini_step(mini: RolloutBatch, norm: AggNorm, metrics: MetricSums, split=None) -> torch.Tensor:
-            calls.append(mini)  # the first call runs at the weights the old log-probs were computed with
+            calls[0] += 1
             sums = all_reduce_sum(covariance_sums(mini.old_log_probs, mini.advantages, mini.response_mask),
                                   self.dp_group)
             cov_sums.append(sums)
@@ -392,7 +392,7 @@ class PolicyWorker:
             terms = dict(pg_fn=loss_fn, low=low, high=high, mode=mode, norm=norm, params=params)
             if split is not None:
                 return split_mini_step(self, mini, split, terms, temperature, metrics,
-                                       on_policy=old_log_probs_current and len(calls) == 1)
+                                       on_policy=old_log_probs_current and calls[0] == 1)
             step = self._pp_mini_step if self.pipeline is not None else self._mini_step
             return step(mini, terms, temperature, metrics)
 
@@ -531,8 +531,8 @@ def _router_stats(model: torch.nn.Module, hf_config) -> Optional[RouterStats]:
     """Routing metrics hooks for a MoE model (None for a dense one)."""
     if not is_moe(hf_config):
         return None
-    layers = [i for i, sparse in enumerate(MoESpec.from_config(hf_config).sparse) if sparse]
-    return RouterStats(model, layers, MoESpec.from_config(hf_config).num_experts)
+    spec = MoESpec.from_config(hf_config)
+    return RouterStats(model, [i for i, sparse in enumerate(spec.sparse) if sparse], spec.num_experts)
 
 
 def _router_replay(model: torch.nn.Module, hf_config, cfg: Optional[ActorConfig], sp, trainable: bool, pp: bool

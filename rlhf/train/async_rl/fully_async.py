@@ -26,13 +26,12 @@ import torch.distributed as dist
 
 from rlhf.agent.loop import summed_counts
 from rlhf.agent.rollout import tool_use_metrics
-from rlhf.rollout.reshard import gather_rollout_weights
 from rlhf.schema.batch import RolloutBatch, minibatch_major_shard
 from rlhf.train.async_rl.pipeline import Schedule, offpolicy_metrics
 from rlhf.train.async_rl.split import StreamRoles
 from rlhf.train.async_rl.staleness import idle_share, staleness_metrics
 from rlhf.train.async_rl.stream_worker import END
-from rlhf.train.async_rl.transfer import is_adapter, recv_object, send_object, send_tensors
+from rlhf.train.async_rl.transfer import gather_push, recv_object, send_object, send_tensors
 from rlhf.rollout.stream import STOP
 
 
@@ -76,10 +75,7 @@ class FullyAsync:
     def _push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
         """Gather the rollout weights (a collective of the training mesh); send them to my rollout ranks."""
         t0 = time.perf_counter()
-        # LoRA: the frozen base crosses once; later pushes carry only the adapters (one_step_off's rule)
-        only_adapters = self.cfg.model.lora_rank > 0 and self.base_sent
-        weights, _ = gather_rollout_weights(model, dtype=self.dtype, pp_group=getattr(model, "pp_group", None),
-                                            name_filter=is_adapter if only_adapters else None)
+        weights = gather_push(model, dtype=self.dtype, lora=self.cfg.model.lora_rank > 0, base_sent=self.base_sent)
         self.base_sent = True
         sent = 0
         for g in self.roles.weight_targets():

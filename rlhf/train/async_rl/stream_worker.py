@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rlhf.agent.rollout import make_agent
+from rlhf.agent.rollout import make_agent, with_step_rewards
 from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.rollout.sampler import RolloutOutput
 from rlhf.rollout.stream import STOP, StreamPrompt, StreamRun
@@ -149,9 +149,7 @@ class StreamWorker:
         batch.token_versions = out["versions"] * mask
         tools = out.get("tools")
         if tools is not None and self.agent.executes:  # verl: step rewards to the reward function's extra_info
-            batch.extra_infos = [dict(info or {}, rollout_reward_scores=sc,
-                                      tool_rewards=[r for rs in sc.values() for r in rs])
-                                 for info, sc in zip(batch.extra_infos, tools["step_rewards"])]
+            batch.extra_infos = [with_step_rewards(info, sc) for info, sc in zip(batch.extra_infos, tools["step_rewards"])]
         fields = {k: v for k, v in vars(batch).items()}
         self.groups_sent += 1
         send_object({"seq": s, "idx": pb.keys[0], "batch": fields, "rank": self.roles.env.rank,

@@ -33,6 +33,16 @@ def is_adapter(name: str) -> bool:
     return _LORA in name
 
 
+def gather_push(model: torch.nn.Module, *, dtype: Optional[torch.dtype], lora: bool, base_sent: bool,
+                tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """The rollout weights a training rank pushes (a collective of the training mesh). LoRA: the frozen
+    base crosses once (``base_sent`` False), later pushes carry only the adapters."""
+    weights, _ = gather_rollout_weights(model, dtype=dtype, pp_group=getattr(model, "pp_group", None),
+                                        name_filter=is_adapter if lora and base_sent else None,
+                                        tp_rank=tp_rank, tp_size=tp_size)
+    return weights
+
+
 def _object_device(device: torch.device) -> Optional[torch.device]:
     return device if device.type == "cuda" else None
 
@@ -150,10 +160,8 @@ class WeightSender:
     def send(self, model: torch.nn.Module) -> dict[str, float]:
         """A collective of the training mesh (the gather), then a send to the partner."""
         t0 = time.perf_counter()
-        only_adapters = self.lora and self.base_sent
-        weights, _ = gather_rollout_weights(model, dtype=self.dtype, pp_group=getattr(model, "pp_group", None),
-                                            name_filter=(lambda n: _LORA in n) if only_adapters else None,
-                                            tp_rank=self.tp_rank, tp_size=self.tp)
+        weights = gather_push(model, dtype=self.dtype, lora=self.lora, base_sent=self.base_sent,
+                              tp_rank=self.tp_rank, tp_size=self.tp)
         t1 = time.perf_counter()
         sent = send_tensors(weights, self.partner, self.device, self.group)  # consumes weights
         self.base_sent = True
@@ -177,6 +185,6 @@ class WeightReceiver:
         if self.lora is None:
             return got
         if self.base is None:
-            self.base = {n: t for n, t in got.items() if _LORA not in n}
+            self.base = {n: t for n, t in got.items() if not is_adapter(n)}
         alpha, rank = self.lora
-        return merged_weights_for_rollout(self.base, {n: t for n, t in got.items() if _LORA in n}, alpha, rank)
+        return merged_weights_for_rollout(self.base, {n: t for n, t in got.items() if is_adapter(n)}, alpha, rank)
