@@ -172,11 +172,12 @@ def validate_tp(model: nn.Module, tp: int) -> None:
 def moe_sizes(config) -> dict[str, int]:
     """Sizes a tp (training or rollout) must divide besides heads / intermediate / vocab: the experts
     (and Qwen2-MoE's shared expert, split like a dense MLP)."""
-    from rlhf.models.moe import MoESpec
     from rlhf.models.moe_archs import MOE_MODEL_TYPES, num_experts
 
     experts = num_experts(config) if config.model_type in MOE_MODEL_TYPES else None
-    shared = MoESpec.from_config(config).shared_intermediate_size if experts else 0
+    shared = getattr(config, "shared_expert_intermediate_size", 0) if experts else 0
+    if experts and config.model_type == "deepseek_v3":  # (partial configs too: the planner's, hub ones)
+        shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
     return {**({"num_experts": experts} if experts else {}),
             **({"shared_expert_intermediate_size": shared} if shared else {})}
 
