@@ -39,19 +39,27 @@ from bench.memory_plan import SIZES, overrides  # noqa: E402
 COMMON = ["actor.skip_zero_advantage_rows=false"]
 LAYOUTS = {"dp2": [], "tp2": ["parallel.tp=2", "rollout.tp=2"],
            "pp2": ["parallel.pp=2", "model.use_remove_padding=false", "parallel.pp_microbatches=2"]}
+# one GPU (``--device cuda``): world 1, the allocator's own peak (torch.cuda.max_memory_allocated) against the
+# simulation of a cuda rank (bf16 mixed precision); the long row makes activations and the KV cache count
+CUDA_LAYOUTS = {"gpu1": [], "gpu1-long": ["data.max_response_length=224", "rollout.n=4",
+                                          "actor.ppo_micro_batch_size_per_gpu=8",
+                                          "actor.log_prob_micro_batch_size_per_gpu=8"]}
 PHASES = {"rollout": "rollout", "log-probs": "logprobs", "update": "update"}
 GIB = 1024 ** 3
 
 
 def child(workdir: Path, out: Path, extra: list[str]) -> None:
-    import torch  # noqa: F401  (imports belong to the baseline)
+    import torch  # (imports belong to the baseline)
     import torch.distributed as dist
 
     from rlhf.config.load import load_config
     from rlhf.train.trainer import RLTrainer
 
-    with open("/proc/self/statm") as f:
-        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    if "trainer.device=cuda" in extra:  # the allocator's counters: nothing is allocated before the trainer
+        base = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/statm") as f:
+            base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     trainer = RLTrainer(load_config(None, [*overrides(workdir), "trainer.total_training_steps=2", *extra]))
     trainer.train_step(1)
     metrics = trainer.train_step(2)  # the second step: AdamW's state exists, as the simulation assumes
@@ -61,20 +69,20 @@ def child(workdir: Path, out: Path, extra: list[str]) -> None:
         out.write_text(json.dumps({"base": base, "growth": peaks}))
 
 
-def simulated(workdir: Path, extra: list[str]) -> dict:
+def simulated(workdir: Path, extra: list[str], world: int = 2, device: str = "cpu") -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     sims = []
-    for rank in range(2):
-        p = subprocess.run([sys.executable, "-m", "rlhf.simulate", "--world", "2", "--rank", str(rank), "--device",
-                            "cpu", "--json", *overrides(workdir), *extra], cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=1800)
+    for rank in range(world):
+        p = subprocess.run([sys.executable, "-m", "rlhf.simulate", "--world", str(world), "--rank", str(rank),
+                            "--device", device, "--json", *overrides(workdir), *extra], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=1800)
         if p.returncode:
             raise RuntimeError(p.stderr[-3000:])
         sims.append(json.loads(p.stdout.strip().splitlines()[-1]))
     return {ph: max(s["peaks"][ph]["total"] for s in sims) for ph in PHASES}
 
 
-def run_case(name: str, tmp: Path) -> dict:
+def _workdir(tmp: Path) -> Path:
     from rlhf.data.synthetic import make_addition_task
     from rlhf.models.tiny import write_tiny_model
 
@@ -82,18 +90,35 @@ def run_case(name: str, tmp: Path) -> dict:
     if not (workdir / "model").exists():
         write_tiny_model(str(workdir / "model"), num_heads=8, num_kv_heads=4, **SIZES["100M"])
         make_addition_task(workdir / "data", n_train=64, n_val=8, n_sft=0, seed=0)
+    return workdir
+
+
+def _layout(name: str, device: str) -> tuple[int, list[str]]:
+    """(world, overrides) of one layout."""
+    if device == "cuda":
+        return 1, [*COMMON, "trainer.device=cuda", *CUDA_LAYOUTS[name]]
+    return 2, [*COMMON, *LAYOUTS[name]]
+
+
+def measure(name: str, tmp: Path, device: str = "cpu") -> dict:
+    """The real run's per-phase peaks (growth over the baseline), bytes."""
+    workdir, (world, extra) = _workdir(tmp), _layout(name, device)
     out = tmp / f"{name}.json"
     # glibc returns every freed block over 64 KiB to the kernel at once, so the resident set follows
     # the live allocations instead of keeping earlier phases' freed buffers on its free lists
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="65536",
                MALLOC_TRIM_THRESHOLD_="0")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve()), "--child", str(workdir), str(out), *COMMON, *LAYOUTS[name]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(Path(__file__).resolve()), "--child", str(workdir), str(out), *extra]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode:
         raise RuntimeError(p.stderr[-3000:])
-    measured = json.loads(out.read_text())["growth"]
-    sim = simulated(workdir, [*COMMON, *LAYOUTS[name]])
+    return json.loads(out.read_text())["growth"]
+
+
+def compare(name: str, tmp: Path, measured: dict, device: str = "cpu") -> dict:
+    world, extra = _layout(name, device)
+    sim = simulated(_workdir(tmp), extra, world, device)
     rows = []
     for ph, real_ph in PHASES.items():
         m = measured.get(real_ph)
@@ -107,13 +132,27 @@ def run_case(name: str, tmp: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--layouts", default=None, help=f"default: {','.join(LAYOUTS)}; "
+                                                       f"with --device cuda {','.join(CUDA_LAYOUTS)}")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--measured-only", action="store_true",
+                    help="run the real side only and print its peaks as JSON (on a lent GPU, whose time is short)")
+    ap.add_argument("--measured", help="a --measured-only JSON output: simulate those layouts and compare")
     args, extra = ap.parse_known_args()
     if args.child:
         child(Path(args.child[0]), Path(args.child[1]), args.child[2:] + extra)
         return
+    given = {}
+    if args.measured:
+        data = json.loads(Path(args.measured).read_text().strip().splitlines()[-1])
+        args.device, given = data["device"], {r["layout"]: r["measured"] for r in data["results"]}
+    names = (args.layouts or ",".join(given or (CUDA_LAYOUTS if args.device == "cuda" else LAYOUTS))).split(",")
     with tempfile.TemporaryDirectory() as d:
-        results = [run_case(n, Path(d)) for n in args.layouts.split(",")]
+        if args.measured_only:
+            print(json.dumps({"device": args.device, "results": [
+                {"layout": n, "measured": measure(n, Path(d), args.device)} for n in names]}))
+            return
+        results = [compare(n, Path(d), given.get(n) or measure(n, Path(d), args.device), args.device) for n in names]
     print("| layout | phase | simulated (MiB) | measured growth (MiB) | sim / measured |")
     print("|---|---|---|---|---|")
     for res in results:

@@ -4,6 +4,8 @@
 # and a markdown table for docs/benchmarks.md. Logs go to $GPU_CHECK_OUT (outputs/gpu_check).
 #
 #   bash launch/gpu_check.sh            # exit status: 0 when the GPU tests pass
+#   bash launch/gpu_check.sh --quick    # ~5 minutes (a short GPU lease): the tests with the quickstart
+#                                       # beside them, the CUDA allocator's per-phase peaks, tiny/100M samplers
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,6 +18,7 @@ fi
 OUT=${GPU_CHECK_OUT:-outputs/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = "--quick" ]; then exec bash launch/gpu_check_quick.sh "$OUT"; fi
 
 "$PY" -m pytest -m gpu tests/gpu -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
@@ -27,5 +30,6 @@ tests_rc=${PIPESTATUS[0]}
   --max-response 1024 --prompt 128 2>&1 | tee "$OUT/train_step.log"
 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 bench/reshard.py --device cuda \
   --models qwen2.5_0.5b --prompts 64 --n 4 --response-length 256 2>&1 | tee "$OUT/reshard.log"
+"$PY" bench/simulate_vs_real.py --device cuda 2>&1 | tee "$OUT/memory.log"  # the simulation vs the allocator
 "$PY" bench/gpu_summary.py "$OUT" --tests-rc "$tests_rc" | tee "$OUT/summary.md"
 exit "$tests_rc"

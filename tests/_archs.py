@@ -67,7 +67,9 @@ def tiny_config(kind: str, **overrides) -> transformers.PretrainedConfig:
         c.update(overrides)
         return transformers.OlmoeConfig(**c)
     if kind == "gpt_oss":
-        c.update(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.0,
+        # a limit the tiny activations reach; older transformers (5.17) ignore the field (their model hard-codes 7.0)
+        limit = 1.0 if hasattr(transformers.GptOssConfig(), "swiglu_alpha") else 7.0
+        c.update(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, swiglu_limit=limit,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                  rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})

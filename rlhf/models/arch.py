@@ -44,6 +44,7 @@ still keeps every position of a sliding layer (no ring buffer, no memory saved).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -270,10 +271,17 @@ def norm_weight(arch: ArchSpec, w: Tensor) -> Tensor:
     return 1.0 + w.float() if arch.norm_plus_one else w.float() if arch.norm_fp32 else w
 
 
+@functools.lru_cache(maxsize=None)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=dtype))
+
+
 def embed(arch: ArchSpec, table: Tensor, ids: Tensor) -> Tensor:
     x = F.embedding(ids, table)
     if arch.embed_scale is not None:
-        x = x * torch.tensor(arch.embed_scale, dtype=x.dtype, device=x.device)
+        # HF rounds the scale to the embedding dtype first; a Python scalar of that rounded value gives
+        # the same product and, unlike a fresh device tensor, is allowed inside CUDA-graph capture
+        x = x * _rounded(arch.embed_scale, x.dtype)
     return x
 
 

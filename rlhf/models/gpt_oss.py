@@ -39,7 +39,9 @@ def is_gpt_oss(config: Any) -> bool:
 
 def swiglu_params(config: Any) -> tuple[float, float] | None:
     """``(alpha, limit)`` of GPT-OSS's clamped SwiGLU, None for the other families."""
-    return (float(config.swiglu_alpha), float(config.swiglu_limit)) if is_gpt_oss(config) else None
+    # older transformers (5.17) hard-code alpha = 1.702 in the model and have no config field for it
+    return (float(getattr(config, "swiglu_alpha", 1.702)), float(config.swiglu_limit)) if is_gpt_oss(config) \
+        else None
 
 
 def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:

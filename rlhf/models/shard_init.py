@@ -198,7 +198,12 @@ def _materialize(model: nn.Module, host: dict[str, Source], device: torch.device
         del piece
         placed += local.numel() * local.element_size()
         if isinstance(p, DTensor):
-            local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                       stride=p.stride())
+            if local.device.type != p.device_mesh.device_type:
+                # CPU offload on a GPU mesh: from_local would move the shard to the GPU, and FSDP2's lazy
+                # init then refuses it (the shard stays in host memory, as FSDP2's own offload keeps it)
+                local = DTensor(local, p._spec, requires_grad=False)
+            else:
+                local = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())
         torch.utils.swap_tensors(p, nn.Parameter(local, requires_grad=p.requires_grad))
     return placed

@@ -41,7 +41,7 @@ def _update(rank: int, world: int, model_dir: str, out: str, mixed: bool, offloa
 def _run(model_dir, tmp_path, monkeypatch, name, **kw):
     monkeypatch.setenv(DEVICE_ENV, "cuda")
     out = str(tmp_path / f"{name}.pt")
-    run_distributed(_update, 1, (model_dir, out, kw["mixed"], kw["offload"]))
+    run_distributed(_update, 1, model_dir, out, kw["mixed"], kw["offload"])
     return torch.load(out)
 
 

@@ -16,6 +16,8 @@ pytestmark = GPU
 # sequence), so the logits differ by bf16 rounding, ~1e-2 relative.
 BF16_MEAN_ABS = 0.02
 BF16_MAX_ABS = 0.25
+# a top-2 logit margin under which bf16 rounding of two kernels may order the pair either way
+BF16_TIE = 0.125
 
 
 def _rows(prompts, out, R):
@@ -47,13 +49,21 @@ def test_bf16_greedy_matches_hf_and_logprobs_match_trainer():
     # early flip does not cascade into counting every later position as a mismatch).
     logits = model(input_ids=ids, attention_mask=attn,
                    position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits[:, -R - 1:-1].float()
-    mask = out.response_mask.cuda()
-    agree = (logits.argmax(-1) == out.response_ids.cuda())[mask].float().mean().item()
-    assert agree >= 0.99, f"greedy agreement with HF bf16 {agree:.4f} < 0.99"
+    mask = out.response_mask.cuda().bool()
+    hit = logits.argmax(-1) == out.response_ids.cuda()
+    agree = hit[mask].float().mean().item()
+    # bf16 logits of two kernels differ by rounding (~1e-2 here), so a near-tie may go either way; where
+    # HF's top two are clearly apart the picks must agree (a wrong kernel flips clear choices too)
+    top2 = logits.topk(2, -1).values
+    clear = mask & (top2[..., 0] - top2[..., 1] > BF16_TIE)
+    clear_agree = hit[clear].float().mean().item()
+    assert clear_agree >= 0.999, f"greedy agreement with HF bf16 where the margin is clear {clear_agree:.4f}"
+    assert agree >= 0.97, f"greedy agreement with HF bf16 {agree:.4f} < 0.97"
     # free-running agreement with HF generate, reported for the closing note
     lp, _ = forward_log_probs(model, ids, attn, response_length=R)
     diff = (lp - out.log_probs.cuda()).abs()[mask]
-    print(f"bf16: teacher-forced greedy agreement {agree:.4f}; log-prob |diff| mean {diff.mean():.4g} max {diff.max():.4g}")
+    print(f"bf16: teacher-forced greedy agreement {agree:.4f} ({clear_agree:.4f} of {int(clear.sum())} positions "
+          f"with a top-2 margin over {BF16_TIE}); log-prob |diff| mean {diff.mean():.4g} max {diff.max():.4g}")
     assert diff.mean() < BF16_MEAN_ABS and diff.max() < BF16_MAX_ABS, (diff.mean().item(), diff.max().item())
 
 
@@ -136,7 +146,12 @@ def test_flash_kernel_captures_one_graph_for_every_window():
     s = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=8, use_cuda_graph=True)
     eager = Sampler(model.config, model.state_dict(), pad_token_id=PAD, device="cuda", max_num_seqs=8)
     a, b = eager.generate(prompts, params), s.generate(prompts, params)
-    assert (a.response_ids == b.response_ids).float().mean().item() >= 0.95
+    # bf16 over 400 free-running tokens: one rounding flip (bucketed vs exact window) changes the rest of
+    # its row, so agreement is checked where test_cuda_graph_decode_equals_eager checks it, the first 40
+    same = a.response_ids == b.response_ids
+    assert same[:, :40].float().mean().item() >= 0.99, same.float().mean(1)
+    common = same.long().cumprod(1).bool() & a.response_mask.bool()
+    assert (b.log_probs[common] - a.log_probs[common]).abs().max().item() < BF16_MAX_ABS
     flash = _flash_with_kvcache() is not None
     assert len(s._graphs) == (1 if flash else 4), sorted(s._graphs)
 
