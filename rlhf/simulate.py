@@ -127,7 +127,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from rlhf.models.loading import DTYPES, language_config, model_config
+    from rlhf.models.loading import DTYPES, language_config, model_config, training_attn_implementation
     from rlhf.ops.sim_memory import HOST, LiveBytes, fsdp_offload_on_host, fsdp_storage_resizes
     from rlhf.ops.sim_moe import moe_on_host
     from rlhf.ops.sim_packed import flash_attention_shapes, packed_layout_on_host
@@ -156,7 +156,9 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         mesh = dims.build_mesh("cpu")  # the fake group's tensors live on the host whatever the run's device
-        build = _meta_builder(full, DTYPES[cfg.model.dtype], "sdpa")
+        # SDPA as the trainer loads it: the project's varlen attention where HF has no SDPA path (Gemma 2's
+        # soft-cap, GPT-OSS's sinks)
+        build = _meta_builder(full, DTYPES[cfg.model.dtype], training_attn_implementation(full, "sdpa"))
         meta = torch.device("meta")
         with _mixed_precision_as_on(device):
             actor = PolicyWorker(cfg.model, mesh, meta, trainable=True, actor_cfg=cfg.actor, total_steps=1,
@@ -521,7 +523,8 @@ def main(argv=None) -> None:
             sims = simulate_stages(cfg, world=args.world, device=args.device, gpu=args.gpu)
         else:
             sims = [simulate(cfg, world=args.world, rank=args.rank, device=args.device)]
-            sims[0].roofline = roofline(sims[0], cfg, language_config(model_config(cfg.model.path)), gpu=args.gpu)
+            hf = language_config(model_config(cfg.model.path, cfg.model.trust_remote_code))
+            sims[0].roofline = roofline(sims[0], cfg, hf, gpu=args.gpu)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -19,7 +19,8 @@ inside each sequence, no attention across sequences, GQA, optional sliding windo
   soft-capping (Gemma 2's ``softcap``) is passed to it; the other paths apply it with
   :func:`rlhf.models.softcap_attention.attention` (SDPA has no soft-cap). Attention sinks
   (GPT-OSS's ``s_aux``) have no flash-attn varlen kernel: such rows take the path below on every
-  device, with the explicit attention (sinks in the softmax denominator).
+  device, the sink as one more key of SDPA (:func:`rlhf.models.softcap_attention.sink_sdpa`:
+  exact, and no ``[Tq, Tk]`` scores, so a 5k-token row does not hold GiBs of them per layer).
 * Otherwise (CPU, fp32, no flash-attn): sequences are sorted by length and grouped into
   buckets whose lengths are within ``bucket_ratio`` of the bucket's longest; each bucket is
   gathered into ``[n_b, H, L_b, D]`` (right-padded inside the bucket) and runs one
@@ -50,6 +51,7 @@ from torch import nn
 
 from rlhf.models.gpt_oss import local
 from rlhf.models.softcap_attention import attention as softcap_attention
+from rlhf.models.softcap_attention import sink_sdpa
 
 __all__ = [
     "VARLEN_ATTN_IMPLEMENTATION",
@@ -79,7 +81,9 @@ class VarlenPlan:
         gather: per bucket, ``[n_b * L_b]`` int64 packed-row indices (row-major over
             ``[n_b, L_b]``; pad slots repeat the sequence's last token).
         shape: per bucket, ``(n_b, L_b)``.
-        valid: per bucket, ``[n_b * L_b]`` bool, True for real tokens.
+        valid: per bucket, ``[real tokens]`` int64 positions of the real tokens in ``[n_b * L_b]``
+            (indices, not a bool mask: selecting with them needs no data-dependent ``nonzero``
+            per layer, so the pass also runs on fake tensors in ``rlhf.simulate``).
         inverse: ``[total]`` int64; ``cat(real rows of all buckets)[inverse]`` restores
             packed order.
         cu_seqlens: the boundaries the plan was built from (identity is the cache key).
@@ -126,7 +130,7 @@ def build_varlen_plan(cu_seqlens: torch.Tensor, bucket_ratio: float = DEFAULT_BU
         ok = offs[None, :] < b_lens[:, None]  # [n_b, L_b]
         idx = b_starts[:, None] + torch.minimum(offs[None, :], b_lens[:, None] - 1)  # [n_b, L_b]
         gather.append(idx.flatten().to(device))
-        valid.append(ok.flatten().to(device))
+        valid.append(ok.flatten().nonzero().squeeze(1).to(device))
         shapes.append((len(members), longest))
         real_rows.append(idx[ok])
         i = j
@@ -172,9 +176,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
                                                   enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
                                               enable_gqa=True)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    if softcap is None:  # sinks alone: one more key through SDPA, no [Tq, Tk] scores (softcap_attention.sink_sdpa)
+        return sink_sdpa(q, k, v, mask, scale=scale, sinks=sinks, dropout=dropout)
     if mask is None:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     return softcap_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout, sinks=sinks)
 
 
@@ -199,7 +205,7 @@ def _bucketed_sdpa(
         vb = v.index_select(1, idx).view(v.shape[0], n_b, l_b, v.shape[-1]).transpose(0, 1)
         ob = _sdpa(qb, kb, vb, _window_mask(l_b, sliding_window, q.device), scaling, dropout, softcap, sinks)
         ob = ob.transpose(1, 2).reshape(n_b * l_b, H, ob.shape[-1])  # [n_b*L_b, H, Dv]
-        outs.append(ob[ok])
+        outs.append(ob.index_select(0, ok))
     out = torch.cat(outs, dim=0)[plan.inverse]  # [T, H, Dv]
     return out.unsqueeze(0)
 
@@ -332,7 +338,11 @@ def _unpacked_attention(
         if mask is not None:  # sdpa_mask's [B, 1, q, kv] (bool, or additive float)
             mask = mask[..., : key.shape[-2]]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = softcap_attention(query, key, value, mask, scale=scale, softcap=softcap, dropout=dropout, sinks=sinks)
+        if softcap is None:
+            out = sink_sdpa(query, key, value, mask, scale=scale, sinks=sinks, dropout=dropout)
+        else:
+            out = softcap_attention(query, key, value, mask, scale=scale, softcap=softcap, dropout=dropout,
+                                    sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

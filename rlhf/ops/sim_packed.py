@@ -40,15 +40,19 @@ def on_host(fn):
 def packed_layout_on_host() -> Iterator[None]:
     """Inside: ``rlhf.models.packed``'s layout functions (unpad, response positions, the sp slice) run
     outside fake mode, on the real index tensors the caller passes."""
-    names = ("unpad", "response_positions", "shard_packed", "_local_positions")
-    saved = {n: getattr(_packed, n) for n in names}
-    for n, fn in saved.items():
-        setattr(_packed, n, on_host(fn))
+    from rlhf.models import varlen_attention as _varlen
+
+    # (GPT-OSS's packed rows take the bucketed attention path, whose plan is read off the sequence bounds)
+    patched = [(_packed, n) for n in ("unpad", "response_positions", "shard_packed", "_local_positions")]
+    patched.append((_varlen, "_get_plan"))
+    saved = [(mod, n, getattr(mod, n)) for mod, n in patched]
+    for mod, n, fn in saved:
+        setattr(mod, n, on_host(fn))
     try:
         yield
     finally:
-        for n, fn in saved.items():
-            setattr(_packed, n, fn)
+        for mod, n, fn in saved:
+            setattr(mod, n, fn)
 
 
 class _FlashShapes(torch.autograd.Function):

@@ -103,3 +103,50 @@ def test_sinks_clamp_and_biases_each_change_hf_logits():
                     p.copy_(saved[n])
     for what, logits in changed.items():
         assert (logits - base).abs().max() > 1e-3, what  # the arch tests compare at 1e-4 / 1e-5
+
+
+class _LargestAlloc(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest tensor any op returns (elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("mask", ["causal", "sliding", "padded-bool", "additive"])
+def test_sink_sdpa_equals_the_explicit_sink_attention_without_its_scores(mask):
+    """The trainer's sink attention (one more SDPA key per head) equals the explicit softmax over
+    [scores, sink] in output and in the gradients of q, k, v and the sinks, on GQA heads; and it never
+    holds a [B, H, T, T] score tensor (the explicit path's, ~GiBs per layer at GPT-OSS's lengths)."""
+    from rlhf.models.softcap_attention import attention, sink_sdpa
+
+    torch.manual_seed(0)
+    B, H, Hkv, T, D = 2, 8, 2, 192, 16
+    q, k, v = (torch.randn(B, h, T, D, requires_grad=True) for h in (H, Hkv, Hkv))
+    sinks = torch.randn(H, requires_grad=True)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    ref_mask, mask_arg = causal, None
+    if mask == "sliding":
+        ref_mask = mask_arg = causal & ~torch.ones(T, T, dtype=torch.bool).tril(-7)
+    elif mask == "padded-bool":  # row 0 left-padded by 5 (a pad query attends itself)
+        ref_mask = causal.expand(B, 1, T, T).clone()
+        ref_mask[0, :, :, :5] = False
+        ref_mask[0, :, :5, :] = torch.eye(5, T, dtype=torch.bool)
+        mask_arg = ref_mask
+    elif mask == "additive":
+        ref_mask = mask_arg = torch.zeros(B, 1, T, T).masked_fill(~causal, torch.finfo(torch.float32).min)
+    want = attention(q, k, v, ref_mask, scale=D ** -0.5, softcap=None, sinks=sinks)
+    with _LargestAlloc() as seen:
+        got = sink_sdpa(q, k, v, mask_arg, scale=D ** -0.5, sinks=sinks)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v, sinks)),
+                    torch.autograd.grad(want.square().sum(), (q, k, v, sinks))):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert seen.largest < B * H * T * T // 4, seen.largest

@@ -1,5 +1,5 @@
-"""Planner (and FLOP counter) on Gemma 2, Gemma 3, Phi-3 and the MoE families: parameter counts against HF,
-published sizes, MoE total vs active parameters, experts over tp, and the dry-run plan."""
+"""Planner (and FLOP counter) on Gemma 2, Gemma 3, Phi-3 and the MoE families (GPT-OSS and DeepSeek-V3
+included): parameter counts against HF, published sizes, MoE total vs active parameters, experts over tp, and the dry-run plan."""
 
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ from tests._archs import ARCHS, tiny_config
 REPO = Path(__file__).resolve().parents[2]
 CLASS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-         "olmoe": "OlmoeForCausalLM"}
+         "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # name: (total, active per token)
 PUBLISHED = {"gemma-2-2b": (2_614_341_888, 2_614_341_888), "gemma-3-1b-it": (999_885_952, 999_885_952),
              "Phi-3-mini-4k-instruct": (3_821_079_552, 3_821_079_552),
-             "Qwen3-30B-A3B": (30_532_122_624, 3_353_032_704)}
+             "Qwen3-30B-A3B": (30_532_122_624, 3_353_032_704),
+             # OpenAI's card: 20.91B total, 3.61B active (its active count leaves out the 0.58B embedding table)
+             "gpt-oss-20b": (20_914_757_184, 4_187_440_704),
+             # DeepSeek's: 671B total, 37B activated (the multi-token-prediction layer, not in the HF model, aside)
+             "DeepSeek-V3": (671_026_404_352, 37_552_282_624)}
 
 
 def _shape(kind: str) -> ModelShape:
