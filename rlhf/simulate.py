@@ -131,9 +131,9 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     from rlhf.ops.sim_memory import HOST, LiveBytes, fsdp_offload_on_host, fsdp_storage_resizes
     from rlhf.ops.sim_moe import moe_on_host
     from rlhf.ops.sim_packed import flash_attention_shapes, packed_layout_on_host
+    from rlhf.ops.sim_rollout import simulate_sampler
     from rlhf.rollout.engine import rollout_dtype
-    from rlhf.rollout.kv_cache import PagedKVCache
-    from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights, kv_replicas
+    from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights
     from rlhf.train.actor import PolicyWorker
 
     if not 0 <= rank < world:
@@ -190,13 +190,12 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                     weights, _ = gather_rollout_weights(actor.model, dtype=rdt, pp_group=actor.pp_group,
                                                         tp_rank=layout.tp_rank, tp_size=layout.tp,
                                                         tp_group=layout.tp_group)
-                with counter.category("kv cache"):
-                    kv = _kv_cache(cfg, hf, world, layout.tp, kv_replicas(layout.tp, hf), rdt, PagedKVCache)
-                if device == "cuda" and cfg.rollout.compile:  # the sampler lives on for its CUDA graphs
-                    held.append((weights, kv))
-                    notes.append("rollout.compile on cuda: the sampler's weights and KV cache stay allocated "
-                                 "through the training phases (its CUDA-graph pool is not simulated)")
-                del weights, kv
+                sampler = simulate_sampler(cfg, hf, weights, layout, rdt, counter, world=world, device=device)
+                if (device == "cuda" and cfg.rollout.compile) or not cfg.rollout.free_cache_engine:
+                    held.append(sampler)  # the run-long sampler (CUDA graphs, or free_cache_engine=False)
+                    notes.append("the sampler (rollout.compile on cuda or free_cache_engine=False) keeps its weights "
+                                 "and KV cache through the training phases (a CUDA-graph pool is not simulated)")
+                del weights, sampler
                 counter.phase("log-probs")
                 with unset_fake_temporarily():  # real token ids: a packed pass reads its layout off them
                     lp_ids, lp_mask = ctx.batch(ctx.log_prob_rows())
@@ -268,31 +267,34 @@ class _Ctx:
         self.local_rows = max(1, d.train_batch_size * cfg.rollout.n // dims.dp)
         self.mini_rows = max(1, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // dims.dp)
 
-    def _rows(self, budget: int, micro: int) -> tuple[int, int]:
+    def _rows(self, budget: int, micro: int, cap: int) -> tuple[int, int]:
         """Rows of one micro-batch and the real tokens of its last row. Under ``use_dynamic_bsz`` a
         packed micro-batch is filled to its token budget (times sp: verl's per-GPU budget is one sp
         group's): full-length rows and one shorter last row, as variable-length data can fill it;
-        padded rows cost their full length, so only whole ones fit."""
+        padded rows cost their full length, so only whole ones fit. Never more than the ``cap`` rows
+        the pass splits (the rank's rows, or a mini-batch's: ``split_rows`` cuts no larger micro-batch)."""
         a, pp = self.cfg.actor, self.actor.pipeline
         if pp is not None:  # pipelined calls of micro x pp_microbatches rows
             return (min(self.local_rows, micro * pp.n_microbatches) if micro else self.local_rows), self.L
         if not a.use_dynamic_bsz:
-            return max(1, micro), self.L
+            return max(1, min(micro, cap)), self.L
         tokens = budget * self.dims.sp
         full, rest = divmod(tokens, self.L)
+        if full >= cap:
+            return cap, self.L
         if self.cfg.model.use_remove_padding and rest > self.cfg.data.max_prompt_length:
             return full + 1, rest
         return max(1, full), self.L
 
     def log_prob_rows(self) -> tuple[int, int]:
         a = self.cfg.actor
-        return self._rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu)
+        return self._rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu, self.local_rows)
 
     def update_rows(self) -> tuple[int, int]:
         a = self.cfg.actor
         if self.actor.pipeline is not None:  # one pipelined forward-backward per mini-batch
             return self.mini_rows, self.L
-        return self._rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu)
+        return self._rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, self.mini_rows)
 
     def batch(self, rows_last: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         rows, last = rows_last
@@ -370,26 +372,6 @@ def _warm_optimizer(worker, counter, cat: str = "optimizer") -> None:
     worker.optimizer.zero_grad(set_to_none=True)
     states = [t for st in worker.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
     counter.relabel(states, cat)
-
-
-def _kv_cache(cfg: Config, hf, world: int, rollout_tp: int, replicas: int, dtype: torch.dtype, cls):
-    """The sampler's paged KV cache at the configured budget (rollout.kv_cache_tokens / _memory),
-    else one slot per sequence this rollout replica generates (capped at rollout.max_num_seqs)."""
-    from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, kv_bytes_per_token
-
-    r, d = cfg.rollout, cfg.data
-    seq_len = d.max_prompt_length + d.max_response_length
-    heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
-    local_heads = max(1, heads // rollout_tp) if replicas == 1 else 1
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    gen_bs = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size > 0 else d.train_batch_size
-    seqs = math.ceil(gen_bs / (world // rollout_tp)) * r.n
-    slots = min(r.max_num_seqs, seqs)
-    per_tok = kv_bytes_per_token(hf.num_hidden_layers, local_heads, head_dim, dtype)
-    tokens = r.kv_cache_tokens or (int(r.kv_cache_memory * GIB // per_tok) if r.kv_cache_memory else slots * seq_len)
-    tokens = min(tokens, r.max_num_seqs * seq_len)
-    return cls(hf.num_hidden_layers, max(tokens // DEFAULT_BLOCK_SIZE, -(-seq_len // DEFAULT_BLOCK_SIZE)), slots,
-               local_heads, seq_len, head_dim, dtype=dtype, device=torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- roofline

@@ -42,6 +42,19 @@ from rlhf.rollout.turn_steps import TurnSteps
 from rlhf.rollout.turns import ParkingLot, TurnHandler
 
 
+def prefill_layout(lens: list[int], device: torch.device) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Prompts of lengths ``lens`` packed back to back: each token's position in its prompt ``[Ttot]``,
+    its row in the right-padded ``[P * width]`` grid (None when every prompt has length ``width``) and
+    each prompt's end ``[P]`` (``rlhf.models.decoder.prefill``'s index inputs)."""
+    width, total = max(lens), sum(lens)
+    lengths = torch.tensor(lens, dtype=torch.int64, device=device)
+    ends = lengths.cumsum(0)
+    row_of = torch.repeat_interleave(torch.arange(len(lens), device=device), lengths)  # [Ttot]
+    positions = torch.arange(total, device=device) - (ends - lengths)[row_of]
+    grid_index = None if width * len(lens) == total else row_of * width + positions
+    return positions, grid_index, ends
+
+
 class Slots:
     """Per-slot decode state, device tensors with S rows (live slots are the prefix [0, B)).
 
@@ -299,12 +312,8 @@ class GenerateRun(TurnSteps):
         mm = None if self.vision is None else [self.vision.unit(self.unit_prompt[i], units[i]) for i in chunk]
         if len(chunk) == 1 and total > s.prefill_tokens:  # one long prefix: chunked prefill
             return self._extend(units[chunk[0]], 0, slot_ids, None if mm is None else mm[0], seqs)
-        lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
         ids = torch.tensor([t for i in chunk for t in units[i]], dtype=torch.int64, device=dev)
-        ends = lengths.cumsum(0)
-        row_of = torch.repeat_interleave(torch.arange(len(chunk), device=dev), lengths)  # [Ttot]
-        positions = torch.arange(total, device=dev) - (ends - lengths)[row_of]
-        grid_index = None if width * len(chunk) == total else row_of * width + positions
+        positions, grid_index, ends = prefill_layout(lens, dev)
         self.stats["prefill_calls"] += 1
         self.stats["prefill_padded_tokens"] += width * len(chunk)
         routes = [] if self.routes is not None else None
@@ -425,6 +434,12 @@ class GenerateRun(TurnSteps):
             sl.token[a:b] = tok
             sl.pos[a:b] += 1
             done = gen >= self.R if stopped is None else stopped | (gen >= self.R)
+        self._retire_done(a, seq, gen, stopped, done)
+
+    def _retire_done(self, a: int, seq: Tensor, gen: Tensor, stopped: Tensor | None, done: Tensor) -> None:
+        """Retire the slots ``a + i`` where ``done[i]``: the value-dependent half of a step (the
+        simulation, ``rlhf/ops/sim_rollout.py``, stops before it)."""
+        with self.s.lean():
             finished = done.nonzero().squeeze(1)
         self._retire(a, seq, gen, stopped, finished, finished.tolist())  # the one host sync of a step
 
