@@ -19,8 +19,9 @@ What is left out, because it depends on values that fake tensors do not have: wh
 stops and retirement (``GenerateRun._retire_done``: the slots stay live), preemption and refill decisions
 past the first admission, top-p's host check (``top_p_nucleus`` takes its full-sort path, the larger
 one). The prefill's packing indices (``rlhf.rollout.scheduler.prefill_layout``) are computed on the host.
-On a simulated ``cuda`` device without ``rollout.kv_cache_tokens`` / ``kv_cache_memory`` the real
-sampler sizes its cache from the GPU's free memory (``gpu_memory_utilization``), a property of the card:
+On a simulated ``cuda`` device the decode runs flash-attn's paged kernel (shapes only; bf16 / fp16
+rollouts, as the planner assumes flash-attn installed) and, without ``rollout.kv_cache_tokens`` /
+``kv_cache_memory``, the real sampler sizes its cache from the GPU's free memory (``gpu_memory_utilization``), a property of the card:
 the simulation gives it the slots' need instead (one slot per sequence of the replica, at most
 ``max_num_seqs``, each ``max_prompt_length + max_response_length`` long).
 """
@@ -50,14 +51,34 @@ class _NoTokenizer:
         return [0] * len(text)
 
 
+def _flash_decode_shapes(q, k, v, *, return_softmax_lse=False, **_):
+    """What ``flash_attn_with_kvcache`` allocates: its output ``[B, 1, H, D]`` (and fp32 lse ``[B, H, 1]``)."""
+    out = torch.empty_like(q)
+    if return_softmax_lse:
+        return out, torch.empty(q.shape[0], q.shape[2], 1, dtype=torch.float32, device=q.device)
+    return out
+
+
+def _cuda_decode_kernel(device: Any, dtype: torch.dtype) -> Any:
+    """The decode kernel of a CUDA sampler with flash-attn (fp16 / bf16; else the gather kernel, as on a GPU)."""
+    from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention
+
+    if dtype in (torch.float16, torch.bfloat16):
+        return FlashPagedAttention(fn=_flash_decode_shapes)
+    return GatherAttention()
+
+
 @contextmanager
-def value_free_scheduler(counter: Any) -> Iterator[None]:
+def value_free_scheduler(counter: Any, device: str = "cpu") -> Iterator[None]:
     """Inside: the scheduler's value-dependent steps are skipped or run on the host (module docstring),
-    and the sampler's KV cache (``Sampler._allocate``) is counted as ``kv cache``."""
-    from rlhf.rollout import sampler as _sampler, sampling, scheduler
+    and the sampler's KV cache (``Sampler._allocate``) is counted as ``kv cache``. ``device="cuda"``: the
+    sampler (built on the host, where the fake group's tensors live) decodes as on a GPU with flash-attn:
+    the paged kernel's allocations, its block size, no cascade (CPU only)."""
+    from rlhf.rollout import cascade_attention, paged_attention, sampler as _sampler, sampling, scheduler
 
     real_layout, real_retire = scheduler.prefill_layout, scheduler.GenerateRun._retire_done
     real_nucleus, real_alloc = sampling.top_p_nucleus, _sampler.Sampler._allocate
+    real_kernel, real_cascade = paged_attention.decode_attention, cascade_attention.decode_attention
 
     def nucleus(logp, top_p, prefilter=0):
         return real_nucleus(logp, top_p, prefilter=sys.maxsize)  # the full sort: no host check
@@ -70,11 +91,15 @@ def value_free_scheduler(counter: Any) -> Iterator[None]:
     scheduler.GenerateRun._retire_done = lambda self, *a: None
     sampling.top_p_nucleus = nucleus
     _sampler.Sampler._allocate = allocate
+    if device == "cuda":
+        paged_attention.decode_attention = _cuda_decode_kernel
+        cascade_attention.decode_attention = lambda device, dtype, base=None: base
     try:
         yield
     finally:
         scheduler.prefill_layout, scheduler.GenerateRun._retire_done = real_layout, real_retire
         sampling.top_p_nucleus, _sampler.Sampler._allocate = real_nucleus, real_alloc
+        paged_attention.decode_attention, cascade_attention.decode_attention = real_kernel, real_cascade
 
 
 def replica_sequences(cfg: Any, world: int, rollout_tp: int) -> tuple[int, int]:
@@ -91,16 +116,19 @@ def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch
     admission's prefill and one decode step of its replica's prompts (module docstring); returns the
     sampler (the caller drops it, as the engine does after ``generate``, or keeps it)."""
     from rlhf.rollout.engine import RolloutEngine
+    from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE
     from rlhf.rollout.scheduler import GenerateRun
 
     r, d = cfg.rollout, cfg.data
     P, R = d.max_prompt_length, d.max_response_length
     prompts, seqs = replica_sequences(cfg, world, layout.tp)
     if device == "cuda" and not r.kv_cache_tokens and not r.kv_cache_memory:  # see the module docstring
-        r = dataclasses.replace(r, kv_cache_tokens=min(r.max_num_seqs, seqs) * (P + R))
+        mult = _cuda_decode_kernel(None, dtype).block_multiple  # the sampler rounds its block size up to it
+        block = -(-DEFAULT_BLOCK_SIZE // mult) * mult
+        r = dataclasses.replace(r, kv_cache_tokens=min(r.max_num_seqs, seqs) * -(-(P + R) // block) * block)
     engine = RolloutEngine(r, _NoTokenizer(hf), max_prompt_length=P, max_response_length=R,
                            device=torch.device("cpu"), dtype=dtype, layout=layout)
-    with value_free_scheduler(counter):
+    with value_free_scheduler(counter, device):
         with counter.category("rollout weights"):
             sampler = engine._sampler(hf, weights, consume=True)
         params = engine.sampling_params(n=r.n, temperature=r.temperature, seed=r.seed)
