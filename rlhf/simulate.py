@@ -11,7 +11,10 @@ dtypes only) through one step's phases at the configured shapes:
 
 * ``load``: this rank's parameter shards (and the reference's with ``actor.use_kl_loss``);
 * ``rollout``: the reshard to the rollout layout (``rlhf.rollout.reshard.gather_rollout_weights``
-  over the ``rollout.tp`` groups) and the sampler's paged KV cache at its budget;
+  over the ``rollout.tp`` groups), then the sampler's own code (rlhf/ops/sim_rollout.py): the
+  engine's ``Sampler`` (fused q|k|v / gate|up weights, the paged KV cache at the engine's budget),
+  one admission's prefill at the configured chunking and one decode step with their logits and
+  sampling; the value-dependent control (which token, stops, preemption) is left out;
 * ``log-probs``: one forward-only micro-batch of the log-prob pass (with pp: one pipelined call);
 * ``update``: one training micro-batch (forward, backward, FSDP2 reduce-scatter; with pp: one
   mini-batch's pipelined forward-backward), the grad-norm clip and the AdamW step (its state
@@ -32,9 +35,8 @@ over ``parallel.ep``, the dispatch sized under balanced routing (rlhf/ops/sim_mo
 ``model.param_offload`` the training state is counted as host memory, outside the device totals.
 
 The simulated device is the run's (``--device cuda``, the default, keeps FSDP2's bf16 mixed
-precision as on a GPU). Not simulated, and said so in the output: the critic, trainer.mode
-one_step_off / fully_async roles (simulated as the colocated layout) and the sampler's own
-activations.
+precision as on a GPU). Not simulated, and said so in the output: the critic and trainer.mode
+one_step_off / fully_async roles (simulated as the colocated layout).
 """
 
 from __future__ import annotations
