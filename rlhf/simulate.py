@@ -133,7 +133,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     from rlhf.ops.sim_memory import HOST, LiveBytes, fsdp_offload_on_host, fsdp_storage_resizes
     from rlhf.ops.sim_moe import moe_on_host
     from rlhf.ops.sim_packed import flash_attention_shapes, packed_layout_on_host
-    from rlhf.ops.sim_rollout import simulate_sampler
+    from rlhf.ops.sim_rollout import decoder_weight_bytes, simulate_sampler
     from rlhf.rollout.engine import rollout_dtype
     from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights
     from rlhf.train.actor import PolicyWorker
@@ -193,6 +193,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                                                         tp_rank=layout.tp_rank, tp_size=layout.tp,
                                                         tp_group=layout.tp_group)
                 sampler = simulate_sampler(cfg, hf, weights, layout, rdt, counter, world=world, device=device)
+                decode_reads = decoder_weight_bytes(sampler.weights)
                 if (device == "cuda" and cfg.rollout.compile) or not cfg.rollout.free_cache_engine:
                     held.append(sampler)  # the run-long sampler (CUDA graphs, or free_cache_engine=False)
                     notes.append("the sampler (rollout.compile on cuda or free_cache_engine=False) keeps its weights "
@@ -211,7 +212,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
         lay = {"world": world, "rank": rank, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp,
                "ep": dims.ep, "pp_stage": actor.pipeline.pp_rank if actor.pipeline is not None else 0,
                "rollout_tp": layout.tp, "device": device, "lp_rows": lp_ids.shape[0], "update_rows": ids.shape[0],
-               "lp_tokens": lp_tokens, "update_tokens": tokens,
+               "lp_tokens": lp_tokens, "update_tokens": tokens, "decode_weight_bytes": decode_reads,
                "seq_len": ids.shape[1], "packed": cfg.model.use_remove_padding,
                "model": hf.architectures[0] if getattr(hf, "architectures", None) else hf.model_type}
         peaks = {k: v for k, v in counter.peaks.items() if k != "start"}
@@ -395,7 +396,9 @@ def roofline(sim: Simulation, cfg: Config, hf, *, gpu: str = "h100") -> dict[str
         compute_s = sim.flops.get(ph, 0.0) / spec.bf16
         out[ph] = {"compute_s": compute_s, "comm_s": comm_s, "estimate_s": max(compute_s, comm_s)}
     if "rollout" in out:
-        rw, kv = sim.peaks["rollout"]["rollout weights"], sim.peaks["rollout"]["kv cache"]
+        # the sampler's weights a decode step reads (under pp the exchange's buffers are held too, unread)
+        rw = sim.layout.get("decode_weight_bytes", sim.peaks["rollout"]["rollout weights"])
+        kv = sim.peaks["rollout"]["kv cache"]
         decode = cfg.data.max_response_length * (rw + kv / 2) / spec.hbm  # the cache is half full on average
         out["rollout"]["decode_s"] = decode
         out["rollout"]["estimate_s"] = max(out["rollout"]["estimate_s"], decode)

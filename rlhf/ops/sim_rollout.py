@@ -21,9 +21,10 @@ past the first admission, top-p's host check (``top_p_nucleus`` takes its full-s
 one). The prefill's packing indices (``rlhf.rollout.scheduler.prefill_layout``) are computed on the host.
 On a simulated ``cuda`` device the decode runs flash-attn's paged kernel (shapes only; bf16 / fp16
 rollouts, as the planner assumes flash-attn installed) and, without ``rollout.kv_cache_tokens`` /
-``kv_cache_memory``, the real sampler sizes its cache from the GPU's free memory (``gpu_memory_utilization``), a property of the card:
-the simulation gives it the slots' need instead (one slot per sequence of the replica, at most
-``max_num_seqs``, each ``max_prompt_length + max_response_length`` long).
+``kv_cache_memory``, the real sampler sizes its cache from the GPU's free memory
+(``gpu_memory_utilization``), a property of the card: the simulation gives it the slots' need instead
+(one slot per sequence of the replica, at most ``max_num_seqs``, each ``max_prompt_length +
+max_response_length`` long, in whole blocks).
 """
 
 from __future__ import annotations
@@ -140,3 +141,13 @@ def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch
             run._decode_step()
         del run
     return sampler
+
+
+def decoder_weight_bytes(weights: Any) -> int:
+    """Bytes of the tensors a decode step reads (``DecoderWeights``: each layer's and the embedding / head,
+    a tied head once), whatever buffers they are views of."""
+    tensors = {id(t): t for t in (weights.embed, weights.norm, weights.lm_head)}
+    for lw in weights.layers:
+        tensors.update({id(t): t for t in vars(lw).values() if isinstance(t, torch.Tensor)})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+

@@ -86,6 +86,7 @@ def test_rollout_runs_the_sampler_kv_cache_prefill_and_decode(model_dir):
     # the reshard's gathered weights were handed to the sampler and fused into the same bytes (none left over)
     full = sum(4 * n for n in (4 * ((64 + 64) * 65 + 64 * 64 + 2 * 128 * 64 + 128 * 64 + 2 * 64), 256 * 64, 64))
     assert full <= roll["rollout weights"] <= full + 64
+    assert sim.layout["decode_weight_bytes"] == full  # what the roofline's decode reads per step
     # a micro-batch is never larger than the rows it is cut from: this rank's 64 (log-probs) and a mini-batch's 64
     assert sim.layout["lp_rows"] == 64 and sim.layout["update_rows"] == 64
 
