@@ -128,7 +128,8 @@ def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch
         block = -(-DEFAULT_BLOCK_SIZE // mult) * mult
         r = dataclasses.replace(r, kv_cache_tokens=min(r.max_num_seqs, seqs) * -(-(P + R) // block) * block)
     engine = RolloutEngine(r, _NoTokenizer(hf), max_prompt_length=P, max_response_length=R,
-                           device=torch.device("cpu"), dtype=dtype, layout=layout)
+                           device=torch.device("cpu"), dtype=dtype, layout=layout,
+                           record_routes=cfg.actor.router_replay != "R2")  # as the trainer's engine
     with value_free_scheduler(counter, device):
         with counter.category("rollout weights"):
             sampler = engine._sampler(hf, weights, consume=True)

@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from typing import Any, Callable, Optional
@@ -226,7 +227,7 @@ class GenerateRun(TurnSteps):
             members = [j for j, u in enumerate(slot_unit) if u in chunk]
             rows = [chunk.index(slot_unit[j]) for j in members]
             slot_ids = torch.tensor([a + j for j in members], dtype=torch.int64, device=dev)
-            out = self._prefill(chunk, units, slot_ids, torch.tensor(rows, dtype=torch.int64, device=dev),
+            out = self._prefill(chunk, units, slot_ids, rows,
                                 [seqs[j] for j in members])
             logits.index_copy_(0, torch.tensor(chunk, dtype=torch.int64, device=dev), out)
         gen0 = [self.resume_gen[q] for q in seqs]
@@ -301,11 +302,12 @@ class GenerateRun(TurnSteps):
             used += len(units[i])
         return chunks
 
-    def _prefill(self, chunk: list[int], units: list[list[int]], slot_ids: Tensor, rows: Tensor,
+    def _prefill(self, chunk: list[int], units: list[list[int]], slot_ids: Tensor, rows: list[int],
                  seqs: list[int]) -> Tensor:
         """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids`` (output rows
-        ``seqs``, whose routes are recorded)."""
+        ``seqs``, whose routes are recorded); ``rows``: the chunk position of each slot's unit."""
         s, dev = self.s, self.s.device
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         lens = [len(units[i]) for i in chunk]
         width, total = max(lens), sum(lens)
         self.stats["prefill_tokens"] += total
@@ -321,14 +323,14 @@ class GenerateRun(TurnSteps):
             cos, sin = torch.cat([u.cos for u in mm])[None], torch.cat([u.sin for u in mm])[None]
             deep = None if mm[0].deepstack is None else torch.cat([u.deepstack for u in mm], dim=1)
             out = decoder.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
-                                  width, ends - 1, slot_ids, rows, cos, sin, s.tp_group,
+                                  width, ends - 1, slot_ids, rows_t, cos, sin, s.tp_group,
                                   torch.cat([u.embeds for u in mm]), deep, routes=routes)
         else:
             out = decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
-                                  slot_ids, rows, s.cos, s.sin, s.tp_group, routes=routes)
+                                  slot_ids, rows_t, s.cos, s.sin, s.tp_group, routes=routes)
         if routes is not None:  # each slot's unit: its tokens' routes from the packed forward
-            r, first = stack_routes(routes), [0] + ends.tolist()
-            for q, u in zip(seqs, rows.tolist()):
+            r, first = stack_routes(routes), [0] + list(itertools.accumulate(lens))  # (host: no sync)
+            for q, u in zip(seqs, rows):
                 self.routes.write_span(q, 0, r[first[u]:first[u + 1]])
         return out
 
