@@ -74,12 +74,22 @@ def value_free_scheduler(counter: Any, device: str = "cpu") -> Iterator[None]:
     """Inside: the scheduler's value-dependent steps are skipped or run on the host (module docstring),
     and the sampler's KV cache (``Sampler._allocate``) is counted as ``kv cache``. ``device="cuda"``: the
     sampler (built on the host, where the fake group's tensors live) decodes as on a GPU with flash-attn:
-    the paged kernel's allocations, its block size, no cascade (CPU only)."""
+    the paged kernel's allocations, its block size, no cascade (CPU only); its MoE route record is host
+    memory, as a CUDA sampler keeps it."""
+    from rlhf.ops.sim_memory import HOST_ROUTES
     from rlhf.rollout import cascade_attention, paged_attention, sampler as _sampler, sampling, scheduler
+    from rlhf.rollout.routes import RouteBook
 
     real_layout, real_retire = scheduler.prefill_layout, scheduler.GenerateRun._retire_done
     real_nucleus, real_alloc = sampling.top_p_nucleus, _sampler.Sampler._allocate
     real_kernel, real_cascade = paged_attention.decode_attention, cascade_attention.decode_attention
+
+    class HostRouteBook(RouteBook):
+        """A CUDA sampler keeps its route record in host memory (``RouteBook``'s staged mode)."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            with counter.category(HOST_ROUTES):
+                super().__init__(*args, **{**kwargs, "on_host": True})
 
     def nucleus(logp, top_p, prefilter=0):
         return real_nucleus(logp, top_p, prefilter=sys.maxsize)  # the full sort: no host check
@@ -95,12 +105,14 @@ def value_free_scheduler(counter: Any, device: str = "cpu") -> Iterator[None]:
     if device == "cuda":
         paged_attention.decode_attention = _cuda_decode_kernel
         cascade_attention.decode_attention = lambda device, dtype, base=None: base
+        scheduler.RouteBook = HostRouteBook
     try:
         yield
     finally:
         scheduler.prefill_layout, scheduler.GenerateRun._retire_done = real_layout, real_retire
         sampling.top_p_nucleus, _sampler.Sampler._allocate = real_nucleus, real_alloc
         paged_attention.decode_attention, cascade_attention.decode_attention = real_kernel, real_cascade
+        scheduler.RouteBook = RouteBook
 
 
 def replica_sequences(cfg: Any, world: int, rollout_tp: int) -> tuple[int, int]:
