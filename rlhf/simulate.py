@@ -151,6 +151,8 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
         notes.append("the critic (adv_estimator gae) is not simulated")
     if cfg.model.use_remove_padding:
         notes.append("padding-free micro-batches: full-length rows packed up to the token budget")
+    if cfg.rollout.speculative.enable:
+        notes.append("rollout.speculative: the sampler's plain decode step is simulated, not the draft verification")
     # grouping prompts reads their token values (fake tensors have none); it only lowers the real peak
     cfg.model.prefix_grouping = False
     if dist.is_initialized():

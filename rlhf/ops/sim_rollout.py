@@ -18,7 +18,8 @@ one ``generate`` call's memory-heavy work through the scheduler's own methods
 What is left out, because it depends on values that fake tensors do not have: which token is drawn,
 stops and retirement (``GenerateRun._retire_done``: the slots stay live), preemption and refill decisions
 past the first admission, top-p's host check (``top_p_nucleus`` takes its full-sort path, the larger
-one). The prefill's packing indices (``rlhf.rollout.scheduler.prefill_layout``) are computed on the host.
+one), speculative decoding (its drafts come from token values; the plain decode step runs). The
+prefill's packing indices (``rlhf.rollout.scheduler.prefill_layout``) are computed on the host.
 On a simulated ``cuda`` device the decode runs flash-attn's paged kernel (shapes only; bf16 / fp16
 rollouts, as the planner assumes flash-attn installed) and, without ``rollout.kv_cache_tokens`` /
 ``kv_cache_memory``, the real sampler sizes its cache from the GPU's free memory
@@ -147,10 +148,12 @@ def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch
             sampler = engine._sampler(hf, weights, consume=True)
         params = engine.sampling_params(n=r.n, temperature=r.temperature, seed=r.seed)
         run = GenerateRun(sampler, [[0] * P for _ in range(prompts)], params, 0, list(range(prompts)))
+        run.spec = None  # speculation drafts from token values: the plain decode step runs instead
         run._admit(run._fitting(run.S))
         if run.live:
             run.stats["decode_steps"] = R - 1  # the last step: the widest window
-            run._reserve_next_positions()
+            run._reserve_next_positions()  # (a budget short of it preempts, as the scheduler would)
+        if run.live:
             run._decode_step()
         del run
     return sampler
