@@ -227,8 +227,7 @@ class GenerateRun(TurnSteps):
             members = [j for j, u in enumerate(slot_unit) if u in chunk]
             rows = [chunk.index(slot_unit[j]) for j in members]
             slot_ids = torch.tensor([a + j for j in members], dtype=torch.int64, device=dev)
-            out = self._prefill(chunk, units, slot_ids, rows,
-                                [seqs[j] for j in members])
+            out = self._prefill(chunk, units, slot_ids, rows, [seqs[j] for j in members])
             logits.index_copy_(0, torch.tensor(chunk, dtype=torch.int64, device=dev), out)
         gen0 = [self.resume_gen[q] for q in seqs]
         self._place(seqs, gen0, list(range(self.admitted, self.admitted + m)))
@@ -307,7 +306,6 @@ class GenerateRun(TurnSteps):
         """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids`` (output rows
         ``seqs``, whose routes are recorded); ``rows``: the chunk position of each slot's unit."""
         s, dev = self.s, self.s.device
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         lens = [len(units[i]) for i in chunk]
         width, total = max(lens), sum(lens)
         self.stats["prefill_tokens"] += total
@@ -315,6 +313,7 @@ class GenerateRun(TurnSteps):
         if len(chunk) == 1 and total > s.prefill_tokens:  # one long prefix: chunked prefill
             return self._extend(units[chunk[0]], 0, slot_ids, None if mm is None else mm[0], seqs)
         ids = torch.tensor([t for i in chunk for t in units[i]], dtype=torch.int64, device=dev)
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         positions, grid_index, ends = prefill_layout(lens, dev)
         self.stats["prefill_calls"] += 1
         self.stats["prefill_padded_tokens"] += width * len(chunk)
