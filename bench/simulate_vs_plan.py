@@ -7,9 +7,8 @@ Each recipe runs ``python -m rlhf.simulate`` (one rank of the recipe's world on 
 group, fake tensors; rlhf/simulate.py) in a fresh process and ``rlhf.planner.plan_memory`` for
 the same config, device cuda, and prints both phase totals and their ratio. The planner is a
 model of the program, the simulation runs it; a phase where they differ by more than 15% is a
-bug in one of them (or a term one side leaves out: the simulation does not run the sampler's
-own activations, so its rollout phase is compared without the planner's ``rollout
-activations`` / ``rollout fusing`` / decode-buffer terms, and reported as such). With
+bug in one of them (or a term one side leaves out: the critic is not simulated). The rollout
+phase is compared whole: the simulation runs the sampler (rlhf/ops/sim_rollout.py). With
 ``model.param_offload`` (the MoE recipes) both sides leave the host-resident training state out.
 """
 
@@ -38,9 +37,8 @@ RECIPES = {
     "qwen3_30b_a3b": ("configs/grpo_qwen3_30b_a3b.yaml", "configs/models/Qwen3-30B-A3B", 8, []),
     "qwen3_235b_a22b": ("configs/grpo_qwen3_235b_a22b.yaml", "configs/models/Qwen3-235B-A22B", 32, []),
 }
-# planner terms the simulation does not run (the sampler's own work)
-NOT_SIMULATED = ("rollout activations", "rollout fusing (q|k|v, gate|up)", "decode gather buffers (no flash-attn)",
-                 "critic (params+grads+adam)")
+# planner terms the simulation does not run
+NOT_SIMULATED = ("critic (params+grads+adam)",)
 GIB = 1024 ** 3
 
 

@@ -2,6 +2,8 @@
 
     python bench/simulate_vs_real.py                    # dp2, tp2, pp2
     python bench/simulate_vs_real.py --layouts tp2
+    python bench/simulate_vs_real.py --device cuda --measured-only > m.json   # on a GPU: world 1
+    python bench/simulate_vs_real.py --measured m.json                       # here: simulate and compare
 
 For each layout a random Qwen2 of ~100M parameters (bench/memory_plan.py's "100M") is written,
 ``torchrun`` runs trainer construction and two steps (rollout, log-probs, update) on 2 gloo
@@ -15,9 +17,13 @@ process group, fake tensors) and its per-phase peaks (max over ranks) are compar
 ``rollout`` with ``rollout``, ``logprobs`` with ``log-probs``, ``update`` with ``update``.
 
 What the two count differently: the measured resident set also holds what is not a tensor the
-simulation makes (the Python objects of the model, the tokenizer and data, glibc's free lists,
-gloo's buffers); the simulation counts live tensor storages only. Short sequences (16 + 32
-tokens), so the model state (parameters, AdamW, gradients, rollout copy) dominates both.
+simulation makes (shared-library pages first touched during the step, the Python objects of the
+model, the tokenizer and data, glibc's free lists, gloo's buffers); the simulation counts live tensor
+storages only, which is what an allocator's peak (``torch.cuda.max_memory_allocated`` on a GPU) counts.
+So the child also measures that non-tensor part once, after the second step: the resident set's
+growth less the growth of the tensors the garbage collector reaches (distinct storages), and each
+row is also compared with the measured peak less it. Short sequences (16 + 32 tokens), so the model
+state (parameters, AdamW, gradients, rollout copy, KV cache) dominates both.
 """
 
 from __future__ import annotations
@@ -48,6 +54,30 @@ PHASES = {"rollout": "rollout", "log-probs": "logprobs", "update": "update"}
 GIB = 1024 ** 3
 
 
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _tensor_bytes() -> int:
+    """Bytes of the distinct host storages of every tensor the garbage collector can reach (a DTensor's
+    local shard), i.e. what the allocator holds for tensors between phases."""
+    import gc
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            t = o._local_tensor if isinstance(o, DTensor) else o
+            if t.device.type == "cpu" and not t.is_meta:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def child(workdir: Path, out: Path, extra: list[str]) -> None:
     import torch  # (imports belong to the baseline)
     import torch.distributed as dist
@@ -55,18 +85,18 @@ def child(workdir: Path, out: Path, extra: list[str]) -> None:
     from rlhf.config.load import load_config
     from rlhf.train.trainer import RLTrainer
 
-    if "trainer.device=cuda" in extra:  # the allocator's counters: nothing is allocated before the trainer
-        base = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/statm") as f:
-            base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    cuda = "trainer.device=cuda" in extra  # the allocator's counters: tensors only, none before the trainer
+    base, tensors0 = (torch.cuda.memory_allocated(), 0) if cuda else (_resident(), _tensor_bytes())
     trainer = RLTrainer(load_config(None, [*overrides(workdir), "trainer.total_training_steps=2", *extra]))
     trainer.train_step(1)
     metrics = trainer.train_step(2)  # the second step: AdamW's state exists, as the simulation assumes
+    # what the step's resident set holds that is no tensor (library pages first touched, Python objects,
+    # gloo's buffers): the growth over the baseline less the tensors' growth, both after the step
+    rest = 0 if cuda else (_resident() - base) - (_tensor_bytes() - tensors0)
     if dist.get_rank() == 0:
         peaks = {k.rsplit("/", 1)[1]: v * GIB - base for k, v in (metrics or {}).items()
                  if k.startswith("perf/max_memory_gb/")}
-        out.write_text(json.dumps({"base": base, "growth": peaks}))
+        out.write_text(json.dumps({"base": base, "growth": peaks, "not_tensors": rest}))
 
 
 def simulated(workdir: Path, extra: list[str], world: int = 2, device: str = "cpu") -> dict:
@@ -101,7 +131,7 @@ def _layout(name: str, device: str) -> tuple[int, list[str]]:
 
 
 def measure(name: str, tmp: Path, device: str = "cpu") -> dict:
-    """The real run's per-phase peaks (growth over the baseline), bytes."""
+    """The real run: per-phase peaks as growth over the baseline (``growth``) and its non-tensor bytes."""
     workdir, (world, extra) = _workdir(tmp), _layout(name, device)
     out = tmp / f"{name}.json"
     # glibc returns every freed block over 64 KiB to the kernel at once, so the resident set follows
@@ -113,20 +143,24 @@ def measure(name: str, tmp: Path, device: str = "cpu") -> dict:
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode:
         raise RuntimeError(p.stderr[-3000:])
-    return json.loads(out.read_text())["growth"]
+    return json.loads(out.read_text())
 
 
-def compare(name: str, tmp: Path, measured: dict, device: str = "cpu") -> dict:
+def compare(name: str, tmp: Path, real: dict, device: str = "cpu") -> dict:
     world, extra = _layout(name, device)
+    measured, rest = real["growth"], real.get("not_tensors", 0)
     sim = simulated(_workdir(tmp), extra, world, device)
     rows = []
     for ph, real_ph in PHASES.items():
         m = measured.get(real_ph)
         rows.append({"layout": name, "phase": ph, "simulated_MiB": round(sim[ph] / 2 ** 20),
                      "measured_MiB": round(m / 2 ** 20) if m is not None else None,
-                     "sim_over_measured": round(sim[ph] / m, 3) if m else None})
+                     "sim_over_measured": round(sim[ph] / m, 3) if m else None,
+                     "measured_tensors_MiB": round((m - rest) / 2 ** 20) if m is not None else None,
+                     "sim_over_tensors": round(sim[ph] / (m - rest), 3) if m else None})
     return {"layout": name, "rows": rows, "peak_sim_MiB": round(max(sim.values()) / 2 ** 20),
-            "peak_measured_MiB": round(max(measured.get(p, 0) for p in PHASES.values()) / 2 ** 20)}
+            "peak_measured_MiB": round(max(measured.get(p, 0) for p in PHASES.values()) / 2 ** 20),
+            "not_tensors_MiB": round(rest / 2 ** 20)}
 
 
 def main() -> None:
@@ -145,7 +179,9 @@ def main() -> None:
     given = {}
     if args.measured:
         data = json.loads(Path(args.measured).read_text().strip().splitlines()[-1])
-        args.device, given = data["device"], {r["layout"]: r["measured"] for r in data["results"]}
+        # (an older output holds the growth alone)
+        args.device, given = data["device"], {r["layout"]: r["measured"] if "growth" in r["measured"] else
+                                              {"growth": r["measured"]} for r in data["results"]}
     names = (args.layouts or ",".join(given or (CUDA_LAYOUTS if args.device == "cuda" else LAYOUTS))).split(",")
     with tempfile.TemporaryDirectory() as d:
         if args.measured_only:
@@ -153,14 +189,16 @@ def main() -> None:
                 {"layout": n, "measured": measure(n, Path(d), args.device)} for n in names]}))
             return
         results = [compare(n, Path(d), given.get(n) or measure(n, Path(d), args.device), args.device) for n in names]
-    print("| layout | phase | simulated (MiB) | measured growth (MiB) | sim / measured |")
-    print("|---|---|---|---|---|")
+    print("| layout | phase | simulated (MiB) | measured growth (MiB) | sim / measured | measured less "
+          "non-tensor (MiB) | sim / that |")
+    print("|---|---|---|---|---|---|---|")
     for res in results:
         for r in res["rows"]:
             print(f"| {r['layout']} | {r['phase']} | {r['simulated_MiB']} | {r['measured_MiB']} | "
-                  f"{r['sim_over_measured']} |")
+                  f"{r['sim_over_measured']} | {r['measured_tensors_MiB']} | {r['sim_over_tensors']} |")
         print(f"| {res['layout']} | step peak | {res['peak_sim_MiB']} | {res['peak_measured_MiB']} | "
-              f"{round(res['peak_sim_MiB'] / max(res['peak_measured_MiB'], 1), 3)} |")
+              f"{round(res['peak_sim_MiB'] / max(res['peak_measured_MiB'], 1), 3)} | "
+              f"(non-tensor: {res['not_tensors_MiB']}) | |")
     print(json.dumps({"load": open("/proc/loadavg").read().split()[:3], "results": results}))
 
 

@@ -11,7 +11,10 @@ dtypes only) through one step's phases at the configured shapes:
 
 * ``load``: this rank's parameter shards (and the reference's with ``actor.use_kl_loss``);
 * ``rollout``: the reshard to the rollout layout (``rlhf.rollout.reshard.gather_rollout_weights``
-  over the ``rollout.tp`` groups) and the sampler's paged KV cache at its budget;
+  over the ``rollout.tp`` groups), then the sampler's own code (rlhf/ops/sim_rollout.py): the
+  engine's ``Sampler`` (fused q|k|v / gate|up weights, the paged KV cache at the engine's budget),
+  one admission's prefill at the configured chunking and one decode step with their logits and
+  sampling; the value-dependent control (which token, stops, preemption) is left out;
 * ``log-probs``: one forward-only micro-batch of the log-prob pass (with pp: one pipelined call);
 * ``update``: one training micro-batch (forward, backward, FSDP2 reduce-scatter; with pp: one
   mini-batch's pipelined forward-backward), the grad-norm clip and the AdamW step (its state
@@ -32,9 +35,8 @@ over ``parallel.ep``, the dispatch sized under balanced routing (rlhf/ops/sim_mo
 ``model.param_offload`` the training state is counted as host memory, outside the device totals.
 
 The simulated device is the run's (``--device cuda``, the default, keeps FSDP2's bf16 mixed
-precision as on a GPU). Not simulated, and said so in the output: the critic, trainer.mode
-one_step_off / fully_async roles (simulated as the colocated layout) and the sampler's own
-activations.
+precision as on a GPU). Not simulated, and said so in the output: the critic and trainer.mode
+one_step_off / fully_async roles (simulated as the colocated layout).
 """
 
 from __future__ import annotations
@@ -131,9 +133,9 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
     from rlhf.ops.sim_memory import HOST, LiveBytes, fsdp_offload_on_host, fsdp_storage_resizes
     from rlhf.ops.sim_moe import moe_on_host
     from rlhf.ops.sim_packed import flash_attention_shapes, packed_layout_on_host
+    from rlhf.ops.sim_rollout import decoder_weight_bytes, simulate_sampler
     from rlhf.rollout.engine import rollout_dtype
-    from rlhf.rollout.kv_cache import PagedKVCache
-    from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights, kv_replicas
+    from rlhf.rollout.reshard import RolloutLayout, gather_rollout_weights
     from rlhf.train.actor import PolicyWorker
 
     if not 0 <= rank < world:
@@ -149,6 +151,8 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
         notes.append("the critic (adv_estimator gae) is not simulated")
     if cfg.model.use_remove_padding:
         notes.append("padding-free micro-batches: full-length rows packed up to the token budget")
+    if cfg.rollout.speculative.enable:
+        notes.append("rollout.speculative: the sampler's plain decode step is simulated, not the draft verification")
     # grouping prompts reads their token values (fake tensors have none); it only lowers the real peak
     cfg.model.prefix_grouping = False
     if dist.is_initialized():
@@ -192,13 +196,13 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                     weights, _ = gather_rollout_weights(actor.model, dtype=rdt, pp_group=actor.pp_group,
                                                         tp_rank=layout.tp_rank, tp_size=layout.tp,
                                                         tp_group=layout.tp_group)
-                with counter.category("kv cache"):
-                    kv = _kv_cache(cfg, hf, world, layout.tp, kv_replicas(layout.tp, hf), rdt, PagedKVCache)
-                if device == "cuda" and cfg.rollout.compile:  # the sampler lives on for its CUDA graphs
-                    held.append((weights, kv))
-                    notes.append("rollout.compile on cuda: the sampler's weights and KV cache stay allocated "
-                                 "through the training phases (its CUDA-graph pool is not simulated)")
-                del weights, kv
+                sampler = simulate_sampler(cfg, hf, weights, layout, rdt, counter, world=world, device=device)
+                decode_reads = decoder_weight_bytes(sampler.weights)
+                if (device == "cuda" and cfg.rollout.compile) or not cfg.rollout.free_cache_engine:
+                    held.append(sampler)  # the run-long sampler (CUDA graphs, or free_cache_engine=False)
+                    notes.append("the sampler (rollout.compile on cuda or free_cache_engine=False) keeps its weights "
+                                 "and KV cache through the training phases (a CUDA-graph pool is not simulated)")
+                del weights, sampler
                 counter.phase("log-probs")
                 with unset_fake_temporarily():  # real token ids: a packed pass reads its layout off them
                     lp_ids, lp_mask = ctx.batch(ctx.log_prob_rows())
@@ -212,7 +216,7 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
         lay = {"world": world, "rank": rank, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp,
                "ep": dims.ep, "pp_stage": actor.pipeline.pp_rank if actor.pipeline is not None else 0,
                "rollout_tp": layout.tp, "device": device, "lp_rows": lp_ids.shape[0], "update_rows": ids.shape[0],
-               "lp_tokens": lp_tokens, "update_tokens": tokens,
+               "lp_tokens": lp_tokens, "update_tokens": tokens, "decode_weight_bytes": decode_reads,
                "seq_len": ids.shape[1], "packed": cfg.model.use_remove_padding,
                "model": hf.architectures[0] if getattr(hf, "architectures", None) else hf.model_type}
         peaks = {k: v for k, v in counter.peaks.items() if k != "start"}
@@ -270,31 +274,34 @@ class _Ctx:
         self.local_rows = max(1, d.train_batch_size * cfg.rollout.n // dims.dp)
         self.mini_rows = max(1, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // dims.dp)
 
-    def _rows(self, budget: int, micro: int) -> tuple[int, int]:
+    def _rows(self, budget: int, micro: int, cap: int) -> tuple[int, int]:
         """Rows of one micro-batch and the real tokens of its last row. Under ``use_dynamic_bsz`` a
         packed micro-batch is filled to its token budget (times sp: verl's per-GPU budget is one sp
         group's): full-length rows and one shorter last row, as variable-length data can fill it;
-        padded rows cost their full length, so only whole ones fit."""
+        padded rows cost their full length, so only whole ones fit. Never more than the ``cap`` rows
+        the pass splits (the rank's rows, or a mini-batch's: ``split_rows`` cuts no larger micro-batch)."""
         a, pp = self.cfg.actor, self.actor.pipeline
         if pp is not None:  # pipelined calls of micro x pp_microbatches rows
             return (min(self.local_rows, micro * pp.n_microbatches) if micro else self.local_rows), self.L
         if not a.use_dynamic_bsz:
-            return max(1, micro), self.L
+            return max(1, min(micro, cap)), self.L
         tokens = budget * self.dims.sp
         full, rest = divmod(tokens, self.L)
+        if full >= cap:
+            return cap, self.L
         if self.cfg.model.use_remove_padding and rest > self.cfg.data.max_prompt_length:
             return full + 1, rest
         return max(1, full), self.L
 
     def log_prob_rows(self) -> tuple[int, int]:
         a = self.cfg.actor
-        return self._rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu)
+        return self._rows(a.log_prob_max_token_len_per_gpu, a.log_prob_micro_batch_size_per_gpu, self.local_rows)
 
     def update_rows(self) -> tuple[int, int]:
         a = self.cfg.actor
         if self.actor.pipeline is not None:  # one pipelined forward-backward per mini-batch
             return self.mini_rows, self.L
-        return self._rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu)
+        return self._rows(a.ppo_max_token_len_per_gpu, a.ppo_micro_batch_size_per_gpu, self.mini_rows)
 
     def batch(self, rows_last: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         rows, last = rows_last
@@ -374,26 +381,6 @@ def _warm_optimizer(worker, counter, cat: str = "optimizer") -> None:
     counter.relabel(states, cat)
 
 
-def _kv_cache(cfg: Config, hf, world: int, rollout_tp: int, replicas: int, dtype: torch.dtype, cls):
-    """The sampler's paged KV cache at the configured budget (rollout.kv_cache_tokens / _memory),
-    else one slot per sequence this rollout replica generates (capped at rollout.max_num_seqs)."""
-    from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, kv_bytes_per_token
-
-    r, d = cfg.rollout, cfg.data
-    seq_len = d.max_prompt_length + d.max_response_length
-    heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
-    local_heads = max(1, heads // rollout_tp) if replicas == 1 else 1
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    gen_bs = d.gen_batch_size if cfg.algorithm.filter_groups.enable and d.gen_batch_size > 0 else d.train_batch_size
-    seqs = math.ceil(gen_bs / (world // rollout_tp)) * r.n
-    slots = min(r.max_num_seqs, seqs)
-    per_tok = kv_bytes_per_token(hf.num_hidden_layers, local_heads, head_dim, dtype)
-    tokens = r.kv_cache_tokens or (int(r.kv_cache_memory * GIB // per_tok) if r.kv_cache_memory else slots * seq_len)
-    tokens = min(tokens, r.max_num_seqs * seq_len)
-    return cls(hf.num_hidden_layers, max(tokens // DEFAULT_BLOCK_SIZE, -(-seq_len // DEFAULT_BLOCK_SIZE)), slots,
-               local_heads, seq_len, head_dim, dtype=dtype, device=torch.device("cpu"))
-
-
 # --------------------------------------------------------------------------- roofline
 
 
@@ -413,7 +400,9 @@ def roofline(sim: Simulation, cfg: Config, hf, *, gpu: str = "h100") -> dict[str
         compute_s = sim.flops.get(ph, 0.0) / spec.bf16
         out[ph] = {"compute_s": compute_s, "comm_s": comm_s, "estimate_s": max(compute_s, comm_s)}
     if "rollout" in out:
-        rw, kv = sim.peaks["rollout"]["rollout weights"], sim.peaks["rollout"]["kv cache"]
+        # the sampler's weights a decode step reads (under pp the exchange's buffers are held too, unread)
+        rw = sim.layout.get("decode_weight_bytes", sim.peaks["rollout"]["rollout weights"])
+        kv = sim.peaks["rollout"]["kv cache"]
         decode = cfg.data.max_response_length * (rw + kv / 2) / spec.hbm  # the cache is half full on average
         out["rollout"]["decode_s"] = decode
         out["rollout"]["estimate_s"] = max(out["rollout"]["estimate_s"], decode)

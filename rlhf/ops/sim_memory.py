@@ -35,11 +35,14 @@ from torch.utils._pytree import tree_leaves
 # "activations" also holds temporaries and FSDP2's all-gathered blocks; "pipeline buffers" the pp
 # schedule's per-micro-batch receive buffers (rlhf/ops/sim_pipeline.py)
 CATEGORIES = ("parameters", "gradients", "optimizer", "rollout weights", "kv cache", "pipeline buffers",
-              "activations", "host (offload)")
+              "activations", "host (offload)", "host (routes)")
 # model.param_offload keeps the sharded parameters, their gradients and AdamW's state in host memory: counted
 # under this category and left out of the (device) total. The simulated device is the host itself, so the
 # label is what tells the two apart (fsdp_offload_on_host, rlhf/simulate.py)
 HOST = "host (offload)"
+# a CUDA sampler's MoE route record (rlhf.rollout.routes.RouteBook, staged in host memory; rlhf/ops/sim_rollout.py)
+HOST_ROUTES = "host (routes)"
+_HOSTS = (HOST, HOST_ROUTES)
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -82,7 +85,7 @@ class LiveBytes(TorchDispatchMode):
     def _bump(self, cat: str, delta: int) -> None:
         """``delta`` bytes more under ``cat`` (host bytes stay out of the device total); a new peak is kept."""
         self.by_cat[cat] += delta
-        self._total += delta if cat != HOST else 0
+        self._total += delta if cat not in _HOSTS else 0
         if delta > 0 and self._total > self.peaks[self._phase]["total"]:
             self.peaks[self._phase] = {**{c: self.by_cat.get(c, 0) for c in CATEGORIES}, "total": self._total}
 
@@ -128,7 +131,7 @@ class LiveBytes(TorchDispatchMode):
                 n, old = self.live[key]
                 self.by_cat[old] -= n
                 self.by_cat[cat] += n
-                self._total += n * ((old == HOST) - (cat == HOST))
+                self._total += n * ((old in _HOSTS) - (cat in _HOSTS))
                 self.live[key] = (n, cat)
             else:
                 self._add(local, cat)

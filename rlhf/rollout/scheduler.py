@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from typing import Any, Callable, Optional
@@ -40,6 +41,19 @@ from rlhf.rollout.routes import RouteBook, stack_routes
 from rlhf.rollout.sampling import SamplingParams, position_keys, sample_next, sequence_keys, uniforms
 from rlhf.rollout.turn_steps import TurnSteps
 from rlhf.rollout.turns import ParkingLot, TurnHandler
+
+
+def prefill_layout(lens: list[int], device: torch.device) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Prompts of lengths ``lens`` packed back to back: each token's position in its prompt ``[Ttot]``,
+    its row in the right-padded ``[P * width]`` grid (None when every prompt has length ``width``) and
+    each prompt's end ``[P]`` (``rlhf.models.decoder.prefill``'s index inputs)."""
+    width, total = max(lens), sum(lens)
+    lengths = torch.tensor(lens, dtype=torch.int64, device=device)
+    ends = lengths.cumsum(0)
+    row_of = torch.repeat_interleave(torch.arange(len(lens), device=device), lengths)  # [Ttot]
+    positions = torch.arange(total, device=device) - (ends - lengths)[row_of]
+    grid_index = None if width * len(lens) == total else row_of * width + positions
+    return positions, grid_index, ends
 
 
 class Slots:
@@ -213,8 +227,7 @@ class GenerateRun(TurnSteps):
             members = [j for j, u in enumerate(slot_unit) if u in chunk]
             rows = [chunk.index(slot_unit[j]) for j in members]
             slot_ids = torch.tensor([a + j for j in members], dtype=torch.int64, device=dev)
-            out = self._prefill(chunk, units, slot_ids, torch.tensor(rows, dtype=torch.int64, device=dev),
-                                [seqs[j] for j in members])
+            out = self._prefill(chunk, units, slot_ids, rows, [seqs[j] for j in members])
             logits.index_copy_(0, torch.tensor(chunk, dtype=torch.int64, device=dev), out)
         gen0 = [self.resume_gen[q] for q in seqs]
         self._place(seqs, gen0, list(range(self.admitted, self.admitted + m)))
@@ -288,10 +301,10 @@ class GenerateRun(TurnSteps):
             used += len(units[i])
         return chunks
 
-    def _prefill(self, chunk: list[int], units: list[list[int]], slot_ids: Tensor, rows: Tensor,
+    def _prefill(self, chunk: list[int], units: list[list[int]], slot_ids: Tensor, rows: list[int],
                  seqs: list[int]) -> Tensor:
         """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids`` (output rows
-        ``seqs``, whose routes are recorded)."""
+        ``seqs``, whose routes are recorded); ``rows``: the chunk position of each slot's unit."""
         s, dev = self.s, self.s.device
         lens = [len(units[i]) for i in chunk]
         width, total = max(lens), sum(lens)
@@ -299,12 +312,9 @@ class GenerateRun(TurnSteps):
         mm = None if self.vision is None else [self.vision.unit(self.unit_prompt[i], units[i]) for i in chunk]
         if len(chunk) == 1 and total > s.prefill_tokens:  # one long prefix: chunked prefill
             return self._extend(units[chunk[0]], 0, slot_ids, None if mm is None else mm[0], seqs)
-        lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
         ids = torch.tensor([t for i in chunk for t in units[i]], dtype=torch.int64, device=dev)
-        ends = lengths.cumsum(0)
-        row_of = torch.repeat_interleave(torch.arange(len(chunk), device=dev), lengths)  # [Ttot]
-        positions = torch.arange(total, device=dev) - (ends - lengths)[row_of]
-        grid_index = None if width * len(chunk) == total else row_of * width + positions
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        positions, grid_index, ends = prefill_layout(lens, dev)
         self.stats["prefill_calls"] += 1
         self.stats["prefill_padded_tokens"] += width * len(chunk)
         routes = [] if self.routes is not None else None
@@ -312,14 +322,14 @@ class GenerateRun(TurnSteps):
             cos, sin = torch.cat([u.cos for u in mm])[None], torch.cat([u.sin for u in mm])[None]
             deep = None if mm[0].deepstack is None else torch.cat([u.deepstack for u in mm], dim=1)
             out = decoder.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
-                                  width, ends - 1, slot_ids, rows, cos, sin, s.tp_group,
+                                  width, ends - 1, slot_ids, rows_t, cos, sin, s.tp_group,
                                   torch.cat([u.embeds for u in mm]), deep, routes=routes)
         else:
             out = decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
-                                  slot_ids, rows, s.cos, s.sin, s.tp_group, routes=routes)
+                                  slot_ids, rows_t, s.cos, s.sin, s.tp_group, routes=routes)
         if routes is not None:  # each slot's unit: its tokens' routes from the packed forward
-            r, first = stack_routes(routes), [0] + ends.tolist()
-            for q, u in zip(seqs, rows.tolist()):
+            r, first = stack_routes(routes), [0] + list(itertools.accumulate(lens))  # (host: no sync)
+            for q, u in zip(seqs, rows):
                 self.routes.write_span(q, 0, r[first[u]:first[u + 1]])
         return out
 
@@ -425,6 +435,12 @@ class GenerateRun(TurnSteps):
             sl.token[a:b] = tok
             sl.pos[a:b] += 1
             done = gen >= self.R if stopped is None else stopped | (gen >= self.R)
+        self._retire_done(a, seq, gen, stopped, done)
+
+    def _retire_done(self, a: int, seq: Tensor, gen: Tensor, stopped: Tensor | None, done: Tensor) -> None:
+        """Retire the slots ``a + i`` where ``done[i]``: the value-dependent half of a step (the
+        simulation, ``rlhf/ops/sim_rollout.py``, stops before it)."""
+        with self.s.lean():
             finished = done.nonzero().squeeze(1)
         self._retire(a, seq, gen, stopped, finished, finished.tolist())  # the one host sync of a step
 

@@ -71,6 +71,26 @@ def test_world_64_rank_holds_its_shards_and_sends_fsdp_traffic(model_dir):
     assert sim.peak_phase in sim.peaks and sim.peaks["update"]["activations"] > 0
 
 
+def test_rollout_runs_the_sampler_kv_cache_prefill_and_decode(model_dir):
+    from rlhf.simulate import simulate
+
+    # dp 2: each rank is a rollout replica of 32 prompts x n 2 = 64 sequences of 16 + 16 tokens
+    sim = simulate(_cfg(model_dir, "rollout.tp=1", "actor.ppo_micro_batch_size_per_gpu=256",
+                        "actor.log_prob_micro_batch_size_per_gpu=256"), world=2, rank=0, device="cpu")
+    roll = sim.peaks["rollout"]
+    # the sampler's own cache, sized as the engine sizes it on cpu: max_num_seqs (256) slots of 32 positions,
+    # + the scratch block; [4 layers, 2 x 4 kv heads, 513 blocks, 16, head_dim 8] fp32
+    assert roll["kv cache"] >= 4 * 8 * 513 * 16 * 8 * 4
+    # a generate call's work: its [64, 16] output ids and log-probs, the prefill's and decode step's activations
+    assert roll["activations"] > 64 * 16 * (8 + 4)
+    # the reshard's gathered weights were handed to the sampler and fused into the same bytes (none left over)
+    full = sum(4 * n for n in (4 * ((64 + 64) * 65 + 64 * 64 + 2 * 128 * 64 + 128 * 64 + 2 * 64), 256 * 64, 64))
+    assert full <= roll["rollout weights"] <= full + 64
+    assert sim.layout["decode_weight_bytes"] == full  # what the roofline's decode reads per step
+    # a micro-batch is never larger than the rows it is cut from: this rank's 64 (log-probs) and a mini-batch's 64
+    assert sim.layout["lp_rows"] == 64 and sim.layout["update_rows"] == 64
+
+
 def test_pipeline_stage_holds_its_layers_buffers_and_every_stage_after_the_reshard(model_dir):
     from rlhf.models.loading import model_config
     from rlhf.ops.sim_pipeline import peer_stage_tensors
@@ -100,7 +120,10 @@ def test_pipeline_stage_holds_its_layers_buffers_and_every_stage_after_the_resha
     peers = peer_stage_tensors(_meta_builder(model_config(str(model_dir)), torch.float32, "sdpa")(), 2, 1,
                                dtype=torch.float32, tp_rank=0, tp_size=1, do_slice=True)
     whole = sum(4 * math.prod(shape) for entries in peers for _, shape, _ in entries)
-    assert sim.peaks["rollout"]["rollout weights"] == whole
+    # the received tensors are views of the exchange's flat buffers, so the sampler's fused q|k|v (with biases)
+    # and gate|up copies of all 4 layers exist next to them (+ its rope frequencies: a few bytes)
+    fused = 4 * 4 * ((H + 2 * kv) * (H + 1) + 2 * I * H)
+    assert whole + fused <= sim.peaks["rollout"]["rollout weights"] <= whole + fused + 64
     assert sim.calls["rollout"]["broadcast"] == 2  # one flat broadcast per stage
 
 
