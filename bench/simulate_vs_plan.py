@@ -36,6 +36,7 @@ RECIPES = {
     "grpo_72b": ("configs/grpo_qwen2.5_72b_8x8.yaml", "configs/models/Qwen2.5-72B", 64, []),
     "qwen3_30b_a3b": ("configs/grpo_qwen3_30b_a3b.yaml", "configs/models/Qwen3-30B-A3B", 8, []),
     "qwen3_235b_a22b": ("configs/grpo_qwen3_235b_a22b.yaml", "configs/models/Qwen3-235B-A22B", 32, []),
+    "gpt_oss_20b": ("configs/grpo_gpt_oss_20b.yaml", "configs/models/gpt-oss-20b", 8, []),
 }
 # planner terms the simulation does not run
 NOT_SIMULATED = ("critic (params+grads+adam)",)

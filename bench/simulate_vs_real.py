@@ -96,15 +96,19 @@ def child(workdir: Path, out: Path, extra: list[str]) -> None:
     if dist.get_rank() == 0:
         peaks = {k.rsplit("/", 1)[1]: v * GIB - base for k, v in (metrics or {}).items()
                  if k.startswith("perf/max_memory_gb/")}
-        out.write_text(json.dumps({"base": base, "growth": peaks, "not_tensors": rest}))
+        from rlhf.models.varlen_attention import flash_attn_available
+
+        out.write_text(json.dumps({"base": base, "growth": peaks, "not_tensors": rest,
+                                   "flash_attn": cuda and flash_attn_available()}))
 
 
-def simulated(workdir: Path, extra: list[str], world: int = 2, device: str = "cpu") -> dict:
+def simulated(workdir: Path, extra: list[str], world: int = 2, device: str = "cpu", flash: bool = True) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     sims = []
     for rank in range(world):
         p = subprocess.run([sys.executable, "-m", "rlhf.simulate", "--world", str(world), "--rank", str(rank),
-                            "--device", device, "--json", *overrides(workdir), *extra], cwd=ROOT, env=env,
+                            "--device", device, "--json", *([] if flash else ["--no-flash-attn"]),
+                            *overrides(workdir), *extra], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=1800)
         if p.returncode:
             raise RuntimeError(p.stderr[-3000:])
@@ -149,7 +153,8 @@ def measure(name: str, tmp: Path, device: str = "cpu") -> dict:
 def compare(name: str, tmp: Path, real: dict, device: str = "cpu") -> dict:
     world, extra = _layout(name, device)
     measured, rest = real["growth"], real.get("not_tensors", 0)
-    sim = simulated(_workdir(tmp), extra, world, device)
+    # (the first H200 run's output has no "flash_attn": flash-attn was not installed there)
+    sim = simulated(_workdir(tmp), extra, world, device, flash=real.get("flash_attn", False))
     rows = []
     for ph, real_ph in PHASES.items():
         m = measured.get(real_ph)

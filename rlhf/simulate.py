@@ -486,7 +486,10 @@ def simulate_stages(cfg: Config, *, world: int, device: str = "cuda", gpu: str =
         path = os.path.join(d, "config.yaml")
         with open(path, "w") as f:
             f.write(cfg.to_yaml())
-        return _in_children(["--config", path, "--world", str(world), "--device", device, "--gpu", gpu],
+        from rlhf.ops.sim_rollout import CUDA_FLASH_ATTN
+
+        flash = [] if CUDA_FLASH_ATTN else ["--no-flash-attn"]
+        return _in_children(["--config", path, "--world", str(world), "--device", device, "--gpu", gpu, *flash],
                             stage_ranks(cfg.parallel.pp, world))
 
 
@@ -503,9 +506,16 @@ def main(argv=None) -> None:
                          "in parallel processes)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the run's device (mixed precision)")
     ap.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100", help="roofline hardware")
+    ap.add_argument("--no-flash-attn", action="store_true",
+                    help="the GPU has no flash-attn: the sampler decodes with the gather kernel (its block size, "
+                         "its buffers)")
     ap.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
     args = ap.parse_intermixed_args(argv)
+    if args.no_flash_attn:
+        from rlhf.ops import sim_rollout
+
+        sim_rollout.CUDA_FLASH_ATTN = False
     try:
         cfg = load_config(args.config, args.overrides)
         if args.rank is None:  # every distinct pipeline stage

@@ -22,10 +22,10 @@ one), speculative decoding (its drafts come from token values; the plain decode 
 prefill's packing indices (``rlhf.rollout.scheduler.prefill_layout``) are computed on the host.
 On a simulated ``cuda`` device the decode runs flash-attn's paged kernel (shapes only; bf16 / fp16
 rollouts, as the planner assumes flash-attn installed) and, without ``rollout.kv_cache_tokens`` /
-``kv_cache_memory``, the real sampler sizes its cache from the GPU's free memory
-(``gpu_memory_utilization``), a property of the card: the simulation gives it the slots' need instead
-(one slot per sequence of the replica, at most ``max_num_seqs``, each ``max_prompt_length +
-max_response_length`` long, in whole blocks).
+``kv_cache_memory``, the real sampler sizes its cache at ``gpu_memory_utilization`` of the GPU's free
+memory, capped at every slot full (``max_num_seqs`` x ``max_prompt_length + max_response_length``, in
+whole blocks): the simulation gives it that cap, as the planner plans it (a card with less free memory
+gets fewer blocks; measured on an H200, the cap is what the sampler took).
 """
 
 from __future__ import annotations
@@ -61,11 +61,16 @@ def _flash_decode_shapes(q, k, v, *, return_softmax_lse=False, **_):
     return out
 
 
+# a simulated GPU has flash-attn installed (``python -m rlhf.simulate --no-flash-attn``: it has not)
+CUDA_FLASH_ATTN = True
+
+
 def _cuda_decode_kernel(device: Any, dtype: torch.dtype) -> Any:
-    """The decode kernel of a CUDA sampler with flash-attn (fp16 / bf16; else the gather kernel, as on a GPU)."""
+    """The decode kernel of a CUDA sampler: flash-attn's paged one (fp16 / bf16, flash-attn installed),
+    else the gather kernel, as on a GPU."""
     from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention
 
-    if dtype in (torch.float16, torch.bfloat16):
+    if CUDA_FLASH_ATTN and dtype in (torch.float16, torch.bfloat16):
         return FlashPagedAttention(fn=_flash_decode_shapes)
     return GatherAttention()
 
@@ -139,7 +144,7 @@ def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch
     if device == "cuda" and not r.kv_cache_tokens and not r.kv_cache_memory:  # see the module docstring
         mult = _cuda_decode_kernel(None, dtype).block_multiple  # the sampler rounds its block size up to it
         block = -(-DEFAULT_BLOCK_SIZE // mult) * mult
-        r = dataclasses.replace(r, kv_cache_tokens=min(r.max_num_seqs, seqs) * -(-(P + R) // block) * block)
+        r = dataclasses.replace(r, kv_cache_tokens=r.max_num_seqs * -(-(P + R) // block) * block)
     engine = RolloutEngine(r, _NoTokenizer(hf), max_prompt_length=P, max_response_length=R,
                            device=torch.device("cpu"), dtype=dtype, layout=layout,
                            record_routes=cfg.actor.router_replay != "R2")  # as the trainer's engine
