@@ -14,6 +14,7 @@ RECIPES = [
     ("train_grpo.py", "dapo_qwen2.5_7b_math.yaml", "Qwen2.5-7B", 32),
     ("train_grpo.py", "grpo_qwen3_30b_a3b.yaml", "Qwen3-30B-A3B", 8),
     ("train_grpo.py", "grpo_qwen3_235b_a22b.yaml", "Qwen3-235B-A22B", 32),
+    ("train_grpo.py", "grpo_gpt_oss_20b.yaml", "gpt-oss-20b", 8),
 ]
 
 
