@@ -169,7 +169,7 @@ def _window_mask(length: int, window: int | None, device: torch.device) -> torch
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float | None,
           dropout: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA (``mask`` None) or masked SDPA (bool, True = attend), with GQA; soft-capped
-    logits and attention sinks (GPT-OSS) take the explicit path (SDPA has neither)."""
+    logits take the explicit path (SDPA has no cap); sinks alone (GPT-OSS) are one more SDPA key."""
     if softcap is None and sinks is None:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
@@ -449,7 +449,7 @@ def varlen_attention_forward(
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
         raise ValueError("varlen attention supports self-attention only (cu_seq_lens_k must equal cu_seq_lens_q)")
 
-    # flash-attn's varlen kernel has no sinks: a GPT-OSS model's packed rows take the bucketed explicit path
+    # flash-attn's varlen kernel has no sinks: a GPT-OSS model's packed rows take the bucketed path (sink_sdpa)
     kernel = varlen_kernel(query.device, query.dtype) if sinks is None else None
     if kernel is not None:
         max_len = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
