@@ -365,21 +365,23 @@ class GenerateRun(TurnSteps):
         steps, cache = self.stats["decode_steps"], self.cache
         if steps < self._grow_at:  # no live slot reaches the end of its last block this step
             return
-        while True:
-            need = [(i, self.pos_base[i] + steps + 1) for i in range(self.live)]
-            extra = [cache.extra_blocks(i, n) for i, n in need]
-            if sum(extra) <= cache.num_free:
-                short = [(i, n) for (i, n), e in zip(need, extra) if e]
-                cache.grow([i for i, _ in short], [n for _, n in short])
+        bs, owned = cache.block_size, cache.owned
+        while True:  # plain arithmetic per slot: at batch 128 this runs on most steps of a short call
+            base = self.pos_base[:self.live]
+            # blocks_for(pos + 1) - held, pos = pos_base + steps
+            extra = [(pb + steps + bs) // bs - len(o) for pb, o in zip(base, owned)]
+            total = sum(e for e in extra if e > 0)
+            if total <= cache.num_free:
+                short = [i for i, e in enumerate(extra) if e > 0]
+                cache.grow(short, [base[i] + steps + 1 for i in short])
                 break
-            if self._evict_parked(sum(extra)):
+            if self._evict_parked(total):
                 continue
             victim = max(range(self.live), key=lambda i: self.slot_order[i])  # the latest admitted
             self._preempt(victim)
         used = cache.num_used
         self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
-        bs = cache.block_size
-        self._grow_at = min(len(cache.owned[i]) * bs - self.pos_base[i] for i in range(self.live))
+        self._grow_at = min([len(o) * bs - pb for pb, o in zip(self.pos_base[:self.live], owned)])
 
     def _preempt(self, slot: int) -> None:
         q = self.slot_seq[slot]
