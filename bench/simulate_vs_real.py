@@ -44,7 +44,13 @@ from bench.memory_plan import SIZES, overrides  # noqa: E402
 # every row runs the update's backward, as in the simulation (whose fake advantages are not zero)
 COMMON = ["actor.skip_zero_advantage_rows=false"]
 LAYOUTS = {"dp2": [], "tp2": ["parallel.tp=2", "rollout.tp=2"],
-           "pp2": ["parallel.pp=2", "model.use_remove_padding=false", "parallel.pp_microbatches=2"]}
+           "pp2": ["parallel.pp=2", "model.use_remove_padding=false", "parallel.pp_microbatches=2"],
+           # the GPU's long row on CPU (not in the default set): activations and the KV cache count
+           "dp2-long": ["data.max_response_length=224", "rollout.n=4", "actor.ppo_micro_batch_size_per_gpu=8",
+                        "actor.log_prob_micro_batch_size_per_gpu=8"],
+           "dp2-long-1mb": ["data.max_response_length=224", "rollout.n=4", "actor.ppo_micro_batch_size_per_gpu=16",
+                            "actor.log_prob_micro_batch_size_per_gpu=8"]}
+DEFAULT_LAYOUTS = ("dp2", "tp2", "pp2")
 # one GPU (``--device cuda``): world 1, the allocator's own peak (torch.cuda.max_memory_allocated) against the
 # simulation of a cuda rank (bf16 mixed precision); the long row makes activations and the KV cache count
 CUDA_LAYOUTS = {"gpu1": [], "gpu1-long": ["data.max_response_length=224", "rollout.n=4",
@@ -153,6 +159,14 @@ def measure(name: str, tmp: Path, device: str = "cpu") -> dict:
 def compare(name: str, tmp: Path, real: dict, device: str = "cpu") -> dict:
     world, extra = _layout(name, device)
     measured, rest = real["growth"], real.get("not_tensors", 0)
+    if device == "cuda":
+        # the GPU's sampler took gpu_memory_utilization of a card with memory to spare: every slot full (its cap);
+        # the simulation sizes an unbudgeted cache by the slots' need (as the planner), so it is given that budget
+        from rlhf.config.load import load_config
+
+        c = load_config(None, [*overrides(_workdir(tmp)), *extra])
+        full = c.rollout.max_num_seqs * (c.data.max_prompt_length + c.data.max_response_length)
+        extra = [*extra, f"rollout.kv_cache_tokens={full}"]
     # (the first H200 run's output has no "flash_attn": flash-attn was not installed there)
     sim = simulated(_workdir(tmp), extra, world, device, flash=real.get("flash_attn", False))
     rows = []
@@ -171,7 +185,7 @@ def compare(name: str, tmp: Path, real: dict, device: str = "cpu") -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    ap.add_argument("--layouts", default=None, help=f"default: {','.join(LAYOUTS)}; "
+    ap.add_argument("--layouts", default=None, help=f"default: {','.join(DEFAULT_LAYOUTS)} (also: dp2-long); "
                                                        f"with --device cuda {','.join(CUDA_LAYOUTS)}")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--measured-only", action="store_true",
@@ -187,7 +201,7 @@ def main() -> None:
         # (an older output holds the growth alone)
         args.device, given = data["device"], {r["layout"]: r["measured"] if "growth" in r["measured"] else
                                               {"growth": r["measured"]} for r in data["results"]}
-    names = (args.layouts or ",".join(given or (CUDA_LAYOUTS if args.device == "cuda" else LAYOUTS))).split(",")
+    names = (args.layouts or ",".join(given or (CUDA_LAYOUTS if args.device == "cuda" else DEFAULT_LAYOUTS))).split(",")
     with tempfile.TemporaryDirectory() as d:
         if args.measured_only:
             print(json.dumps({"device": args.device, "results": [

@@ -349,6 +349,13 @@ class _Ctx:
             self._runner().forward_backward(ids, mask, lambda y: loss_of(y[..., 0][:, -R:], y[..., 1][:, -R:])
                                             if entropy else loss_of(y[:, -R:], None))
         else:
+            if ids.shape[0] < self.mini_rows and not self.cfg.model.unsharded_grad_accumulation:
+                # not the mini-batch's first micro-batch at its peak: the earlier ones' sharded gradients
+                # are held through this forward and backward (FSDP2 adds the new reduce-scatter into them)
+                with self.counter.category(self.state.get("gradients", "gradients")):
+                    for p in actor.model.parameters():
+                        if p.requires_grad:
+                            p.grad = torch.zeros_like(p)
             lp, ent = actor.forward_log_probs(ids, mask, response_length=R, temperature=temp,
                                               compute_entropy=entropy)
             loss_of(lp, ent).backward()

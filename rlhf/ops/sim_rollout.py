@@ -23,9 +23,10 @@ prefill's packing indices (``rlhf.rollout.scheduler.prefill_layout``) are comput
 On a simulated ``cuda`` device the decode runs flash-attn's paged kernel (shapes only; bf16 / fp16
 rollouts, as the planner assumes flash-attn installed) and, without ``rollout.kv_cache_tokens`` /
 ``kv_cache_memory``, the real sampler sizes its cache at ``gpu_memory_utilization`` of the GPU's free
-memory, capped at every slot full (``max_num_seqs`` x ``max_prompt_length + max_response_length``, in
-whole blocks): the simulation gives it that cap, as the planner plans it (a card with less free memory
-gets fewer blocks; measured on an H200, the cap is what the sampler took).
+memory, capped at every slot full (``max_num_seqs`` x ``max_prompt_length + max_response_length``): a
+property of the card, so the simulation gives it the slots' need, as the planner plans it (one slot per
+sequence of the replica, at most ``max_num_seqs``, in whole blocks). On a card with memory to spare the
+real cache is larger (on an H200 it took the cap); set ``rollout.kv_cache_tokens`` to simulate a budget.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch
     if device == "cuda" and not r.kv_cache_tokens and not r.kv_cache_memory:  # see the module docstring
         mult = _cuda_decode_kernel(None, dtype).block_multiple  # the sampler rounds its block size up to it
         block = -(-DEFAULT_BLOCK_SIZE // mult) * mult
-        r = dataclasses.replace(r, kv_cache_tokens=r.max_num_seqs * -(-(P + R) // block) * block)
+        r = dataclasses.replace(r, kv_cache_tokens=min(r.max_num_seqs, seqs) * -(-(P + R) // block) * block)
     engine = RolloutEngine(r, _NoTokenizer(hf), max_prompt_length=P, max_response_length=R,
                            device=torch.device("cpu"), dtype=dtype, layout=layout,
                            record_routes=cfg.actor.router_replay != "R2")  # as the trainer's engine
