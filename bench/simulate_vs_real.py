@@ -47,9 +47,7 @@ LAYOUTS = {"dp2": [], "tp2": ["parallel.tp=2", "rollout.tp=2"],
            "pp2": ["parallel.pp=2", "model.use_remove_padding=false", "parallel.pp_microbatches=2"],
            # the GPU's long row on CPU (not in the default set): activations and the KV cache count
            "dp2-long": ["data.max_response_length=224", "rollout.n=4", "actor.ppo_micro_batch_size_per_gpu=8",
-                        "actor.log_prob_micro_batch_size_per_gpu=8"],
-           "dp2-long-1mb": ["data.max_response_length=224", "rollout.n=4", "actor.ppo_micro_batch_size_per_gpu=16",
-                            "actor.log_prob_micro_batch_size_per_gpu=8"]}
+                        "actor.log_prob_micro_batch_size_per_gpu=8"]}
 DEFAULT_LAYOUTS = ("dp2", "tp2", "pp2")
 # one GPU (``--device cuda``): world 1, the allocator's own peak (torch.cuda.max_memory_allocated) against the
 # simulation of a cuda rank (bf16 mixed precision); the long row makes activations and the KV cache count
