@@ -232,6 +232,12 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     comp["rollout activations"] = (prefill_tokens * (s.hidden_size * 3 + (s.q_dim + 2 * s.kv_dim
                                    + 2 * s.mlp_width) / r.tp) * rb
                                    + 4 * (slots + seqs // r.n) * s.vocab_size * 4)  # fp32 logits, softmax, cdf
+    # MoE: the sampler's route record (an int16 expert id per token, sparse layer and choice; rlhf.rollout.routes)
+    # for every sequence of the call, whenever routes are recorded (router_replay other than R2); host memory on a GPU
+    book = seqs * seq_len * s.sparse_layers * s.experts_per_tok * 2 if a.router_replay != "R2" else 0
+    comp["rollout route record"] = 0.0 if cuda else float(book)
+    if cuda and book:
+        host["rollout route record"] = float(book)
 
     # Training micro-batch: padded rows of prompt + response tokens.
     R = d.max_response_length
@@ -290,7 +296,8 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
                      "lora merged weights": _lora_merged(s, m, r.tp, rb) if lora else 0.0,
                      "rollout fusing (q|k|v, gate|up)": comp["rollout fusing (q|k|v, gate|up)"],
                      "kv cache": comp["kv cache"], "rollout activations": comp["rollout activations"],
-                     "decode gather buffers (no flash-attn)": comp["decode gather buffers (no flash-attn)"]}
+                     "decode gather buffers (no flash-attn)": comp["decode gather buffers (no flash-attn)"],
+                     "rollout route record": comp["rollout route record"]}
     carried = {}  # rollout state that stays allocated through the training phases (colocated)
     if lora:  # the base is resharded once and cached
         rollout_state["lora base rollout cache"] = carried["lora base rollout cache"] = rollout_copy

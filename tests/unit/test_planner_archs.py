@@ -112,3 +112,19 @@ def test_moe_plan_with_expert_parallel_unshards_fewer_experts(capsys):
     assert base.components["rollout weights"] - rep.components["rollout weights"] == pytest.approx(routed)
     with pytest.raises(ConfigError, match="parallel.ep=3 must be >= 1 and divide dp=8"):
         plan_memory(s, _cfg("Qwen3-30B-A3B", "parallel.ep=3"), world_size=8, device="cuda")
+
+
+def test_moe_plan_counts_the_samplers_route_record_as_the_sampler_allocates_it():
+    """The rollout's MoE route record (rlhf.rollout.routes.RouteBook, kept unless router_replay is R2): the
+    planner's bytes equal the book the sampler allocates for the replica's sequences; host memory on a GPU."""
+    from rlhf.rollout.routes import RouteBook
+
+    s = ModelShape.from_model_dir(str(REPO / "configs" / "models" / "Qwen3-30B-A3B"))
+    cfg = _cfg("Qwen3-30B-A3B", "parallel.ep=8", "rollout.tp=4", "actor.router_replay=R3")
+    seqs = 64 // (8 // 4) * 4  # train_batch_size / rollout replicas x n
+    book = RouteBook(seqs, 512, 1024, (s.sparse_layers, s.experts_per_tok), torch.device("meta"), on_host=False)
+    want = book.ids.numel() * book.ids.element_size()
+    assert plan_memory(s, cfg, world_size=8, device="cuda").host["rollout route record"] == want
+    assert plan_memory(s, cfg, world_size=8, device="cpu").components["rollout route record"] == want
+    r2 = _cfg("Qwen3-30B-A3B", "parallel.ep=8", "rollout.tp=4", "actor.router_replay=R2")
+    assert plan_memory(s, r2, world_size=8, device="cuda").host.get("rollout route record", 0) == 0
