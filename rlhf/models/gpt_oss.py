@@ -7,7 +7,8 @@ Checked against transformers 5.x ``modeling_gpt_oss.py``:
   exp(sink_h))``). Every attention path takes it: explicit attention
   (:func:`rlhf.models.softcap_attention.attention` with ``sinks``) in the sampler's prefill and gather
   decode; in the trainer's packed / padded paths the sink is one more SDPA key
-  (:func:`rlhf.models.softcap_attention.sink_sdpa`: no ``[T, T]`` scores); kernels that return the log-sum-exp of the row
+  (:func:`rlhf.models.softcap_attention.sink_sdpa`: no ``[T, T]`` scores); kernels that return the
+  log-sum-exp of the row
   (flash-attn's paged decode, the cascade's merge) rescale their output by :func:`sink_scale`. Under tp
   the sinks are split with the query heads (dim 0).
 * Alternating sliding-window / full layers (``layer_types``), q/k/v/o biases, YaRN rope (a static rope

@@ -101,7 +101,8 @@ def sink_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, scale: fl
     D, Dv = q.shape[-1], v.shape[-1]
     lead_q, lead_k = q.shape[:-1], k.shape[:-2]
     q2 = torch.cat((q, q.new_ones(*lead_q, 1), q.new_zeros(*lead_q, _SINK_PAD - 1)), dim=-1)
-    sink = (sinks.to(torch.promote_types(sinks.dtype, torch.float32)) / scale).to(k.dtype).view(-1, 1, 1).expand(*lead_k, 1, 1)
+    sink = sinks.to(torch.promote_types(sinks.dtype, torch.float32)) / scale
+    sink = sink.to(k.dtype).view(-1, 1, 1).expand(*lead_k, 1, 1)
     k_sink = torch.cat((k.new_zeros(*lead_k, 1, D), sink, k.new_zeros(*lead_k, 1, _SINK_PAD - 1)), dim=-1)
     k2 = torch.cat((k_sink, torch.cat((k, k.new_zeros(*k.shape[:-1], _SINK_PAD)), dim=-1)), dim=-2)
     # v widened as q and k: the fused kernels (flash on CPU and GPU) want one head dim

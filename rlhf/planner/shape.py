@@ -22,6 +22,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024 ** 3
 
 
+def _shared_expert_size(d: dict) -> int:
+    """The shared expert's width: Qwen2-MoE's own field, or DeepSeek's ``n_shared_experts`` experts."""
+    return int(d.get("shared_expert_intermediate_size") or 0) or \
+        int(d.get("n_shared_experts") or 0) * int(d.get("moe_intermediate_size") or 0)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Sizes of a supported decoder read from an HF config.json dict.
@@ -81,7 +87,8 @@ class ModelShape:
             moe = arch in _MOE
             skip, step = set(d.get("mlp_only_layers") or []), int(d.get("decoder_sparse_step") or 1)
             skip |= set(range(int(d.get("first_k_dense_replace") or 0)))  # DeepSeek: the first blocks are dense
-            kv_heads, head_dim, mla = int(d.get("num_key_value_heads") or heads), int(d.get("head_dim") or hidden // heads), None
+            kv_heads, head_dim = int(d.get("num_key_value_heads") or heads), int(d.get("head_dim") or hidden // heads)
+            mla = None
             if arch == "DeepseekV3ForCausalLM":
                 mla = (int(d.get("q_lora_rank") or 0), int(d["kv_lora_rank"]), int(d["qk_nope_head_dim"]),
                        int(d["qk_rope_head_dim"]), int(d["v_head_dim"]))
@@ -102,9 +109,7 @@ class ModelShape:
                        if moe else 0,
                        experts_per_tok=int(d["num_experts_per_tok"]) if moe else 0,
                        moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if moe else 0,
-                       shared_expert_size=(int(d.get("shared_expert_intermediate_size") or 0)
-                                           or int(d.get("n_shared_experts") or 0) * int(d.get("moe_intermediate_size") or 0))
-                       if moe else 0,
+                       shared_expert_size=_shared_expert_size(d) if moe else 0,
                        sparse_layers=sum(i not in skip and (i + 1) % step == 0 for i in range(layers)) if moe else 0,
                        checkpoint_bytes=DTYPE_BYTES.get(str(d.get("dtype") or d.get("torch_dtype")), 4))
         except KeyError as e:

@@ -1,5 +1,6 @@
 """Planner (and FLOP counter) on Gemma 2, Gemma 3, Phi-3 and the MoE families (GPT-OSS and DeepSeek-V3
-included): parameter counts against HF, published sizes, MoE total vs active parameters, experts over tp, and the dry-run plan."""
+included): parameter counts against HF, published sizes, MoE total vs active parameters, experts over tp,
+the sampler's route record and the dry-run plan."""
 
 from __future__ import annotations
 
