@@ -124,8 +124,9 @@ def _meta_builder(hf_config, dtype: torch.dtype, attn: str):
     return build
 
 
-def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") -> Simulation:
-    """Run one rank (``rank``) of a ``world``-rank job of ``cfg`` on a fake process group."""
+def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda", flash_attn: bool = True) -> Simulation:
+    """Run one rank (``rank``) of a ``world``-rank job of ``cfg`` on a fake process group (``flash_attn``: the
+    simulated GPU has flash-attn installed; its sampler decodes with flash-attn's paged kernel)."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -196,7 +197,8 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda") ->
                     weights, _ = gather_rollout_weights(actor.model, dtype=rdt, pp_group=actor.pp_group,
                                                         tp_rank=layout.tp_rank, tp_size=layout.tp,
                                                         tp_group=layout.tp_group)
-                sampler = simulate_sampler(cfg, hf, weights, layout, rdt, counter, world=world, device=device)
+                sampler = simulate_sampler(cfg, hf, weights, layout, rdt, counter, world=world, device=device,
+                                           flash_attn=flash_attn)
                 decode_reads = decoder_weight_bytes(sampler.weights)
                 if (device == "cuda" and cfg.rollout.compile) or not cfg.rollout.free_cache_engine:
                     held.append(sampler)  # the run-long sampler (CUDA graphs, or free_cache_engine=False)
@@ -475,7 +477,8 @@ def _in_children(argv: list[str], ranks: list[int]) -> list[Simulation]:
     return sims
 
 
-def simulate_stages(cfg: Config, *, world: int, device: str = "cuda", gpu: str = "h100") -> list[Simulation]:
+def simulate_stages(cfg: Config, *, world: int, device: str = "cuda", gpu: str = "h100",
+                    flash_attn: bool = True) -> list[Simulation]:
     """Rank 0 with its roofline, or with ``parallel.pp > 1`` one rank of every stage, each in its own
     process (``cfg`` handed to them as a yaml file), all at once."""
     import os
@@ -485,7 +488,7 @@ def simulate_stages(cfg: Config, *, world: int, device: str = "cuda", gpu: str =
 
     hf = language_config(model_config(cfg.model.path, cfg.model.trust_remote_code))
     if cfg.parallel.pp == 1:
-        sim = simulate(cfg, world=world, rank=0, device=device)
+        sim = simulate(cfg, world=world, rank=0, device=device, flash_attn=flash_attn)
         sim.roofline = roofline(sim, cfg, hf, gpu=gpu)
         return [sim]
     check_launch(cfg, hf, world)  # the launch's error here, once, not once per stage
@@ -493,9 +496,7 @@ def simulate_stages(cfg: Config, *, world: int, device: str = "cuda", gpu: str =
         path = os.path.join(d, "config.yaml")
         with open(path, "w") as f:
             f.write(cfg.to_yaml())
-        from rlhf.ops.sim_rollout import CUDA_FLASH_ATTN
-
-        flash = [] if CUDA_FLASH_ATTN else ["--no-flash-attn"]
+        flash = [] if flash_attn else ["--no-flash-attn"]
         return _in_children(["--config", path, "--world", str(world), "--device", device, "--gpu", gpu, *flash],
                             stage_ranks(cfg.parallel.pp, world))
 
@@ -519,16 +520,14 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
     args = ap.parse_intermixed_args(argv)
-    if args.no_flash_attn:
-        from rlhf.ops import sim_rollout
-
-        sim_rollout.CUDA_FLASH_ATTN = False
     try:
         cfg = load_config(args.config, args.overrides)
         if args.rank is None:  # every distinct pipeline stage
-            sims = simulate_stages(cfg, world=args.world, device=args.device, gpu=args.gpu)
+            sims = simulate_stages(cfg, world=args.world, device=args.device, gpu=args.gpu,
+                                   flash_attn=not args.no_flash_attn)
         else:
-            sims = [simulate(cfg, world=args.world, rank=args.rank, device=args.device)]
+            sims = [simulate(cfg, world=args.world, rank=args.rank, device=args.device,
+                             flash_attn=not args.no_flash_attn)]
             hf = language_config(model_config(cfg.model.path, cfg.model.trust_remote_code))
             sims[0].roofline = roofline(sims[0], cfg, hf, gpu=args.gpu)
     except ConfigError as e:

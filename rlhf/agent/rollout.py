@@ -16,7 +16,8 @@ from the batch (summed over dp); calls and errors from the loops of the rollout 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -127,3 +128,13 @@ def tool_use_metrics(batch, counts: AgentCounts, dp_group=None, replica_group=No
 def make_agent(cfg: MultiTurnConfig, tokenizer: Any, layout: Any = None) -> Optional[ToolAgent]:
     """The run's ToolAgent, or None when ``rollout.multi_turn.enable`` is false."""
     return ToolAgent(cfg, tokenizer, layout) if cfg.enable else None
+
+
+@contextmanager
+def closing_agent(agent: Optional[ToolAgent]) -> Iterator[Optional[ToolAgent]]:
+    """``agent`` (or None) closed at the end, however the block ends: its tool workers are processes."""
+    try:
+        yield agent
+    finally:
+        if agent is not None:
+            agent.close()

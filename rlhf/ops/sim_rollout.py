@@ -21,7 +21,8 @@ past the first admission, top-p's host check (``top_p_nucleus`` takes its full-s
 one), speculative decoding (its drafts come from token values; the plain decode step runs). The
 prefill's packing indices (``rlhf.rollout.scheduler.prefill_layout``) are computed on the host.
 On a simulated ``cuda`` device the decode runs flash-attn's paged kernel (shapes only; bf16 / fp16
-rollouts, as the planner assumes flash-attn installed) and, without ``rollout.kv_cache_tokens`` /
+rollouts, as the planner assumes flash-attn installed; ``flash_attn=False``, ``python -m rlhf.simulate
+--no-flash-attn``: the gather kernel, its block size and buffers) and, without ``rollout.kv_cache_tokens`` /
 ``kv_cache_memory``, the real sampler sizes its cache at ``gpu_memory_utilization`` of the GPU's free
 memory, capped at every slot full (``max_num_seqs`` x ``max_prompt_length + max_response_length``): a
 property of the card, so the simulation gives it the slots' need, as the planner plans it (one slot per
@@ -62,22 +63,18 @@ def _flash_decode_shapes(q, k, v, *, return_softmax_lse=False, **_):
     return out
 
 
-# a simulated GPU has flash-attn installed (``python -m rlhf.simulate --no-flash-attn``: it has not)
-CUDA_FLASH_ATTN = True
-
-
-def _cuda_decode_kernel(device: Any, dtype: torch.dtype) -> Any:
-    """The decode kernel of a CUDA sampler: flash-attn's paged one (fp16 / bf16, flash-attn installed),
+def _cuda_decode_kernel(device: Any, dtype: torch.dtype, flash_attn: bool = True) -> Any:
+    """The decode kernel of a CUDA sampler: flash-attn's paged one (fp16 / bf16, ``flash_attn`` installed),
     else the gather kernel, as on a GPU."""
     from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention
 
-    if CUDA_FLASH_ATTN and dtype in (torch.float16, torch.bfloat16):
+    if flash_attn and dtype in (torch.float16, torch.bfloat16):
         return FlashPagedAttention(fn=_flash_decode_shapes)
     return GatherAttention()
 
 
 @contextmanager
-def value_free_scheduler(counter: Any, device: str = "cpu") -> Iterator[None]:
+def value_free_scheduler(counter: Any, device: str = "cpu", flash_attn: bool = True) -> Iterator[None]:
     """Inside: the scheduler's value-dependent steps are skipped or run on the host (module docstring),
     and the sampler's KV cache (``Sampler._allocate``) is counted as ``kv cache``. ``device="cuda"``: the
     sampler (built on the host, where the fake group's tensors live) decodes as on a GPU with flash-attn:
@@ -110,7 +107,7 @@ def value_free_scheduler(counter: Any, device: str = "cpu") -> Iterator[None]:
     sampling.top_p_nucleus = nucleus
     _sampler.Sampler._allocate = allocate
     if device == "cuda":
-        paged_attention.decode_attention = _cuda_decode_kernel
+        paged_attention.decode_attention = lambda dev, dtype: _cuda_decode_kernel(dev, dtype, flash_attn)
         cascade_attention.decode_attention = lambda device, dtype, base=None: base
         scheduler.RouteBook = HostRouteBook
     try:
@@ -131,7 +128,7 @@ def replica_sequences(cfg: Any, world: int, rollout_tp: int) -> tuple[int, int]:
 
 
 def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch.dtype, counter: Any, *,
-                     world: int, device: str) -> Any:
+                     world: int, device: str, flash_attn: bool = True) -> Any:
     """Build this rank's sampler from the rollout ``weights`` (handed over: emptied) and run one
     admission's prefill and one decode step of its replica's prompts (module docstring); returns the
     sampler (the caller drops it, as the engine does after ``generate``, or keeps it)."""
@@ -143,13 +140,13 @@ def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch
     P, R = d.max_prompt_length, d.max_response_length
     prompts, seqs = replica_sequences(cfg, world, layout.tp)
     if device == "cuda" and not r.kv_cache_tokens and not r.kv_cache_memory:  # see the module docstring
-        mult = _cuda_decode_kernel(None, dtype).block_multiple  # the sampler rounds its block size up to it
+        mult = _cuda_decode_kernel(None, dtype, flash_attn).block_multiple  # the sampler rounds its block size up to it
         block = -(-DEFAULT_BLOCK_SIZE // mult) * mult
         r = dataclasses.replace(r, kv_cache_tokens=min(r.max_num_seqs, seqs) * -(-(P + R) // block) * block)
     engine = RolloutEngine(r, _NoTokenizer(hf), max_prompt_length=P, max_response_length=R,
                            device=torch.device("cpu"), dtype=dtype, layout=layout,
                            record_routes=cfg.actor.router_replay != "R2")  # as the trainer's engine
-    with value_free_scheduler(counter, device):
+    with value_free_scheduler(counter, device, flash_attn):
         with counter.category("rollout weights"):
             sampler = engine._sampler(hf, weights, consume=True)
         params = engine.sampling_params(n=r.n, temperature=r.temperature, seed=r.seed)

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlhf.agent.rollout import make_agent
+from rlhf.agent.rollout import closing_agent, make_agent
 from rlhf.models.loading import load_tokenizer, model_config
 from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.schema.batch import minibatch_major_shard
@@ -94,11 +94,8 @@ class RolloutWorker:
         self.clock.wait(time.perf_counter() - t1)
 
     def run(self) -> None:
-        try:
+        with closing_agent(self.agent):
             self._run()
-        finally:
-            if self.agent is not None:
-                self.agent.close()
 
     def _run(self) -> None:
         sched = Schedule.of(self.start, self.total_steps, self.cfg.trainer.stop_after_steps)

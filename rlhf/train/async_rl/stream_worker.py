@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rlhf.agent.rollout import make_agent, with_step_rewards
+from rlhf.agent.rollout import closing_agent, make_agent, with_step_rewards
 from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.rollout.sampler import RolloutOutput
 from rlhf.rollout.stream import STOP, StreamPrompt, StreamRun
@@ -161,11 +161,8 @@ class StreamWorker:
 
     def run(self) -> None:
         self.agent = make_agent(self.cfg.rollout.multi_turn, self.tokenizer, self.roles.layout)
-        try:
+        with closing_agent(self.agent):
             self._run()
-        finally:
-            if self.agent is not None:
-                self.agent.close()
 
     def _run(self) -> None:
         r = self.roles
