@@ -43,6 +43,7 @@ from torch import Tensor
 
 from rlhf.models.gpt_oss import sink_scale
 from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention
+from rlhf.rollout.region_cascade import RegionCascade, RegionCascadePlan
 
 # The rule (bench/cascade_attention.py, docs/benchmarks.md, 1-thread CPU): a group of n >= 2 live
 # samples sharing P positions runs its prefix once when (n - 1) * P >= 1536: n = 8 from P = 256
@@ -188,6 +189,9 @@ class CascadeAttention:
         self.block_multiple = self.base.block_multiple
         self.in_place = self.base.in_place
         self._buffers: dict[str, Tensor] = {}  # CPU gather buffers, reused (see PagedKVCache.gather)
+        # slot regions (no paging): a GRPO call aligns its prompts' ends (rlhf.rollout.region_cascade)
+        self.aligns = fn is None and not self.in_place
+        self._regions = RegionCascade()
 
     def graph_key(self, window: int, contiguous: bool) -> tuple:
         return self.base.graph_key(window, contiguous)
@@ -202,7 +206,9 @@ class CascadeAttention:
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> Any:
         base = self.base.plan(cache, slots, pos, window, dtype)
-        if cache.contiguous or slots < self.min_group:
+        if cache.contiguous:
+            return self._regions.plan(cache, slots, pos, window, dtype, base) if cache.prefix_cols else base
+        if slots < self.min_group:
             return base
         groups = self._groups(cache, slots)
         if not groups:
@@ -260,6 +266,10 @@ class CascadeAttention:
     # ------------------------------------------------------------------ attend
 
     def attend(self, cache: Any, layer: int, q: Tensor, plan: Any, p: Any) -> Tensor:
+        if isinstance(plan, RegionCascadePlan):
+            if p.window is None and p.softcap is None and p.sinks is None:
+                return RegionCascade.attend(cache, layer, q, plan, p)
+            return self.base.attend(cache, layer, q, plan.base, p)
         if not isinstance(plan, _CascadePlan):
             return self.base.attend(cache, layer, q, plan, p)
         if self.fn is not None:

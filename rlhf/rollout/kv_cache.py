@@ -22,6 +22,12 @@ speed wins: the contiguous mode reads each layer's buffer as fixed slot regions
 live slots' K/V in place as ``[B * Hkv, W, D]`` batches of one stride (one batched matmul,
 no gather; a slot's heads are neighbours in memory) (see ``PagedKVCache``). Decode attention
 reads the cache through a kernel (``rlhf.rollout.paged_attention``).
+
+Aligned contiguous mode (``start(prefix_cols=Pm)``, GRPO calls: ``rlhf.rollout.region_cascade``):
+slot ``s`` keeps position ``p`` at column ``p + shift[s]`` of its region, ``shift = Pm - prompt
+length``, so every prompt ends at column ``Pm`` and every response starts there; columns
+``[0, shift)`` are masked. Then the samples of a prompt hold the same prefix columns and their
+responses the same columns, which is what lets decode read a group's prompt once.
 """
 
 from __future__ import annotations
@@ -101,6 +107,13 @@ class PagedKVCache:
         self._region_rows = ((j // num_kv_heads) * num_slots * num_kv_heads + j % num_kv_heads) * t
         self.attention = attention or GatherAttention()
         self._window = torch.empty(0, dtype=dtype, device=device)  # gather buffer, reused on CPU
+        # aligned contiguous mode (module docstring): column of position p = p + shift[slot]; group:
+        # the prefill unit (prompt and admission) of each slot; version: bumped whenever slots change
+        self.prefix_cols = 0
+        self.shift = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.shift_host = [0] * num_slots
+        self.group = [-1] * num_slots
+        self.version = 0
 
     @property
     def nbytes(self) -> int:
@@ -122,13 +135,31 @@ class PagedKVCache:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
-    def start(self, contiguous: bool) -> None:
-        """Begin a ``generate`` call (every block free) in paged or contiguous mode (see class doc)."""
+    def start(self, contiguous: bool, prefix_cols: int = 0) -> None:
+        """Begin a ``generate`` call (every block free) in paged or contiguous mode (see class doc);
+        ``prefix_cols`` > 0: the aligned contiguous mode (module docstring), prompts of at most that length."""
         if self.num_free != self.num_blocks:
             raise RuntimeError("PagedKVCache.start: blocks of an earlier call are still held")
         self.contiguous = contiguous and self.fits_every_slot
+        self.prefix_cols = prefix_cols if self.contiguous else 0
+        self.shift.zero_()
+        self.shift_host = [0] * self.num_slots
+        self.group = [-1] * self.num_slots
+        self.version += 1
         self.table.fill_(self.scratch)  # (contiguous mode addresses slot regions, not the table)
         self._regions = self._region_view() if self.contiguous else None
+
+    def align(self, slots: list[int], prompt_lens: list[int], groups: list[int]) -> None:
+        """Aligned mode: slots ``slots`` start prompts of ``prompt_lens`` tokens (before their prefill),
+        prefilled as units ``groups`` (slots of one unit hold identical prompt K/V)."""
+        if not self.prefix_cols or not slots:
+            return
+        shifts = [self.prefix_cols - n for n in prompt_lens]
+        for s, sh, g in zip(slots, shifts, groups):
+            self.shift_host[s], self.group[s] = sh, g
+        dev = self.shift.device
+        self.shift[torch.tensor(slots, device=dev)] = torch.tensor(shifts, dtype=torch.int64, device=dev)
+        self.version += 1
 
     # ------------------------------------------------------------------ blocks
 
@@ -211,9 +242,15 @@ class PagedKVCache:
             mb, regions = self.blocks_per_seq, self.regions()
             for a, b in zip(src, dst):
                 n = len(self.owned[a])
-                regions[:, :, b, :, : n * self.block_size].copy_(regions[:, :, a, :, : n * self.block_size])
+                cols = self.shift_host[a] + n * self.block_size  # aligned mode: the slot's columns end later
+                regions[:, :, b, :, :cols].copy_(regions[:, :, a, :, :cols])
                 self.owned[b] = [b * mb + c for c in range(n)]
                 self.owned[a] = []
+                self.shift_host[b], self.group[b], self.group[a] = self.shift_host[a], self.group[a], -1
+            if self.prefix_cols:
+                s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+                self.shift.index_copy_(0, d, self.shift.index_select(0, s))
+                self.version += 1
             return
         s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
         self.table.index_copy_(0, d, self.table.index_select(0, s))
@@ -240,6 +277,8 @@ class PagedKVCache:
         (paged mode) or its own region (contiguous mode)."""
         if self.contiguous:
             t = self.blocks_per_seq * self.block_size
+            if self.prefix_cols:  # aligned mode: position p of slot s at column p + shift[s]
+                positions = positions + self.shift[slots][..., None]
             flat = slots[..., None] * (self.num_kv_heads * t) + positions.clamp(max=t - 1)  # [..., T]
             return flat[..., None, :] + self._region_rows[:, None]
         cols = (positions // self.block_size).clamp(max=self.table.shape[1] - 1)
@@ -265,6 +304,7 @@ class PagedKVCache:
     def view(self, layer: int, slots: Tensor, window: int) -> tuple[Tensor, Tensor]:
         """K and V of slots ``slots`` ``[B]``, positions ``[0, window)``: ``[B, Hkv, window, D]`` each."""
         if self.contiguous:
+            assert not self.prefix_cols, "cache.view reads positions as columns: not in the aligned mode"
             kv = self.regions()[layer, :, slots, :, :window]
             return kv[0], kv[1]
         blocks = self.table[slots, : self.blocks_for(window)].reshape(-1)

@@ -69,6 +69,9 @@ class GatherAttention:
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> "_GatherPlan":
         if cache.contiguous:  # every layer's (slot, kv head) pairs at one stride: folded views, once per step
             kv = cache.regions()[:, :, :slots, :, :window].flatten(2, 3)  # [L, 2, B * Hkv, W, D]
+            if cache.prefix_cols:  # aligned mode: window and masks in columns, [0, shift) hidden
+                shift = cache.shift[:slots]
+                return _GatherPlan(None, kv, pos + shift, window, dtype, first=shift)
             return _GatherPlan(None, kv, pos, window, dtype)
         return _GatherPlan(cache.table[:slots, : cache.blocks_for(window)].reshape(-1), None, pos, window, dtype)
 
@@ -100,11 +103,13 @@ class _GatherPlan:
     """Per-step data of ``GatherAttention``: the K/V views of the slot regions ``kv`` (contiguous
     cache) or the slots' blocks to gather, and additive masks (slot ``b`` sees positions
     ``<= pos[b]``, and with a sliding window ``> pos[b] - window``), built once per step for
-    each distinct window the layers use."""
+    each distinct window the layers use. ``first`` ``[B]``: the aligned cache's first visible column
+    of each slot (``pos`` then holds columns too)."""
 
     def __init__(self, blocks: Optional[Tensor], kv: Optional[Tensor], pos: Tensor, window: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, first: Optional[Tensor] = None) -> None:
         self.blocks, self.kv, self.pos, self.window, self.dtype = blocks, kv, pos, window, dtype
+        self.first = first
         self._masks: dict[Optional[int], Tensor] = {}
 
     def batch_mask(self, sliding: Optional[int], hkv: int) -> Tensor:
@@ -115,6 +120,8 @@ class _GatherPlan:
             hidden = keys > self.pos[:, None]  # [B, W]
             if sliding is not None:
                 hidden |= keys <= self.pos[:, None] - sliding
+            if self.first is not None:
+                hidden |= keys < self.first[:, None]
             m = torch.zeros(hidden.shape, dtype=self.dtype, device=self.pos.device).masked_fill_(hidden, float("-inf"))
             b, w = m.shape
             m = m[:, None].expand(b, hkv, w) if self.kv is not None else m.expand(hkv, b, w)

@@ -102,7 +102,8 @@ class GenerateRun(TurnSteps):
         wants_paged = getattr(self.cache.attention, "prefers_paged", None)
         shares = s.prefix_sharing and wants_paged is not None and wants_paged(self.prompt_lens, n, self.cache.block_size)
         self.cache.start(contiguous=s.slot_regions and turns is None and not self.cache.attention.in_place
-                         and not shares)
+                         and not shares, prefix_cols=self._aligned_prefix(n, vision))
+        self.units_seen = 0  # prefill units so far: the aligned cache's group ids
         self.share_prefix = s.prefix_sharing and not self.cache.contiguous
         seq = torch.arange(N, device=dev)
         keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
@@ -172,6 +173,16 @@ class GenerateRun(TurnSteps):
             self._decode_step()
         return self._finish(time.perf_counter() - t_start)
 
+    def _aligned_prefix(self, n: int, vision: Any) -> int:
+        """Prompt columns of the aligned contiguous cache (``rlhf.rollout.region_cascade``: a GRPO group's
+        prompt read once per decode step), or 0 (positions are columns). Only where nothing reads the
+        cache by positions: no speculative verify, VLM or chunked prefill; eager decode."""
+        s = self.s
+        if (n < 2 or not getattr(self.cache.attention, "aligns", False) or vision is not None or s.static_shapes
+                or getattr(s.speculative, "enable", False) or max(self.prompt_lens) > s.prefill_tokens):
+            return 0
+        return max(self.prompt_lens)
+
     def _prefix_len(self, q: int) -> int:
         return self.prompt_lens[q // self.n] + self.resume_gen[q]
 
@@ -221,6 +232,9 @@ class GenerateRun(TurnSteps):
                 units.append(tokens)
                 self.unit_prompt.append(q // n)
             slot_unit.append(unit_of[key])
+        self.cache.align(list(range(a, a + m)), [self.prompt_lens[q // n] for q in seqs],
+                         [self.units_seen + u for u in slot_unit])
+        self.units_seen += len(units)
         logits = torch.empty((len(units), s.spec.vocab_size), dtype=torch.float32, device=dev)
         slot_unit_t = torch.tensor(slot_unit, dtype=torch.int64, device=dev)
         for chunk in self._prefill_chunks(units):
@@ -396,7 +410,10 @@ class GenerateRun(TurnSteps):
             return
         t0 = time.perf_counter()
         s, b = self.s, self.live
-        need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
+        if self.cache.prefix_cols:  # aligned cache: columns [0, max column]
+            need = max(map(sum, zip(self.pos_base[:b], self.cache.shift_host[:b]))) + self.stats["decode_steps"] + 1
+        else:
+            need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
         window = min(self.cache.max_seq_len, need)
         rope = None
         if self.vision is not None:  # text positions after the images: cache position + the prompt's delta
