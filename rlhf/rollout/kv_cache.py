@@ -114,6 +114,7 @@ class PagedKVCache:
         self.shift_host = [0] * num_slots
         self.group = [-1] * num_slots
         self.version = 0
+        self.step_column: int | None = None  # aligned mode: the one column every live slot writes this step
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +147,7 @@ class PagedKVCache:
         self.shift_host = [0] * self.num_slots
         self.group = [-1] * self.num_slots
         self.version += 1
+        self.step_column = None
         self.table.fill_(self.scratch)  # (contiguous mode addresses slot regions, not the table)
         self._regions = self._region_view() if self.contiguous else None
 
@@ -292,13 +294,21 @@ class PagedKVCache:
         pos = torch.arange(start, start + length, device=slots.device).expand(slots.shape[0], length)
         return self.rows(slots, pos).reshape(-1)
 
-    def decode_index(self, pos: Tensor) -> Tensor:
-        """Rows ``[B * 2Hkv]`` of position ``pos[b]`` of slot ``b``."""
+    def decode_index(self, pos: Tensor) -> Tensor | int:
+        """Rows ``[B * 2Hkv]`` of position ``pos[b]`` of slot ``b``; in the aligned mode, when every slot
+        writes one column (``step_column``), that column (``write`` then copies into a strided view)."""
+        if self.prefix_cols and self.step_column is not None:
+            return self.step_column
         slots = torch.arange(pos.shape[0], device=pos.device)
         return self.rows(slots, pos[:, None]).reshape(-1)
 
     def write(self, layer: int, index: Tensor, kv: Tensor) -> None:
-        """Store ``kv`` (``[M, 2Hkv, T, D]`` or ``[B, 2Hkv, D]``) at ``index`` rows."""
+        """Store ``kv`` (``[M, 2Hkv, T, D]`` or ``[B, 2Hkv, D]``) at ``index`` rows (an int: that column
+        of slots ``[0, B)``, the aligned mode's ``decode_index``)."""
+        if isinstance(index, int):
+            b, h = kv.shape[0], self.num_kv_heads
+            self.regions()[layer, :, :b, :, index].copy_(kv.view(b, 2, h, self.head_dim).transpose(0, 1))
+            return
         self._rows_of[layer].index_copy_(0, index, kv.reshape(-1, self.head_dim))
 
     def view(self, layer: int, slots: Tensor, window: int) -> tuple[Tensor, Tensor]:

@@ -1,13 +1,15 @@
 """Shared-prompt decode attention over the aligned slot regions of a GRPO call.
 
 In the aligned contiguous cache (``rlhf.rollout.kv_cache``, ``prefix_cols = Pm``) every prompt
-ends at column ``Pm`` and every response starts there. When the live slots are runs of ``n``
-consecutive slots, each run the samples of one prefill unit (identical prompt K/V; the state
-after admission of a GRPO batch), a decode step splits each query's keys into
+ends at column ``Pm`` and every response starts there. The live slots of one prefill unit (the
+samples of a prompt admitted together: identical prompt K/V) form a group; a decode step splits
+each query's keys into
 
-* the prompt columns ``[0, Pm)``: read once per run from its first slot, the ``n * G`` query
-  rows of the run against them in one matmul per (run, kv head) (Hydragen / FlashInfer's cascade,
-  Juravsky et al. 2024, here without a separate softmax: see below);
+* the prompt columns ``[0, Pm)``: read once per group from its first slot, the ``n * G`` query
+  rows of the group (``n``: the largest group, smaller ones padded) against them in one matmul per
+  (group, kv head) (Hydragen / FlashInfer's cascade, Juravsky et al. 2024, here without a separate
+  softmax: see below). Groups that are runs of ``n`` consecutive slots (a GRPO batch before any
+  sample finishes) are folded by views; otherwise the query rows are gathered and scattered back;
 * the response columns ``[Pm, W)``: the same columns for every slot, read in place as
   ``[B * Hkv, W - Pm, D]`` batches of one stride.
 
@@ -16,8 +18,8 @@ fp32 softmax, so the softmax is the one the gather kernel computes over ``[0, W)
 columns, the same mask); only the matmuls' summation blocking differs (fp32 rounding). At the
 bench's GRPO shape (16 prompts x 8, prompts of 8-24 tokens) a step reads ~2x fewer K/V bytes.
 
-Other steps (live slots not in such runs, after finished samples were compacted; layers with a
-sliding window, a soft-cap or sink logits) run the base kernel over the aligned columns.
+Steps without a group of two, or where padding would more than double the query rows, and layers
+with a sliding window, a soft-cap or sink logits run the base kernel over the aligned columns.
 """
 
 from __future__ import annotations
@@ -29,67 +31,89 @@ from torch import Tensor
 
 
 class RegionCascadePlan:
-    """Per-step data: ``n`` slots per run, ``runs`` runs, the prompt columns ``pm``, the step's
-    column window, the response-column mask ``[B * Hkv, 1, W - pm]``, the runs' prompt K/V
-    ``[L, 2, runs * Hkv, pm, D]`` with its mask ``[runs * Hkv, 1, pm]``, and the base plan."""
+    """Per-step data: groups ``[runs, n]`` (``uniform``: runs of consecutive slots; else ``qidx``
+    ``[runs * n]`` the slot of each query row, padding rows repeating the group's first slot, and
+    ``row_of`` ``[B]`` each slot's row), the prompt columns ``pm``, the step's column window, the
+    response-column mask ``[B * Hkv, 1, W - pm]`` (or ``[1, 1, 1]`` zeros), the groups' prompt K/V
+    ``[L, 2, runs * Hkv, pm, D]`` with its mask ``[runs * Hkv, 1, pm]``, and the base kernel's plan."""
 
-    def __init__(self, base: Any, n: int, runs: int, pm: int, window: int, suffix_mask: Tensor,
+    def __init__(self, base: Any, layout: "_Groups", pm: int, window: int, suffix_mask: Tensor,
                  prefix: tuple[Tensor, Tensor]) -> None:
-        self.base, self.n, self.runs, self.pm, self.window = base, n, runs, pm, window
-        self.suffix_mask = suffix_mask
+        self.base, self.pm, self.window, self.suffix_mask = base, pm, window, suffix_mask
+        self.n, self.runs, self.uniform = layout.n, layout.runs, layout.uniform
+        self.qidx, self.row_of = layout.qidx, layout.row_of
         self.prefix_kv, self.prefix_mask = prefix
 
 
-def uniform_runs(groups: list[int]) -> int:
-    """``n`` when ``groups`` (the prefill unit of each live slot) are runs of ``n >= 2`` equal ids,
-    else 0."""
-    n = 1
-    while n < len(groups) and groups[n] == groups[0]:
-        n += 1
-    if n < 2 or len(groups) % n or groups[0] < 0:
-        return 0
-    for i in range(0, len(groups), n):
-        g = groups[i]
-        if g < 0 or groups[i:i + n].count(g) != n or (i + n < len(groups) and groups[i + n] == g):
-            return 0
-    return n
+class _Groups:
+    def __init__(self, members: list[list[int]], device: torch.device) -> None:
+        self.runs, self.n = len(members), max(len(m) for m in members)
+        n = self.n
+        self.uniform = all(m == list(range(i * n, (i + 1) * n)) for i, m in enumerate(members))
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        self.leads = t([m[0] for m in members])
+        self.qidx = self.row_of = None
+        if not self.uniform:
+            self.qidx = t([m[j] if j < len(m) else m[0] for m in members for j in range(n)])
+            row_of = [0] * sum(map(len, members))
+            for i, m in enumerate(members):
+                for j, slot in enumerate(m):
+                    row_of[slot] = i * n + j
+            self.row_of = t(row_of)
+
+
+def group_members(groups: list[int]) -> Optional[list[list[int]]]:
+    """The live slots of each prefill unit (``groups``: the unit of each slot), in slot order; None
+    when no unit has two live slots or padding the groups to the largest would more than double
+    the rows."""
+    members: dict[int, list[int]] = {}
+    for slot, g in enumerate(groups):
+        if g < 0:
+            return None
+        members.setdefault(g, []).append(slot)
+    out = list(members.values())
+    n = max(map(len, out), default=0)
+    if n < 2 or len(out) * n > 2 * len(groups):
+        return None
+    return out
 
 
 class RegionCascade:
     """Plans and attends the shared-prompt steps of an aligned cache (module docstring). It keeps the
-    runs' prompt K/V across steps: those columns are written only by prefills, which re-align slots."""
+    groups' prompt K/V across steps: those columns are written only by prefills, which re-align slots."""
 
     def __init__(self) -> None:
-        self._prefix_key: Optional[tuple] = None
+        self._key: Optional[tuple] = None
+        self._layout: Optional[_Groups] = None
         self._prefix: Optional[tuple[Tensor, Tensor]] = None
-        self._runs_key: Optional[tuple] = None
-        self._n = 0
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype, base: Any) -> Any:
         pm = cache.prefix_cols
         if not pm or window <= pm:
             return base
-        key = (cache.version, slots)
-        if key != self._runs_key:
-            self._runs_key, self._n = key, uniform_runs(cache.group[:slots])
-        n = self._n
-        if not n:
+        key = (cache.version, slots, dtype)
+        if key != self._key:
+            self._key, self._layout, self._prefix = key, None, None
+            members = group_members(cache.group[:slots])
+            if members is not None:
+                self._layout = layout = _Groups(members, pos.device)
+                # the leads' prompt columns of every layer, [L, 2, runs * Hkv, pm, D], and their hidden columns
+                kv = cache.regions()[:, :, :, :, :pm].index_select(2, layout.leads).flatten(2, 3).contiguous()
+                hidden = torch.arange(pm, device=pos.device)[None, :] < cache.shift[layout.leads][:, None]
+                m = torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
+                hkv = cache.num_kv_heads
+                self._prefix = (kv, m[:, None].expand(layout.runs, hkv, pm).reshape(layout.runs * hkv, 1, pm))
+        if self._layout is None:
             return base
-        runs, hkv = slots // n, cache.num_kv_heads
-        pkey = (cache.version, slots, pm, dtype)
-        if pkey != self._prefix_key:  # the leads' prompt columns of every layer, [L, 2, runs * Hkv, pm, D]
-            regions = cache.regions()
-            kv = regions[:, :, 0:slots:n, :, :pm].flatten(2, 3).contiguous()
-            first = cache.shift[0:slots:n]  # hidden prompt columns of each run
-            hidden = torch.arange(pm, device=pos.device)[None, :] < first[:, None]
+        hkv = cache.num_kv_heads
+        if cache.step_column is not None:  # every slot at the window's last column: no response column hidden
+            suffix = torch.zeros((1, 1, 1), dtype=dtype, device=pos.device)
+        else:
+            cols = (pos + cache.shift[:slots])[:, None]  # [B, 1] each slot's current column
+            hidden = torch.arange(pm, window, device=pos.device)[None, :] > cols
             m = torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
-            self._prefix = (kv, m[:, None].expand(runs, hkv, pm).reshape(runs * hkv, 1, pm))
-            self._prefix_key = pkey
-        cols = (pos + cache.shift[:slots])[:, None]  # [B, 1] each slot's current column
-        hidden = torch.arange(pm, window, device=pos.device)[None, :] > cols
-        m = torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
-        suffix = m[:, None].expand(slots, hkv, window - pm).reshape(slots * hkv, 1, window - pm)
-        return RegionCascadePlan(base, n, runs, pm, window, suffix, self._prefix)
+            suffix = m[:, None].expand(slots, hkv, window - pm).reshape(slots * hkv, 1, window - pm)
+        return RegionCascadePlan(base, self._layout, pm, window, suffix, self._prefix)
 
     @staticmethod
     def attend(cache: Any, layer: int, q: Tensor, plan: RegionCascadePlan, p: Any) -> Tensor:
@@ -98,15 +122,27 @@ class RegionCascade:
         n, runs, pm, w = plan.n, plan.runs, plan.pm, plan.window
         kp, vp = plan.prefix_kv[layer].unbind(0)  # [runs * Hkv, pm, D]
         kv = cache.regions()[layer, :, :b, :, pm:w].flatten(1, 2)  # [2, B * Hkv, W - pm, D] views
-        qr = q.reshape(runs, n, hkv, g, d).transpose(1, 2).reshape(runs * hkv, n * g, d)
+        rows = q if plan.uniform else q.index_select(0, plan.qidx)  # [runs * n, Hkv, G, D]
+        qr = rows.reshape(runs, n, hkv, g, d).transpose(1, 2).reshape(runs * hkv, n * g, d)
         scores = torch.empty((b, hkv, g, w), dtype=q.dtype, device=q.device)
         pre = torch.baddbmm(plan.prefix_mask, qr, kp.transpose(1, 2), alpha=p.scale)  # [runs * Hkv, n * G, pm]
-        scores.view(runs, n, hkv, g, w)[..., :pm].copy_(pre.view(runs, hkv, n, g, pm).transpose(1, 2))
+        pre = pre.view(runs, hkv, n, g, pm).transpose(1, 2)  # [runs, n, Hkv, G, pm]
+        if plan.uniform:
+            scores.view(runs, n, hkv, g, w)[..., :pm].copy_(pre)
+        else:
+            scores[..., :pm] = pre.reshape(runs * n, hkv, g, pm).index_select(0, plan.row_of)
         flat = scores.view(b * hkv, g, w)
         flat[..., pm:] = torch.baddbmm(plan.suffix_mask, q.reshape(b * hkv, g, d), kv[0].transpose(1, 2),
                                        alpha=p.scale)
         probs = torch.softmax(flat, dim=-1, dtype=torch.float32).to(q.dtype)  # [B * Hkv, G, W]
-        pr = probs.view(runs, n, hkv, g, w)[..., :pm].transpose(1, 2).reshape(runs * hkv, n * g, pm)
-        out = torch.bmm(probs[..., pm:], kv[1]).view(runs, n, hkv, g, d)
-        out += torch.bmm(pr, vp).view(runs, hkv, n, g, d).transpose(1, 2)
-        return out.view(b, hkv, g, d)
+        pr = probs.view(b, hkv, g, w)[..., :pm]
+        if not plan.uniform:
+            pr = pr.index_select(0, plan.qidx)
+        pr = pr.reshape(runs, n, hkv, g, pm).transpose(1, 2).reshape(runs * hkv, n * g, pm)
+        out = torch.bmm(probs[..., pm:], kv[1]).view(b, hkv, g, d)
+        o_pre = torch.bmm(pr, vp).view(runs, hkv, n, g, d).transpose(1, 2)  # [runs, n, Hkv, G, D]
+        if plan.uniform:
+            out.view(runs, n, hkv, g, d).add_(o_pre)
+        else:
+            out.add_(o_pre.reshape(runs * n, hkv, g, d).index_select(0, plan.row_of))
+        return out

@@ -410,8 +410,11 @@ class GenerateRun(TurnSteps):
             return
         t0 = time.perf_counter()
         s, b = self.s, self.live
-        if self.cache.prefix_cols:  # aligned cache: columns [0, max column]
-            need = max(map(sum, zip(self.pos_base[:b], self.cache.shift_host[:b]))) + self.stats["decode_steps"] + 1
+        if self.cache.prefix_cols:  # aligned cache: columns [0, max column]; one column for all: step_column
+            steps = self.stats["decode_steps"]
+            cols = list(map(sum, zip(self.pos_base[:b], self.cache.shift_host[:b])))
+            need = max(cols) + steps + 1
+            self.cache.step_column = need - 1 if min(cols) + steps == need - 1 else None
         else:
             need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
         window = min(self.cache.max_seq_len, need)
