@@ -205,10 +205,11 @@ class CascadeAttention:
     # ------------------------------------------------------------------ plan
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> Any:
+        if cache.contiguous and cache.prefix_cols:  # the base plan only where a step or layer falls back
+            return self._regions.plan(cache, slots, pos, window, dtype,
+                                      lambda: self.base.plan(cache, slots, pos, window, dtype))
         base = self.base.plan(cache, slots, pos, window, dtype)
-        if cache.contiguous:
-            return self._regions.plan(cache, slots, pos, window, dtype, base) if cache.prefix_cols else base
-        if slots < self.min_group:
+        if cache.contiguous or slots < self.min_group:
             return base
         groups = self._groups(cache, slots)
         if not groups:

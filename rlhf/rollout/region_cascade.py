@@ -24,7 +24,7 @@ with a sliding window, a soft-cap or sink logits run the base kernel over the al
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -35,14 +35,22 @@ class RegionCascadePlan:
     ``[runs * n]`` the slot of each query row, padding rows repeating the group's first slot, and
     ``row_of`` ``[B]`` each slot's row), the prompt columns ``pm``, the step's column window, the
     response-column mask ``[B * Hkv, 1, W - pm]`` (or ``[1, 1, 1]`` zeros), the groups' prompt K/V
-    ``[L, 2, runs * Hkv, pm, D]`` with its mask ``[runs * Hkv, 1, pm]``, and the base kernel's plan."""
+    ``[L, 2, runs * Hkv, pm, D]`` with its mask ``[runs * Hkv, 1, pm]``, and the base kernel's plan
+    (made on first use: only layers with a sliding window, soft-cap or sinks read it)."""
 
-    def __init__(self, base: Any, layout: "_Groups", pm: int, window: int, suffix_mask: Tensor,
+    def __init__(self, base: Callable[[], Any], layout: "_Groups", pm: int, window: int, suffix_mask: Tensor,
                  prefix: tuple[Tensor, Tensor]) -> None:
-        self.base, self.pm, self.window, self.suffix_mask = base, pm, window, suffix_mask
+        self._make_base, self._base = base, None
+        self.pm, self.window, self.suffix_mask = pm, window, suffix_mask
         self.n, self.runs, self.uniform = layout.n, layout.runs, layout.uniform
         self.qidx, self.row_of = layout.qidx, layout.row_of
         self.prefix_kv, self.prefix_mask = prefix
+
+    @property
+    def base(self) -> Any:
+        if self._base is None:
+            self._base = self._make_base()
+        return self._base
 
 
 class _Groups:
@@ -87,10 +95,12 @@ class RegionCascade:
         self._layout: Optional[_Groups] = None
         self._prefix: Optional[tuple[Tensor, Tensor]] = None
 
-    def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype, base: Any) -> Any:
+    def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype,
+             base: Callable[[], Any]) -> Any:
+        """A ``RegionCascadePlan``, or ``base()`` (the base kernel's plan) for a step without a group."""
         pm = cache.prefix_cols
         if not pm or window <= pm:
-            return base
+            return base()
         key = (cache.version, slots, dtype)
         if key != self._key:
             self._key, self._layout, self._prefix = key, None, None
@@ -104,7 +114,7 @@ class RegionCascade:
                 hkv = cache.num_kv_heads
                 self._prefix = (kv, m[:, None].expand(layout.runs, hkv, pm).reshape(layout.runs * hkv, 1, pm))
         if self._layout is None:
-            return base
+            return base()
         hkv = cache.num_kv_heads
         if cache.step_column is not None:  # every slot at the window's last column: no response column hidden
             suffix = torch.zeros((1, 1, 1), dtype=dtype, device=pos.device)
