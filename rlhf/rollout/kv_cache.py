@@ -153,12 +153,13 @@ class PagedKVCache:
 
     def align(self, slots: list[int], prompt_lens: list[int], groups: list[int]) -> None:
         """Aligned mode: slots ``slots`` start prompts of ``prompt_lens`` tokens (before their prefill),
-        prefilled as units ``groups`` (slots of one unit hold identical prompt K/V)."""
+        prefilled as units ``groups`` (slots of one unit hold identical prompt K/V). A prompt longer than
+        ``prefix_cols`` keeps positions as columns and no group (its response starts later)."""
         if not self.prefix_cols or not slots:
             return
-        shifts = [self.prefix_cols - n for n in prompt_lens]
-        for s, sh, g in zip(slots, shifts, groups):
-            self.shift_host[s], self.group[s] = sh, g
+        shifts = [max(0, self.prefix_cols - n) for n in prompt_lens]
+        for s, sh, g, n in zip(slots, shifts, groups, prompt_lens):
+            self.shift_host[s], self.group[s] = sh, (g if n <= self.prefix_cols else -1)
         dev = self.shift.device
         self.shift[torch.tensor(slots, device=dev)] = torch.tensor(shifts, dtype=torch.int64, device=dev)
         self.version += 1

@@ -173,12 +173,14 @@ class GenerateRun(TurnSteps):
             self._decode_step()
         return self._finish(time.perf_counter() - t_start)
 
+    aligns_prompts = True  # a run whose prompts are known at the start (StreamRun's arrive later)
+
     def _aligned_prefix(self, n: int, vision: Any) -> int:
         """Prompt columns of the aligned contiguous cache (``rlhf.rollout.region_cascade``: a GRPO group's
         prompt read once per decode step), or 0 (positions are columns). Only where nothing reads the
         cache by positions: no speculative verify, VLM or chunked prefill; eager decode."""
         s = self.s
-        if (n < 2 or not getattr(self.cache.attention, "aligns", False) or vision is not None or s.static_shapes
+        if (n < 2 or not self.aligns_prompts or not getattr(self.cache.attention, "aligns", False) or vision is not None or s.static_shapes
                 or getattr(s.speculative, "enable", False) or max(self.prompt_lens) > s.prefill_tokens):
             return 0
         return max(self.prompt_lens)

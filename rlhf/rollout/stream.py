@@ -78,6 +78,8 @@ class StreamDriver(Protocol):
 class StreamRun(GenerateRun):
     """See the module docstring. ``sampler`` must already hold ``version``'s weights."""
 
+    aligns_prompts = False  # prompts arrive later: no aligned slot regions (rlhf.rollout.region_cascade)
+
     def __init__(self, sampler: Any, params: SamplingParams, groups: int, driver: StreamDriver, *,
                  max_prompt_len: int, partial_rollout: bool = True, kv: str = "recompute", version: int = 0,
                  turns: Optional[TurnHandler] = None):

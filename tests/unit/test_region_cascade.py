@@ -91,5 +91,7 @@ def test_aligned_cache_columns_and_moves():
     c.write(0, 6, torch.full((2, 2, 2), 9.0))
     c.move([1], [2])
     assert c.shift_host[2] == 0 and c.group[2] == 1 and c.group[1] == -1 and c.shift[2] == 0
+    c.align([3], [9], [5])  # longer than prefix_cols: positions as columns, in no group
+    assert c.shift_host[3] == 0 and c.group[3] == -1
     regions = c.regions()[0]  # [2, S, Hkv, T, D]
     assert regions[0, 2, 0, 5].tolist() == [10.0, 11.0] and regions[0, 2, 0, 6].tolist() == [9.0, 9.0]
