@@ -94,6 +94,7 @@ class RegionCascade:
         self._key: Optional[tuple] = None
         self._layout: Optional[_Groups] = None
         self._prefix: Optional[tuple[Tensor, Tensor]] = None
+        self._zero: Optional[Tensor] = None  # the response mask when no column is hidden
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype,
              base: Callable[[], Any]) -> Any:
@@ -117,7 +118,10 @@ class RegionCascade:
             return base()
         hkv = cache.num_kv_heads
         if cache.step_column is not None:  # every slot at the window's last column: no response column hidden
-            suffix = torch.zeros((1, 1, 1), dtype=dtype, device=pos.device)
+            if self._zero is None or self._zero.dtype != dtype or self._zero.device != pos.device:
+                with torch.inference_mode(False):  # kept across steps, some of them outside inference mode
+                    self._zero = torch.zeros((1, 1, 1), dtype=dtype, device=pos.device)
+            suffix = self._zero
         else:
             cols = (pos + cache.shift[:slots])[:, None]  # [B, 1] each slot's current column
             hidden = torch.arange(pm, window, device=pos.device)[None, :] > cols
