@@ -65,9 +65,9 @@ def main() -> None:
                "off_ms": med["off"] * 1e3, "on_ms": med["on"] * 1e3, "speedup": med["off"] / med["on"],
                "speedup_best": min(times["off"]) / min(times["on"]), "logp_max_diff": diff}
         rows.append(row)
-        print(f"{len(prompts):3d} x {n}  stop {stop!s:4s}  mean len {row['mean_len']:5.1f}  off {row['off_ms']:7.1f} ms  "
-              f"on {row['on_ms']:7.1f} ms  speedup {row['speedup']:.3f} (best {row['speedup_best']:.3f})  "
-              f"logp diff {diff:.1e}", flush=True)
+        print(f"{len(prompts):3d} x {n}  stop {stop!s:4s}  mean len {row['mean_len']:5.1f}  "
+              f"off {row['off_ms']:7.1f} ms  on {row['on_ms']:7.1f} ms  "
+              f"speedup {row['speedup']:.3f} (best {row['speedup_best']:.3f})  logp diff {diff:.1e}", flush=True)
     print(json.dumps({"bench": "region_cascade", "load": os.getloadavg()[0], "rows": rows}))
 
 

@@ -180,8 +180,9 @@ class GenerateRun(TurnSteps):
         prompt read once per decode step), or 0 (positions are columns). Only where nothing reads the
         cache by positions: no speculative verify, VLM or chunked prefill; eager decode."""
         s = self.s
-        if (n < 2 or not self.aligns_prompts or not getattr(self.cache.attention, "aligns", False) or vision is not None or s.static_shapes
-                or getattr(s.speculative, "enable", False) or max(self.prompt_lens) > s.prefill_tokens):
+        if (n < 2 or not self.aligns_prompts or not getattr(self.cache.attention, "aligns", False)
+                or vision is not None or s.static_shapes or getattr(s.speculative, "enable", False)
+                or max(self.prompt_lens) > s.prefill_tokens):
             return 0
         return max(self.prompt_lens)
 
@@ -415,8 +416,9 @@ class GenerateRun(TurnSteps):
         if self.cache.prefix_cols:  # aligned cache: columns [0, max column]; one column for all: step_column
             steps = self.stats["decode_steps"]
             cols = list(map(sum, zip(self.pos_base[:b], self.cache.shift_host[:b])))
-            need = max(cols) + steps + 1
-            self.cache.step_column = need - 1 if min(cols) + steps == need - 1 else None
+            lo, hi = min(cols), max(cols)
+            need = hi + steps + 1
+            self.cache.step_column = hi + steps if lo == hi else None
         else:
             need = max(self.pos_base[:b]) + self.stats["decode_steps"] + 1  # positions [0, max pos]
         window = min(self.cache.max_seq_len, need)
