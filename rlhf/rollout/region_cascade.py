@@ -30,12 +30,18 @@ import torch
 from torch import Tensor
 
 
+# The groups' prompt K/V of every layer is copied once per layout (a contiguous [runs * Hkv, pm, D] per
+# layer for the batched matmul) up to this size; above it each layer gathers its own at each step.
+PREFIX_COPY_BYTES = 64 << 20
+
+
 class RegionCascadePlan:
     """Per-step data: groups ``[runs, n]`` (``uniform``: runs of consecutive slots; else ``qidx``
     ``[runs * n]`` the slot of each query row, padding rows repeating the group's first slot, and
     ``row_of`` ``[B]`` each slot's row), the prompt columns ``pm``, the step's column window, the
     response-column mask ``[B * Hkv, 1, W - pm]`` (or ``[1, 1, 1]`` zeros), the groups' prompt K/V
-    ``[L, 2, runs * Hkv, pm, D]`` with its mask ``[runs * Hkv, 1, pm]``, and the base kernel's plan
+    ``[L, 2, runs * Hkv, pm, D]`` (None: gathered per layer) with its mask ``[runs * Hkv, 1, pm]``, and
+    the base kernel's plan
     (made on first use: only layers with a sliding window, soft-cap or sinks read it)."""
 
     def __init__(self, base: Callable[[], Any], layout: "_Groups", pm: int, window: int, suffix_mask: Tensor,
@@ -43,7 +49,7 @@ class RegionCascadePlan:
         self._make_base, self._base = base, None
         self.pm, self.window, self.suffix_mask = pm, window, suffix_mask
         self.n, self.runs, self.uniform = layout.n, layout.runs, layout.uniform
-        self.qidx, self.row_of = layout.qidx, layout.row_of
+        self.qidx, self.row_of, self.leads = layout.qidx, layout.row_of, layout.leads
         self.prefix_kv, self.prefix_mask = prefix
 
     @property
@@ -93,7 +99,7 @@ class RegionCascade:
     def __init__(self) -> None:
         self._key: Optional[tuple] = None
         self._layout: Optional[_Groups] = None
-        self._prefix: Optional[tuple[Tensor, Tensor]] = None
+        self._prefix: Optional[tuple[Optional[Tensor], Tensor]] = None
         self._zero: Optional[Tensor] = None  # the response mask when no column is hidden
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype,
@@ -109,10 +115,13 @@ class RegionCascade:
             if members is not None:
                 self._layout = layout = _Groups(members, pos.device)
                 # the leads' prompt columns of every layer, [L, 2, runs * Hkv, pm, D], and their hidden columns
-                kv = cache.regions()[:, :, :, :, :pm].index_select(2, layout.leads).flatten(2, 3).contiguous()
+                hkv = cache.num_kv_heads
+                size = 2 * cache.num_layers * layout.runs * hkv * pm * cache.head_dim * cache.kv.element_size()
+                kv = None
+                if size <= PREFIX_COPY_BYTES:
+                    kv = cache.regions()[:, :, :, :, :pm].index_select(2, layout.leads).flatten(2, 3).contiguous()
                 hidden = torch.arange(pm, device=pos.device)[None, :] < cache.shift[layout.leads][:, None]
                 m = torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
-                hkv = cache.num_kv_heads
                 self._prefix = (kv, m[:, None].expand(layout.runs, hkv, pm).reshape(layout.runs * hkv, 1, pm))
         if self._layout is None:
             return base()
@@ -134,7 +143,10 @@ class RegionCascade:
         """``q`` ``[B, Hkv, G, D]`` -> ``[B, Hkv, G, D]`` for a layer without sliding window, soft-cap or sinks."""
         b, hkv, g, d = q.shape
         n, runs, pm, w = plan.n, plan.runs, plan.pm, plan.window
-        kp, vp = plan.prefix_kv[layer].unbind(0)  # [runs * Hkv, pm, D]
+        if plan.prefix_kv is not None:
+            kp, vp = plan.prefix_kv[layer].unbind(0)  # [runs * Hkv, pm, D]
+        else:
+            kp, vp = cache.regions()[layer, :, :, :, :pm].index_select(1, plan.leads).flatten(1, 2).unbind(0)
         kv = cache.regions()[layer, :, :b, :, pm:w].flatten(1, 2)  # [2, B * Hkv, W - pm, D] views
         rows = q if plan.uniform else q.index_select(0, plan.qidx)  # [runs * n, Hkv, G, D]
         qr = rows.reshape(runs, n, hkv, g, d).transpose(1, 2).reshape(runs * hkv, n * g, d)

@@ -9,6 +9,7 @@ import torch
 
 from rlhf.rollout import SamplingParams
 from rlhf.rollout.kv_cache import PagedKVCache
+from rlhf.rollout import region_cascade
 from rlhf.rollout.region_cascade import RegionCascade, group_members
 from tests.unit.test_cascade_attention import MIXED
 from tests.unit.test_sampler import _sampler
@@ -34,22 +35,24 @@ def _pair(kind: str, **kw):
     return _sampler(kind, **kw), off
 
 
-@pytest.mark.parametrize("case", ["grpo", "stops", "refill"])
+@pytest.mark.parametrize("case", ["grpo", "stops", "refill", "no_prefix_copy"])
 def test_same_tokens_as_the_unaligned_cache(case, monkeypatch):
     """grpo: every slot in a run of its prompt's samples, one column per step; stops: finished samples
     compacted away (groups no longer runs: gathered query rows); refill: 7 slots for 20 samples
     (groups of unequal size, slots at different columns: masked response columns)."""
-    stop = [15] if case != "grpo" else []
+    stop = [15] if case in ("stops", "refill") else []
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3, stop_token_ids=stop)
     on, off = _pair("qwen2", **({"max_num_seqs": 7} if case == "refill" else {}))
     calls = _counting(monkeypatch)
+    if case == "no_prefix_copy":  # the groups' prompt K/V gathered per layer instead of copied once
+        monkeypatch.setattr(region_cascade, "PREFIX_COPY_BYTES", 0)
     a, b = on.generate(MIXED, params), off.generate(MIXED, params)
     assert on.cache.prefix_cols == max(map(len, MIXED)) and off.cache.prefix_cols == 0
     assert on.cache.contiguous and off.cache.contiguous
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_lengths, b.response_lengths)
     torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=0)
     assert calls["attend"] > 0
-    if case != "grpo":
+    if case in ("stops", "refill"):
         assert (a.response_lengths < 12).any() and a.stats["compaction_moves"] > 0 and calls["gathered"] > 0
     if case == "refill":
         assert calls["masked"] > 0
