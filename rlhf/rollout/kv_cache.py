@@ -151,6 +151,16 @@ class PagedKVCache:
         self.table.fill_(self.scratch)  # (contiguous mode addresses slot regions, not the table)
         self._regions = self._region_view() if self.contiguous else None
 
+    _units = 0  # prefill units handed out in this process (new_units)
+
+    @staticmethod
+    def new_units(k: int) -> int:
+        """The first of ``k`` fresh prefill-unit ids, unique in the process: the aligned mode's groups, by
+        which a decode kernel may keep a group's prompt K/V across steps and compactions."""
+        first = PagedKVCache._units
+        PagedKVCache._units += k
+        return first
+
     def align(self, slots: list[int], prompt_lens: list[int], groups: list[int]) -> None:
         """Aligned mode: slots ``slots`` start prompts of ``prompt_lens`` tokens (before their prefill),
         prefilled as units ``groups`` (slots of one unit hold identical prompt K/V). A prompt longer than

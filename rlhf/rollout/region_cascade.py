@@ -76,30 +76,33 @@ class _Groups:
             self.row_of = t(row_of)
 
 
-def group_members(groups: list[int]) -> Optional[list[list[int]]]:
-    """The live slots of each prefill unit (``groups``: the unit of each slot), in slot order; None
-    when no unit has two live slots or padding the groups to the largest would more than double
-    the rows."""
+def group_members(groups: list[int]) -> Optional[tuple[list[int], list[list[int]]]]:
+    """The prefill units of the live slots (``groups``: the unit of each slot), ascending, and each one's
+    slots in slot order; None when no unit has two live slots or padding the groups to the largest would
+    more than double the rows."""
     members: dict[int, list[int]] = {}
     for slot, g in enumerate(groups):
         if g < 0:
             return None
         members.setdefault(g, []).append(slot)
-    out = list(members.values())
+    ids = sorted(members)
+    out = [members[g] for g in ids]
     n = max(map(len, out), default=0)
     if n < 2 or len(out) * n > 2 * len(groups):
         return None
-    return out
+    return ids, out
 
 
 class RegionCascade:
     """Plans and attends the shared-prompt steps of an aligned cache (module docstring). It keeps the
-    groups' prompt K/V across steps: those columns are written only by prefills, which re-align slots."""
+    groups' prompt K/V across steps while the same prefill units are live (unit ids are unique in the
+    process, ``PagedKVCache.new_units``; a unit's prompt columns are written once, by its prefill)."""
 
     def __init__(self) -> None:
         self._key: Optional[tuple] = None
         self._layout: Optional[_Groups] = None
         self._prefix: Optional[tuple[Optional[Tensor], Tensor]] = None
+        self._prefix_key: Optional[tuple] = None
         self._zero: Optional[Tensor] = None  # the response mask when no column is hidden
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype,
@@ -110,10 +113,13 @@ class RegionCascade:
             return base()
         key = (cache.version, slots, dtype)
         if key != self._key:
-            self._key, self._layout, self._prefix = key, None, None
-            members = group_members(cache.group[:slots])
-            if members is not None:
-                self._layout = layout = _Groups(members, pos.device)
+            self._key, self._layout = key, None
+            found = group_members(cache.group[:slots])
+            if found is not None:
+                self._layout = layout = _Groups(found[1], pos.device)
+            pkey = None if found is None else (tuple(found[0]), pm, dtype)
+            if pkey is not None and pkey != self._prefix_key:
+                self._prefix_key = pkey
                 # the leads' prompt columns of every layer, [L, 2, runs * Hkv, pm, D], and their hidden columns
                 hkv = cache.num_kv_heads
                 size = 2 * cache.num_layers * layout.runs * hkv * pm * cache.head_dim * cache.kv.element_size()

@@ -103,7 +103,6 @@ class GenerateRun(TurnSteps):
         shares = s.prefix_sharing and wants_paged is not None and wants_paged(self.prompt_lens, n, self.cache.block_size)
         self.cache.start(contiguous=s.slot_regions and turns is None and not self.cache.attention.in_place
                          and not shares, prefix_cols=self._aligned_prefix(n, vision))
-        self.units_seen = 0  # prefill units so far: the aligned cache's group ids
         self.share_prefix = s.prefix_sharing and not self.cache.contiguous
         seq = torch.arange(N, device=dev)
         keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)
@@ -235,9 +234,10 @@ class GenerateRun(TurnSteps):
                 units.append(tokens)
                 self.unit_prompt.append(q // n)
             slot_unit.append(unit_of[key])
-        self.cache.align(list(range(a, a + m)), [self.prompt_lens[q // n] for q in seqs],
-                         [self.units_seen + u for u in slot_unit])
-        self.units_seen += len(units)
+        if self.cache.prefix_cols:  # the aligned cache's groups: process-unique prefill-unit ids
+            first = self.cache.new_units(len(units))
+            self.cache.align(list(range(a, a + m)), [self.prompt_lens[q // n] for q in seqs],
+                             [first + u for u in slot_unit])
         logits = torch.empty((len(units), s.spec.vocab_size), dtype=torch.float32, device=dev)
         slot_unit_t = torch.tensor(slot_unit, dtype=torch.int64, device=dev)
         for chunk in self._prefill_chunks(units):

@@ -73,8 +73,8 @@ def test_sliding_window_and_softcap_layers_run_the_base_kernel(monkeypatch):
 
 
 def test_group_members():
-    assert group_members([3, 3, 7, 7, 1, 1]) == [[0, 1], [2, 3], [4, 5]]
-    assert group_members([0, 1, 0, 2, 1, 0]) == [[0, 2, 5], [1, 4], [3]]
+    assert group_members([3, 3, 7, 7, 1, 1]) == ([1, 3, 7], [[4, 5], [0, 1], [2, 3]])
+    assert group_members([0, 1, 0, 2, 1, 0]) == ([0, 1, 2], [[0, 2, 5], [1, 4], [3]])
     assert group_members([0, 1, 2]) is None  # no group of two
     assert group_members([0, 0, 0, 0, 1, 2, 3]) is None  # 4 groups x 4 rows > 2 x 7
     assert group_members([0, -1]) is None
