@@ -30,8 +30,9 @@ import torch
 from torch import Tensor
 
 
-# The groups' prompt K/V of every layer is copied once per layout (a contiguous [runs * Hkv, pm, D] per
-# layer for the batched matmul) up to this size; above it each layer gathers its own at each step.
+# The groups' prompt K/V of every layer is copied once per set of live groups (a contiguous
+# [runs * Hkv, pm, D] per layer for the batched matmul) up to this size; above it each layer gathers
+# its own at each step.
 PREFIX_COPY_BYTES = 64 << 20
 
 
@@ -41,11 +42,11 @@ class RegionCascadePlan:
     ``row_of`` ``[B]`` each slot's row), the prompt columns ``pm``, the step's column window, the
     response-column mask ``[B * Hkv, 1, W - pm]`` (or ``[1, 1, 1]`` zeros), the groups' prompt K/V
     ``[L, 2, runs * Hkv, pm, D]`` (None: gathered per layer) with its mask ``[runs * Hkv, 1, pm]``, and
-    the base kernel's plan
-    (made on first use: only layers with a sliding window, soft-cap or sinks read it)."""
+    the base kernel's plan (made on first use: only layers with a sliding window, soft-cap or sinks
+    read it)."""
 
     def __init__(self, base: Callable[[], Any], layout: "_Groups", pm: int, window: int, suffix_mask: Tensor,
-                 prefix: tuple[Tensor, Tensor]) -> None:
+                 prefix: tuple[Optional[Tensor], Tensor]) -> None:
         self._make_base, self._base = base, None
         self.pm, self.window, self.suffix_mask = pm, window, suffix_mask
         self.n, self.runs, self.uniform = layout.n, layout.runs, layout.uniform
