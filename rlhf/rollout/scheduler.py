@@ -177,9 +177,11 @@ class GenerateRun(TurnSteps):
     def _aligned_prefix(self, n: int, vision: Any) -> int:
         """Prompt columns of the aligned contiguous cache (``rlhf.rollout.region_cascade``: a GRPO group's
         prompt read once per decode step), or 0 (positions are columns). Only where nothing reads the
-        cache by positions: no speculative verify, VLM or chunked prefill; eager decode."""
+        cache by positions: no speculative verify, VLM or chunked prefill; eager decode. fp32 only: in
+        bf16 / fp16 the split prompt / response sum of the attention output adds a rounding step."""
         s = self.s
         if (n < 2 or not self.aligns_prompts or not getattr(self.cache.attention, "aligns", False)
+                or s.dtype != torch.float32
                 or vision is not None or s.static_shapes or getattr(s.speculative, "enable", False)
                 or max(self.prompt_lens) > s.prefill_tokens):
             return 0

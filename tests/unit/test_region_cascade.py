@@ -130,3 +130,12 @@ def test_kernel_equals_the_gather_kernel_on_aligned_regions(order):
         q = torch.randn(8, 2, 3, 8)
         torch.testing.assert_close(RegionCascade.attend(c, layer, q, plan, p),
                                    GatherAttention().attend(c, layer, q, ref_plan, p), atol=1e-6, rtol=1e-6)
+
+
+def test_bf16_and_single_sample_calls_keep_positions_as_columns():
+    s = _sampler("qwen2", dtype=torch.bfloat16)  # split prompt / response sums would add a bf16 rounding
+    s.generate(MIXED[:2], SamplingParams(n=2, temperature=0.0, max_new_tokens=2))
+    assert s.cache.contiguous and s.cache.prefix_cols == 0
+    s = _sampler("qwen2")
+    s.generate(MIXED[:2], SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert s.cache.contiguous and s.cache.prefix_cols == 0
