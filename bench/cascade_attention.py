@@ -2,12 +2,13 @@
 
     python bench/cascade_attention.py                  # CPU, --clock cpu (1 thread) by default
     python bench/cascade_attention.py --quick          # prompts 256 and 2048 only
+    python bench/cascade_attention.py --device cuda --dtype bfloat16 --clock wall   # a GPU (synchronised)
 
 A GRPO batch of ``--prompts`` prompts x n samples decodes with the prompt's K/V shared by the n
 samples (full blocks of 16 positions, ``PagedKVCache.share``) and each sample's own response so
 far (uniform in ``[0, --response)`` positions, i.e. mid-response on average). One decode step's
 attention = the kernel's per-step plan + ``--layers`` calls of its ``attend`` (attention shapes of
-the 100M model of bench/sampler.py: 12 query heads, 2 kv heads, head dim 64; fp32). Kernels:
+the 100M model of bench/sampler.py: 12 query heads, 2 kv heads, head dim 64; fp32, or ``--dtype``). Kernels:
 
 * ``regions``: today's CPU default when the budget holds every slot (slot regions read in place);
 * ``gather``: today's paged kernel (each slot's window copied per layer, prompt blocks n times);
@@ -42,13 +43,14 @@ from rlhf.rollout.paged_attention import GatherAttention  # noqa: E402
 BS, HQ, HKV, D = 16, 12, 2, 64
 
 
-def caches(prompts: int, n: int, plen: int, resp: int, seed: int) -> tuple[PagedKVCache, PagedKVCache, torch.Tensor]:
+def caches(prompts: int, n: int, plen: int, resp: int, seed: int, device: str = "cpu",
+           dtype: torch.dtype = torch.float32) -> tuple[PagedKVCache, PagedKVCache, torch.Tensor]:
     """A paged cache with each prompt's full blocks shared by its n samples, the same K/V in a
     contiguous (slot regions) cache, and the slots' current positions ``[B]``."""
     g = torch.Generator().manual_seed(seed)
     b, max_len = prompts * n, plen + resp
     pos = plen + torch.randint(0, resp, (b,), generator=g)
-    kw = dict(block_size=BS, dtype=torch.float32, device=torch.device("cpu"))
+    kw = dict(block_size=BS, dtype=dtype, device=torch.device(device))
     paged = PagedKVCache(1, b * -(-max_len // BS), b, HKV, max_len, D, **kw)
     paged.start(contiguous=False)
     full = plen // BS
@@ -57,18 +59,18 @@ def caches(prompts: int, n: int, plen: int, resp: int, seed: int) -> tuple[Paged
         paged.grow([lead], [int(pos[lead]) + 1])
         paged.share(lead, list(range(lead + 1, lead + n)), full)
         paged.grow(list(range(lead + 1, lead + n)), [int(p) + 1 for p in pos[lead + 1: lead + n]])
-    paged.kv.normal_(generator=g)
+    paged.kv.copy_(torch.randn(paged.kv.shape, generator=g))
     regions = PagedKVCache(1, b * -(-max_len // BS), b, HKV, max_len, D, **kw)
     regions.start(contiguous=True)
     k, v = paged.view(0, torch.arange(b), max_len)  # [B, Hkv, T, D] each, read through the block table
     r = regions.regions()[0]  # [2, S, Hkv, T, D]
     r[0, :, :, :max_len], r[1, :, :, :max_len] = k, v
-    return paged, regions, pos
+    return paged, regions, pos.to(device)
 
 
 def step_time(kernel, cache, pos, q, layers: int, clock) -> tuple[float, torch.Tensor]:
     t = clock()
-    plan = kernel.plan(cache, pos.shape[0], pos, int(pos.max()) + 1, torch.float32)
+    plan = kernel.plan(cache, pos.shape[0], pos, int(pos.max()) + 1, q.dtype)
     for _ in range(layers):
         out = kernel.attend(cache, 0, q, plan, P)
     return clock() - t, out
@@ -113,19 +115,24 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="prompts 256 and 2048, 3 repeats")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (then --clock wall, synchronised)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--sampler", action="store_true", help="also whole generate calls of the tiny model")
     ap.add_argument("--new", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    dtype = getattr(torch, args.dtype)
+    if args.device == "cuda":  # kernels launch asynchronously: a step ends when the GPU has finished it
+        clock = lambda: (torch.cuda.synchronize(), time.perf_counter())[1]  # noqa: E731
     lens = [256, 2048] if args.quick else [int(x) for x in args.prompt_lens.split(",")]
     repeats = 3 if args.quick else args.repeats
     kernels = {"regions": GatherAttention(), "gather": GatherAttention(), "cascade": CascadeAttention()}
     rows = []
     for n in (int(x) for x in args.ns.split(",")):
         for plen in lens:
-            paged, regions, pos = caches(args.prompts, n, plen, args.response, seed=plen + n)
-            q = torch.randn(pos.shape[0], HKV, HQ // HKV, D)
+            paged, regions, pos = caches(args.prompts, n, plen, args.response, plen + n, args.device, dtype)
+            q = torch.randn(pos.shape[0], HKV, HQ // HKV, D).to(args.device, dtype)
             times: dict[str, list[float]] = {k: [] for k in kernels}
             outs = {}
             for _ in range(repeats + 1):  # the first round warms the buffers up
@@ -138,8 +145,8 @@ def main() -> None:
                    **{f"{k}_ms": round(v, 3) for k, v in med.items()},
                    "vs_regions": round(med["regions"] / med["cascade"], 2),
                    "vs_gather": round(med["gather"] / med["cascade"], 2),
-                   "max_abs_diff": float((outs["cascade"] - outs["gather"]).abs().max()),
-                   "regions_diff": float((outs["regions"] - outs["gather"]).abs().max())}
+                   "max_abs_diff": float((outs["cascade"] - outs["gather"]).float().abs().max()),
+                   "regions_diff": float((outs["regions"] - outs["gather"]).float().abs().max())}
             rows.append(row)
             print(f"n={n:3d} prompt={plen:5d} slots={row['slots']:3d}  attention ms/step: regions {med['regions']:8.2f}"
                   f"  gather {med['gather']:8.2f}  cascade {med['cascade']:8.2f}  speed-up vs regions "
@@ -147,7 +154,7 @@ def main() -> None:
                   flush=True)
             del paged, regions
     sampler_rows = []
-    if args.sampler:
+    if args.sampler and args.device == "cpu":
         for n in (int(x) for x in args.ns.split(",")):
             r = sampler_case(n, 1024, args.new, repeats, clock)
             sampler_rows.append(r)
@@ -155,7 +162,7 @@ def main() -> None:
                   f"({r['speedup']:.2f}x)  same tokens {r['same_tokens']}  max|dlogp| {r['max_logprob_diff']:.1e}",
                   flush=True)
     print(json.dumps({"bench": "cascade_attention", "sampler": sampler_rows, "layers": args.layers, "prompts": args.prompts,
-                      "response": args.response, "clock": args.clock, "threads": args.threads,
+                      "response": args.response, "clock": args.clock, "device": args.device, "dtype": args.dtype, "threads": args.threads,
                       "heads": [HQ, HKV, D], "block_size": BS, "rows": rows}))
 
 

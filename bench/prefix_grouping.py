@@ -2,6 +2,7 @@
 
     python bench/prefix_grouping.py                  # prompt 1024, response 128, n 8; a few minutes on 2 cores
     python bench/prefix_grouping.py --prompt 256 --groups 4 --repeats 2
+    python bench/prefix_grouping.py --device cuda --hidden 1024 --layers 8 --clock wall   # one GPU (nccl)
 
 A 1-process ``PolicyWorker`` (gloo, CPU, fp32) on the project's tiny Qwen2 model
 (``rlhf.models.tiny``, ``--hidden`` / ``--layers``), ``model.use_remove_padding``. A GRPO batch of
@@ -66,23 +67,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared CPU)")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl, timings synchronised)")
+    ap.add_argument("--bf16", action="store_true", help="model.mixed_precision (bf16 compute)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     clock = time.perf_counter if a.clock == "wall" else time.process_time
+    cuda = a.device == "cuda"
+    if cuda:  # kernels launch asynchronously: a pass ends when the GPU has finished it
+        clock = lambda: (torch.cuda.synchronize(), time.perf_counter())[1]  # noqa: E731
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp()
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0,
+                            world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(a.device, (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
     path = write_tiny_model(os.path.join(tmp, "model"), hidden_size=a.hidden, num_layers=a.layers,
                             intermediate_size=3 * a.hidden, max_positions=a.prompt + a.response + 8)
     N = a.groups * a.n
     actor = ActorConfig(lr=1e-5, ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=a.micro, weight_decay=0.0)
-    worker = PolicyWorker(ModelConfig(path=str(path), use_remove_padding=True, mixed_precision=False,
-                                      prefix_grouping=True), mesh, torch.device("cpu"), actor_cfg=actor,
+    worker = PolicyWorker(ModelConfig(path=str(path), use_remove_padding=True, mixed_precision=a.bf16,
+                                      prefix_grouping=True), mesh, torch.device(a.device), actor_cfg=actor,
                           total_steps=100)
-    batch = grpo_batch(a.groups, a.n, a.prompt, a.response, worker.hf_config.vocab_size)
+    # on the device, as the sampler's batches are (the packed layouts' plans follow the batch's device)
+    batch = grpo_batch(a.groups, a.n, a.prompt, a.response, worker.hf_config.vocab_size).to(torch.device(a.device))
     times = {k: {False: [], True: []} for k in ("logprob", "update")}
     lps = {}
     for on in (False, True):  # the same weights: the two layouts' log-probs must agree
@@ -102,7 +110,8 @@ def main(argv=None) -> dict:
                 times["logprob"][on].append(t_lp)
                 times["update"][on].append(t_up)
     med = {k: {on: statistics.median(v[on]) for on in (False, True)} for k, v in times.items()}
-    out = {"prompt": a.prompt, "response": a.response, "n": a.n, "groups": a.groups, "micro": a.micro,
+    out = {"device": a.device, "bf16": a.bf16, "prompt": a.prompt, "response": a.response, "n": a.n,
+           "groups": a.groups, "micro": a.micro,
            "hidden": a.hidden, "layers": a.layers, "clock": a.clock, "load": os.getloadavg()[0],
            "logprob_off_s": med["logprob"][False], "logprob_on_s": med["logprob"][True],
            "logprob_speedup": med["logprob"][False] / med["logprob"][True],

@@ -59,7 +59,7 @@ class PrefixPlan:
         resp_cu: ``[S+1]`` int32 boundaries of the non-empty responses inside ``[Tp, T)`` (relative to Tp).
         key_index: ``[Tk]`` int64 packed rows of each response's keys: its prompt's rows, then its own.
         key_cu: ``[S+1]`` int32 boundaries of those key lists; ``resp_max`` / ``key_max`` the longest.
-        sdpa_args: what :meth:`sdpa_plan` builds the bucketed-SDPA plan from (on first use: a
+        sdpa_args: what :meth:`sdpa_plan` builds the bucketed-SDPA plan from, host copies (on first use: a
             varlen kernel needs none of it).
     """
 
@@ -79,11 +79,11 @@ class PrefixPlan:
         key_pos [n_b, 1, Lq]`` (the last key index each query may see), ``valid [n_b*Lq], (n_b, Lq, Lk))``;
         and the ``[Tr]`` inverse that restores the response order. Built once per forward."""
         if self._sdpa is None:
-            q_starts, q_lens, k_lens, k_prompt, ratio = self.sdpa_args
+            q_starts, q_lens, k_lens, k_prompt, ratio, key_index, key_cu, prompt_cu = self.sdpa_args  # host copies
             dev = self.key_index.device
-            buckets, inverse = _response_buckets(q_starts, q_lens, self.key_cu.tolist(), k_lens, k_prompt,
-                                                 self.key_index.cpu(), self.n_prompt, ratio, dev)
-            self._sdpa = (build_varlen_plan(self.prompt_cu, ratio), buckets, inverse)
+            buckets, inverse = _response_buckets(q_starts, q_lens, key_cu.tolist(), k_lens, k_prompt, key_index,
+                                                 self.n_prompt, ratio, dev)
+            self._sdpa = (build_varlen_plan(prompt_cu, ratio, device=dev), buckets, inverse)
         return self._sdpa
 
     def attend(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -139,7 +139,10 @@ def group_by_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, respo
     B, L = input_ids.shape
     P = L - int(response_length)
     dev = input_ids.device
-    mask = attention_mask.bool()
+    # Index arithmetic over a [B, L] batch, done on the host and moved once: on a GPU, torch.unique over
+    # rows and the per-row reads below were 2.6x the host time of the pass they shorten (H200 profile,
+    # docs/benchmarks.md).
+    input_ids, mask = input_ids.cpu(), attention_mask.bool().cpu()
     group, reps = _group_ids(input_ids, mask, P)  # [B], [G]
     pmask = mask[:, :P]
     p_len = pmask.sum(-1)  # [B]
@@ -149,7 +152,7 @@ def group_by_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, respo
     rmask = mask[:, P:]
     r_len = rmask.sum(-1)  # [B]
     # Packed row of every real padded position: prompt columns -> their group's copy, response -> own.
-    inverse = torch.full((B, L), -1, dtype=torch.int64, device=dev)
+    inverse = torch.full((B, L), -1, dtype=torch.int64)
     p_rank = torch.cumsum(pmask.long(), -1) - 1
     inverse[:, :P] = torch.where(pmask, g_start[group][:, None] + p_rank, -1)
     r_rows = Tp + torch.cumsum(rmask.flatten().long(), 0).view(B, -1) - 1
@@ -157,10 +160,10 @@ def group_by_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, respo
     flat_pos = (torch.cumsum(mask.long(), -1) - 1).flatten()
     prompt_src = torch.nonzero(pmask[reps].flatten(), as_tuple=False).flatten()  # [Tp] in [G*P]
     prompt_src = reps.repeat_interleave(P)[prompt_src] * L + prompt_src % P  # -> [B*L] indices
-    resp_src = torch.nonzero(mask.flatten() & (torch.arange(L, device=dev) >= P).repeat(B), as_tuple=False).flatten()
+    resp_src = torch.nonzero(mask.flatten() & (torch.arange(L) >= P).repeat(B), as_tuple=False).flatten()
     src = torch.cat([prompt_src, resp_src])  # [T]
-    ids = input_ids.flatten()[src][None]
-    pos = flat_pos[src][None]
+    ids = input_ids.flatten()[src][None].to(dev)
+    pos = flat_pos[src][None].to(dev)
 
     # Attention plan (host side: the boundaries are small).
     g_len_l, g_start_l, group_l = g_len.tolist(), g_start.tolist(), group.tolist()
@@ -185,9 +188,9 @@ def group_by_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, respo
     plan = PrefixPlan(n_prompt=Tp, prompt_cu=prompt_cu.to(dev), prompt_max=max(g_len_l, default=0),
                       resp_cu=resp_cu.to(dev), resp_max=max(q_lens, default=0), key_index=key_index.to(dev),
                       key_cu=key_cu.to(dev), key_max=max(key_lens, default=0),
-                      sdpa_args=(q_starts, q_lens, key_lens, kp, bucket_ratio))
+                      sdpa_args=(q_starts, q_lens, key_lens, kp, bucket_ratio, key_index, key_cu, prompt_cu))
     saved = int(p_len.sum()) - Tp
-    return GroupedRow(input_ids=ids, position_ids=pos, inverse=inverse.flatten(), plan=plan, saved=saved)
+    return GroupedRow(input_ids=ids, position_ids=pos, inverse=inverse.flatten().to(dev), plan=plan, saved=saved)
 
 
 def _cu(lens: list) -> torch.Tensor:
@@ -250,7 +253,7 @@ def resolve_mode(mode: Any, *, use_remove_padding: bool, sp: int = 1, tp: int = 
 def shared_prompt_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> int:
     """Prompt tokens a grouped row would not forward again (``sum_b P_b - sum_g P_g``), without building it."""
     P = input_ids.shape[1] - int(response_length)
-    mask = attention_mask.bool()
+    input_ids, mask = input_ids.cpu(), attention_mask.bool().cpu()  # host arithmetic, as group_by_prompt
     _, reps = _group_ids(input_ids, mask, P)
     p_len = mask[:, :P].sum(-1)
     return int(p_len.sum() - p_len[reps].sum())

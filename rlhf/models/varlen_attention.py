@@ -96,11 +96,13 @@ class VarlenPlan:
     cu_seqlens: torch.Tensor
 
 
-def build_varlen_plan(cu_seqlens: torch.Tensor, bucket_ratio: float = DEFAULT_BUCKET_RATIO) -> VarlenPlan:
+def build_varlen_plan(cu_seqlens: torch.Tensor, bucket_ratio: float = DEFAULT_BUCKET_RATIO,
+                      device: torch.device | None = None) -> VarlenPlan:
     """Group sequences of similar length into buckets.
 
     Args:
-        cu_seqlens: ``[B+1]`` cumulative lengths.
+        cu_seqlens: ``[B+1]`` cumulative lengths (a host copy avoids a device read).
+        device: where the plan's index tensors go (default: ``cu_seqlens``'s device).
         bucket_ratio: a sequence joins the current bucket while its length is at least
             ``bucket_ratio * L_b`` (``L_b`` = the bucket's longest). 1.0 gives one bucket
             per distinct length; smaller values mean fewer, more padded buckets.
@@ -110,7 +112,7 @@ def build_varlen_plan(cu_seqlens: torch.Tensor, bucket_ratio: float = DEFAULT_BU
     """
     if not 0.0 < bucket_ratio <= 1.0:
         raise ValueError(f"bucket_ratio must be in (0, 1], got {bucket_ratio}")
-    device = cu_seqlens.device
+    device = cu_seqlens.device if device is None else device
     cu = cu_seqlens.to("cpu", torch.int64)
     lens = cu[1:] - cu[:-1]  # [B]
     order = torch.argsort(lens, descending=True, stable=True).tolist()
