@@ -138,6 +138,7 @@ class GenerateRun(TurnSteps):
         self.turn_start = [0] * N  # response position where the current assistant turn began
         self.admitted = 0
         self._grow_at = 0  # first decode step at which a live slot needs another block (0: recompute)
+        self._ends = [0] * self.S  # per slot: the _grow_at bound (_reserve_next_positions)
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefill_calls": 0,
                       "prefill_tokens": 0, "prefill_padded_tokens": 0, "slot_steps": 0, "compaction_moves": 0,
                       "preemptions": 0, "recomputed_tokens": 0, "peak_blocks": 0, "turns": 0,
@@ -384,23 +385,30 @@ class GenerateRun(TurnSteps):
         steps, cache = self.stats["decode_steps"], self.cache
         if steps < self._grow_at:  # no live slot reaches the end of its last block this step
             return
-        bs, owned = cache.block_size, cache.owned
-        while True:  # plain arithmetic per slot: at batch 128 this runs on most steps of a short call
-            base = self.pos_base[:self.live]
-            # blocks_for(pos + 1) - held, pos = pos_base + steps
-            extra = [(pb + steps + bs) // bs - len(o) for pb, o in zip(base, owned)]
+        bs, owned, base, ends = cache.block_size, cache.owned, self.pos_base, self._ends
+        while True:
+            if self._grow_at == 0:  # slots were placed, moved or advanced unevenly: every slot's bound again
+                ends[:self.live] = [len(o) * bs - pb for pb, o in zip(base[:self.live], owned)]
+            # ends[i]: a lower bound of the first step at which slot i needs another block (exact but for
+            # blocks grown elsewhere, e.g. a speculative draft's); only the slots at their bound are checked,
+            # not all of them (at batch 128 this runs on most steps of a short call)
+            due = [i for i, e in enumerate(ends[:self.live]) if e <= steps]
+            extra = [(base[i] + steps + bs) // bs - len(owned[i]) for i in due]  # blocks_for(pos + 1) - held
             total = sum(e for e in extra if e > 0)
             if total <= cache.num_free:
-                short = [i for i, e in enumerate(extra) if e > 0]
+                short = [i for i, e in zip(due, extra) if e > 0]
                 cache.grow(short, [base[i] + steps + 1 for i in short])
+                for i in due:
+                    ends[i] = len(owned[i]) * bs - base[i]
                 break
+            self._grow_at = 0  # parked blocks freed or a slot preempted (compacted): recompute the bounds
             if self._evict_parked(total):
                 continue
             victim = max(range(self.live), key=lambda i: self.slot_order[i])  # the latest admitted
             self._preempt(victim)
         used = cache.num_used
         self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
-        self._grow_at = min([len(o) * bs - pb for pb, o in zip(self.pos_base[:self.live], owned)])
+        self._grow_at = min(ends[:self.live])
 
     def _preempt(self, slot: int) -> None:
         q = self.slot_seq[slot]
