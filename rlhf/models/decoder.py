@@ -269,8 +269,9 @@ def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any, routes: 
         return _residual_add(x, out, None, tp_group, lw.mlp_out_norm, eps)
     gu = F.linear(g, lw.gate_up_w, lw.gate_up_b)
     i = spec.intermediate_size
-    return _residual_linear(x, arch.gated_act(a, gu[:, :i], gu[:, i:]), lw.down_w, lw.down_b, tp_group,
-                            lw.mlp_out_norm, eps)
+    # gu is this call's own tensor: outside autograd the activation overwrites its gate half in place
+    act = arch.gated_act(a, gu[:, :i], gu[:, i:], inplace=not torch.is_grad_enabled())
+    return _residual_linear(x, act, lw.down_w, lw.down_b, tp_group, lw.mlp_out_norm, eps)
 
 
 def _heads_out(spec: DecoderSpec, a: Tensor) -> Tensor:
