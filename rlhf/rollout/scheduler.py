@@ -139,6 +139,8 @@ class GenerateRun(TurnSteps):
         self.admitted = 0
         self._grow_at = 0  # first decode step at which a live slot needs another block (0: recompute)
         self._ends = [0] * self.S  # per slot: the _grow_at bound (_reserve_next_positions)
+        # full decode steps ahead that retire no slot (no stop criteria: every slot runs to R; _retire_done)
+        self._quiet = 0
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefill_calls": 0,
                       "prefill_tokens": 0, "prefill_padded_tokens": 0, "slot_steps": 0, "compaction_moves": 0,
                       "preemptions": 0, "recomputed_tokens": 0, "peak_blocks": 0, "turns": 0,
@@ -283,6 +285,7 @@ class GenerateRun(TurnSteps):
         self.slot_order[a:b] = orders
         self.live = b
         self._grow_at = 0
+        self._quiet = 0  # the new slots may finish sooner than the bound assumed
 
     def _take_blocks(self, seqs: list[int], prefix_len: list[int]) -> None:
         """Blocks for slots ``[live, live + m)``: the fresh samples of a prompt share the prompt's
@@ -470,6 +473,9 @@ class GenerateRun(TurnSteps):
             gen += 1  # in place on the slot state
             sl.token[a:b] = tok
             sl.pos[a:b] += 1
+            if stopped is None and self._quiet > 0 and a == 0 and b == self.live:
+                self._quiet -= 1  # no live slot reaches max_new_tokens at this step: no retire check, no sync
+                return
             done = gen >= self.R if stopped is None else stopped | (gen >= self.R)
         self._retire_done(a, seq, gen, stopped, done)
 
@@ -478,7 +484,15 @@ class GenerateRun(TurnSteps):
         simulation, ``rlhf/ops/sim_rollout.py``, stops before it)."""
         with self.s.lean():
             finished = done.nonzero().squeeze(1)
-        self._retire(a, seq, gen, stopped, finished, finished.tolist())  # the one host sync of a step
+            if stopped is None and self.spec is None and a == 0 and gen.shape[0] == self.live:
+                # only max_new_tokens ends a sequence and every live slot samples once per step: the slot
+                # closest to R bounds the steps that retire nothing (_quiet; new slots reset it in _place)
+                left = torch.where(done, self.R, self.R - gen).amin().view(1)
+                host = torch.cat((finished, left)).tolist()  # the one host sync of a step
+                fin, self._quiet = host[:-1], host[-1] - 1
+            else:
+                fin = finished.tolist()  # the one host sync of a step
+        self._retire(a, seq, gen, stopped, finished, fin)
 
     def _retire(self, a: int, seq: Tensor, gen: Tensor, stopped: Tensor | None, finished: Tensor,
                 fin: list[int]) -> None:
