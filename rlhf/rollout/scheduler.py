@@ -249,7 +249,7 @@ class GenerateRun(TurnSteps):
             members = [j for j, u in enumerate(slot_unit) if u in chunk]
             rows = [chunk.index(slot_unit[j]) for j in members]
             slot_ids = torch.tensor([a + j for j in members], dtype=torch.int64, device=dev)
-            out = self._prefill(chunk, units, slot_ids, rows, [seqs[j] for j in members])
+            out = self._prefill(chunk, units, slot_ids, rows, [seqs[j] for j in members], [a + j for j in members])
             logits.index_copy_(0, torch.tensor(chunk, dtype=torch.int64, device=dev), out)
         gen0 = [self.resume_gen[q] for q in seqs]
         self._place(seqs, gen0, list(range(self.admitted, self.admitted + m)))
@@ -325,9 +325,9 @@ class GenerateRun(TurnSteps):
         return chunks
 
     def _prefill(self, chunk: list[int], units: list[list[int]], slot_ids: Tensor, rows: list[int],
-                 seqs: list[int]) -> Tensor:
-        """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids`` (output rows
-        ``seqs``, whose routes are recorded); ``rows``: the chunk position of each slot's unit."""
+                 seqs: list[int], slots: list[int]) -> Tensor:
+        """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids`` (``slots`` on the
+        host; output rows ``seqs``, whose routes are recorded); ``rows``: the chunk position of each slot's unit."""
         s, dev = self.s, self.s.device
         lens = [len(units[i]) for i in chunk]
         width, total = max(lens), sum(lens)
@@ -348,8 +348,10 @@ class GenerateRun(TurnSteps):
                                   width, ends - 1, slot_ids, rows_t, cos, sin, s.tp_group,
                                   torch.cat([u.embeds for u in mm]), deep, routes=routes)
         else:
+            # slot regions: each prompt's K/V copied into its samples' regions per run of slots (no per-row index)
+            runs = self.cache.prefill_runs(slots, rows, width)
             out = decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
-                                  slot_ids, rows_t, s.cos, s.sin, s.tp_group, routes=routes)
+                                  slot_ids, rows_t, s.cos, s.sin, s.tp_group, routes=routes, runs=runs)
         if routes is not None:  # each slot's unit: its tokens' routes from the packed forward
             r, first = stack_routes(routes), [0] + list(itertools.accumulate(lens))  # (host: no sync)
             for q, u in zip(seqs, rows):
