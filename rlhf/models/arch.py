@@ -285,12 +285,15 @@ def embed(arch: ArchSpec, table: Tensor, ids: Tensor) -> Tensor:
     return x
 
 
-def gated_act(arch: ArchSpec, gate: Tensor, up: Tensor) -> Tensor:
-    """``act(gate) * up``: SwiGLU or GeGLU (tanh-approximated gelu, ``gelu_pytorch_tanh``)."""
+def gated_act(arch: ArchSpec, gate: Tensor, up: Tensor, inplace: bool = False) -> Tensor:
+    """``act(gate) * up``: SwiGLU or GeGLU (tanh-approximated gelu, ``gelu_pytorch_tanh``). ``inplace``
+    (a caller that owns ``gate`` and records no autograd graph): the result is written into ``gate``."""
     if arch.swiglu is not None:
         return clamped_swiglu(gate, up, *arch.swiglu)
     if arch.act == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
+    if inplace:  # no [M, I] activation / product tensors: fresh pages per MLP at decode sizes
+        return F.silu(gate, inplace=True).mul_(up)
     return F.silu(gate) * up
 
 

@@ -269,8 +269,9 @@ def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any, routes: 
         return _residual_add(x, out, None, tp_group, lw.mlp_out_norm, eps)
     gu = F.linear(g, lw.gate_up_w, lw.gate_up_b)
     i = spec.intermediate_size
-    return _residual_linear(x, arch.gated_act(a, gu[:, :i], gu[:, i:]), lw.down_w, lw.down_b, tp_group,
-                            lw.mlp_out_norm, eps)
+    # gu is this call's own tensor: outside autograd the activation overwrites its gate half in place
+    act = arch.gated_act(a, gu[:, :i], gu[:, i:], inplace=not torch.is_grad_enabled())
+    return _residual_linear(x, act, lw.down_w, lw.down_b, tp_group, lw.mlp_out_norm, eps)
 
 
 def _heads_out(spec: DecoderSpec, a: Tensor) -> Tensor:
@@ -300,6 +301,7 @@ def prefill(
     embeds: Tensor | None = None,
     deepstack: Tensor | None = None,
     routes: list | None = None,
+    runs: list[tuple[int, int, int, int]] | None = None,
 ) -> Tensor:
     """Forward of P packed prompts; stores their K/V in the cache; returns last-token logits.
 
@@ -320,13 +322,14 @@ def prefill(
         deepstack: ``[L, Ttot, hidden]`` Qwen3-VL's deepstack features, added to the output of layer
             ``l < L`` (zeros off the image tokens).
         routes: a MoE's list to receive each sparse layer's top-k expert ids ``[Ttot, k]`` (routing replay).
+        runs: the slot regions' runs of ``slots`` (``PagedKVCache.prefill_runs``): K/V written per run.
     Returns:
         ``[P, V]`` float32 logits of the token after each prompt.
     """
     p, total = last_index.shape[0], input_ids.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     c, s = cos[:, positions, None], sin[:, positions, None]  # [K, Ttot, 1, R] per rope table
-    index = cache.prefill_index(slots, 0, width)  # [M * 2Hkv * width] cache rows, shared by the layers
+    index = None if runs is not None else cache.prefill_index(slots, 0, width)  # [M * 2Hkv * width], all layers
     masks = arch.Masks(None, width, input_ids.device)
     x = arch.embed(spec.arch, w.embed, input_ids) if embeds is None else embeds  # [Ttot, hidden]
     for layer, lw in enumerate(w.layers):
@@ -335,7 +338,10 @@ def prefill(
         if grid_index is not None:
             qkv = qkv.new_zeros((p * width, h + 2 * hkv, d)).index_copy_(0, grid_index, qkv)
         grid = qkv.view(p, width, -1, d).transpose(1, 2)  # [P, Hall, width, D]
-        cache.write(layer, index, grid[:, h:].index_select(0, rows))
+        if runs is not None:
+            cache.write_runs(layer, runs, grid[:, h:])
+        else:
+            cache.write(layer, index, grid[:, h:].index_select(0, rows))
         a = arch.attend(grid[:, :h], grid[:, h : h + hkv], grid[:, h + hkv :], masks, la)  # [P, H, width, D]
         a = _heads_out(spec, a.transpose(1, 2)).reshape(p * width, -1)
         if grid_index is not None:

@@ -138,6 +138,9 @@ class GenerateRun(TurnSteps):
         self.turn_start = [0] * N  # response position where the current assistant turn began
         self.admitted = 0
         self._grow_at = 0  # first decode step at which a live slot needs another block (0: recompute)
+        self._ends = [0] * self.S  # per slot: the _grow_at bound (_reserve_next_positions)
+        # full decode steps ahead that retire no slot (no stop criteria: every slot runs to R; _retire_done)
+        self._quiet = 0
         self.stats = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "prefill_calls": 0,
                       "prefill_tokens": 0, "prefill_padded_tokens": 0, "slot_steps": 0, "compaction_moves": 0,
                       "preemptions": 0, "recomputed_tokens": 0, "peak_blocks": 0, "turns": 0,
@@ -246,7 +249,7 @@ class GenerateRun(TurnSteps):
             members = [j for j, u in enumerate(slot_unit) if u in chunk]
             rows = [chunk.index(slot_unit[j]) for j in members]
             slot_ids = torch.tensor([a + j for j in members], dtype=torch.int64, device=dev)
-            out = self._prefill(chunk, units, slot_ids, rows, [seqs[j] for j in members])
+            out = self._prefill(chunk, units, slot_ids, rows, [seqs[j] for j in members], [a + j for j in members])
             logits.index_copy_(0, torch.tensor(chunk, dtype=torch.int64, device=dev), out)
         gen0 = [self.resume_gen[q] for q in seqs]
         self._place(seqs, gen0, list(range(self.admitted, self.admitted + m)))
@@ -282,6 +285,7 @@ class GenerateRun(TurnSteps):
         self.slot_order[a:b] = orders
         self.live = b
         self._grow_at = 0
+        self._quiet = 0  # the new slots may finish sooner than the bound assumed
 
     def _take_blocks(self, seqs: list[int], prefix_len: list[int]) -> None:
         """Blocks for slots ``[live, live + m)``: the fresh samples of a prompt share the prompt's
@@ -321,9 +325,9 @@ class GenerateRun(TurnSteps):
         return chunks
 
     def _prefill(self, chunk: list[int], units: list[list[int]], slot_ids: Tensor, rows: list[int],
-                 seqs: list[int]) -> Tensor:
-        """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids`` (output rows
-        ``seqs``, whose routes are recorded); ``rows``: the chunk position of each slot's unit."""
+                 seqs: list[int], slots: list[int]) -> Tensor:
+        """Logits ``[len(chunk), V]`` after each unit's prefix; K/V written for ``slot_ids`` (``slots`` on the
+        host; output rows ``seqs``, whose routes are recorded); ``rows``: the chunk position of each slot's unit."""
         s, dev = self.s, self.s.device
         lens = [len(units[i]) for i in chunk]
         width, total = max(lens), sum(lens)
@@ -344,8 +348,10 @@ class GenerateRun(TurnSteps):
                                   width, ends - 1, slot_ids, rows_t, cos, sin, s.tp_group,
                                   torch.cat([u.embeds for u in mm]), deep, routes=routes)
         else:
+            # slot regions: each prompt's K/V copied into its samples' regions per run of slots (no per-row index)
+            runs = self.cache.prefill_runs(slots, rows, width)
             out = decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
-                                  slot_ids, rows_t, s.cos, s.sin, s.tp_group, routes=routes)
+                                  slot_ids, rows_t, s.cos, s.sin, s.tp_group, routes=routes, runs=runs)
         if routes is not None:  # each slot's unit: its tokens' routes from the packed forward
             r, first = stack_routes(routes), [0] + list(itertools.accumulate(lens))  # (host: no sync)
             for q, u in zip(seqs, rows):
@@ -384,23 +390,30 @@ class GenerateRun(TurnSteps):
         steps, cache = self.stats["decode_steps"], self.cache
         if steps < self._grow_at:  # no live slot reaches the end of its last block this step
             return
-        bs, owned = cache.block_size, cache.owned
-        while True:  # plain arithmetic per slot: at batch 128 this runs on most steps of a short call
-            base = self.pos_base[:self.live]
-            # blocks_for(pos + 1) - held, pos = pos_base + steps
-            extra = [(pb + steps + bs) // bs - len(o) for pb, o in zip(base, owned)]
+        bs, owned, base, ends = cache.block_size, cache.owned, self.pos_base, self._ends
+        while True:
+            if self._grow_at == 0:  # slots were placed, moved or advanced unevenly: every slot's bound again
+                ends[:self.live] = [len(o) * bs - pb for pb, o in zip(base[:self.live], owned)]
+            # ends[i]: a lower bound of the first step at which slot i needs another block (exact but for
+            # blocks grown elsewhere, e.g. a speculative draft's); only the slots at their bound are checked,
+            # not all of them (at batch 128 this runs on most steps of a short call)
+            due = [i for i, e in enumerate(ends[:self.live]) if e <= steps]
+            extra = [(base[i] + steps + bs) // bs - len(owned[i]) for i in due]  # blocks_for(pos + 1) - held
             total = sum(e for e in extra if e > 0)
             if total <= cache.num_free:
-                short = [i for i, e in enumerate(extra) if e > 0]
+                short = [i for i, e in zip(due, extra) if e > 0]
                 cache.grow(short, [base[i] + steps + 1 for i in short])
+                for i in due:
+                    ends[i] = len(owned[i]) * bs - base[i]
                 break
+            self._grow_at = 0  # parked blocks freed or a slot preempted (compacted): recompute the bounds
             if self._evict_parked(total):
                 continue
             victim = max(range(self.live), key=lambda i: self.slot_order[i])  # the latest admitted
             self._preempt(victim)
         used = cache.num_used
         self.stats["peak_blocks"] = max(self.stats["peak_blocks"], used)
-        self._grow_at = min([len(o) * bs - pb for pb, o in zip(self.pos_base[:self.live], owned)])
+        self._grow_at = min(ends[:self.live])
 
     def _preempt(self, slot: int) -> None:
         q = self.slot_seq[slot]
@@ -462,6 +475,9 @@ class GenerateRun(TurnSteps):
             gen += 1  # in place on the slot state
             sl.token[a:b] = tok
             sl.pos[a:b] += 1
+            if stopped is None and self._quiet > 0 and a == 0 and b == self.live:
+                self._quiet -= 1  # no live slot reaches max_new_tokens at this step: no retire check, no sync
+                return
             done = gen >= self.R if stopped is None else stopped | (gen >= self.R)
         self._retire_done(a, seq, gen, stopped, done)
 
@@ -470,7 +486,15 @@ class GenerateRun(TurnSteps):
         simulation, ``rlhf/ops/sim_rollout.py``, stops before it)."""
         with self.s.lean():
             finished = done.nonzero().squeeze(1)
-        self._retire(a, seq, gen, stopped, finished, finished.tolist())  # the one host sync of a step
+            if stopped is None and self.spec is None and a == 0 and gen.shape[0] == self.live:
+                # only max_new_tokens ends a sequence and every live slot samples once per step: the slot
+                # closest to R bounds the steps that retire nothing (_quiet; new slots reset it in _place)
+                left = torch.where(done, self.R, self.R - gen).amin().view(1)
+                host = torch.cat((finished, left)).tolist()  # the one host sync of a step
+                fin, self._quiet = host[:-1], host[-1] - 1
+            else:
+                fin = finished.tolist()  # the one host sync of a step
+        self._retire(a, seq, gen, stopped, finished, fin)
 
     def _retire(self, a: int, seq: Tensor, gen: Tensor, stopped: Tensor | None, finished: Tensor,
                 fin: list[int]) -> None:
