@@ -43,7 +43,8 @@ from torch import Tensor
 
 from rlhf.models.gpt_oss import sink_scale
 from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention
-from rlhf.rollout.region_cascade import RegionCascade, RegionCascadePlan
+from rlhf.rollout import cpu_attention
+from rlhf.rollout.region_cascade import FusedRegionPlan, RegionCascade, RegionCascadePlan
 
 # The rule (bench/cascade_attention.py, docs/benchmarks.md, 1-thread CPU): a group of n >= 2 live
 # samples sharing P positions runs its prefix once when (n - 1) * P >= 1536: n = 8 from P = 256
@@ -207,7 +208,8 @@ class CascadeAttention:
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype) -> Any:
         if cache.contiguous and cache.prefix_cols:  # the base plan only where a step or layer falls back
             return self._regions.plan(cache, slots, pos, window, dtype,
-                                      lambda: self.base.plan(cache, slots, pos, window, dtype))
+                                      lambda: self.base.plan(cache, slots, pos, window, dtype),
+                                      fused=getattr(self.base, "fused", False))
         base = self.base.plan(cache, slots, pos, window, dtype)
         if cache.contiguous or slots < self.min_group:
             return base
@@ -267,6 +269,12 @@ class CascadeAttention:
     # ------------------------------------------------------------------ attend
 
     def attend(self, cache: Any, layer: int, q: Tensor, plan: Any, p: Any) -> Tensor:
+        if isinstance(plan, FusedRegionPlan):
+            if p.softcap is None and cpu_attention.supports(q):
+                k, v = cache.regions()[layer].unbind(0)
+                return cpu_attention.region_decode_attention(q, k, v, plan.lead, plan.first, plan.last, plan.pm,
+                                                             p.scale, p.window, p.sinks)
+            return self.base.attend(cache, layer, q, plan.base, p)
         if isinstance(plan, RegionCascadePlan):
             if p.window is None and p.softcap is None and p.sinks is None:
                 return RegionCascade.attend(cache, layer, q, plan, p)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from rlhf.models.gpt_oss import sink_scale
+from rlhf.rollout import cpu_attention
 from rlhf.models.softcap_attention import attention as capped_attention
 from rlhf.models.softcap_attention import sink_softmax
 
@@ -62,6 +63,10 @@ class GatherAttention:
     block_multiple = 1
     in_place = False  # reads a copy of the window: a contiguous cache layout saves the gather
 
+    def __init__(self, fused: bool = False) -> None:
+        # fp32 CPU steps over slot regions through rlhf.rollout.cpu_attention (decode_attention's choice)
+        self.fused = fused
+
     def graph_key(self, window: int, contiguous: bool) -> tuple:
         """What a captured decode step depends on: the window's shapes and the cache mode."""
         return (window, contiguous)
@@ -71,13 +76,18 @@ class GatherAttention:
             kv = cache.regions()[:, :, :slots, :, :window].flatten(2, 3)  # [L, 2, B * Hkv, W, D]
             if cache.prefix_cols:  # aligned mode: window and masks in columns, [0, shift) hidden
                 shift = cache.shift[:slots]
-                return _GatherPlan(None, kv, pos + shift, window, dtype, first=shift)
-            return _GatherPlan(None, kv, pos, window, dtype)
+                return _GatherPlan(None, kv, pos + shift, window, dtype, first=shift, cache=cache)
+            return _GatherPlan(None, kv, pos, window, dtype, cache=cache)
         return _GatherPlan(cache.table[:slots, : cache.blocks_for(window)].reshape(-1), None, pos, window, dtype)
 
     def attend(self, cache: Any, layer: int, q: Tensor, plan: "_GatherPlan", p: Any) -> Tensor:
         b, hkv, g, d = q.shape
         n, w = b * hkv, plan.window
+        if plan.kv is not None and p.softcap is None and self.fused and cpu_attention.supports(q):
+            k, v = cache.regions()[layer].unbind(0)  # [S, Hkv, T, D]: the kernel takes each slot's region
+            first, last = plan.columns()
+            return cpu_attention.region_decode_attention(q, k, v, plan.slots(), first, last, 0, p.scale, p.window,
+                                                         p.sinks)
         if plan.kv is not None:  # batch pairs in (slot, kv head) order
             k, v = plan.kv[layer].unbind(0)  # [N, W, D] views
             q3 = q.reshape(n, g, d)
@@ -107,10 +117,26 @@ class _GatherPlan:
     of each slot (``pos`` then holds columns too)."""
 
     def __init__(self, blocks: Optional[Tensor], kv: Optional[Tensor], pos: Tensor, window: int,
-                 dtype: torch.dtype, first: Optional[Tensor] = None) -> None:
+                 dtype: torch.dtype, first: Optional[Tensor] = None, cache: Any = None) -> None:
         self.blocks, self.kv, self.pos, self.window, self.dtype = blocks, kv, pos, window, dtype
         self.first = first
         self._masks: dict[Optional[int], Tensor] = {}
+        self._fused: Optional[tuple[Tensor, Tensor, Tensor]] = None
+
+    def slots(self) -> Tensor:
+        """``[B]`` each slot's own index (the fused kernel's prompt source: no shared prompt)."""
+        return self._fused_args()[0]
+
+    def columns(self) -> tuple[Tensor, Tensor]:
+        """``[B]`` each slot's first and last visible column (the fused kernel's range)."""
+        return self._fused_args()[1:]
+
+    def _fused_args(self) -> tuple[Tensor, Tensor, Tensor]:
+        if self._fused is None:
+            b = self.pos.shape[0]
+            first = self.first if self.first is not None else torch.zeros(b, dtype=torch.int64, device=self.pos.device)
+            self._fused = (torch.arange(b, device=self.pos.device), first, self.pos)
+        return self._fused
 
     def batch_mask(self, sliding: Optional[int], hkv: int) -> Tensor:
         """``[B * Hkv, 1, W]`` additive mask (0 or -inf, the step's dtype) of each (slot, kv head)
@@ -193,6 +219,8 @@ def decode_attention(device: torch.device, dtype: torch.dtype) -> GatherAttentio
     reason = gather_on_cuda_reason(torch.device(device).type, dtype, _flash_with_kvcache() is not None)
     if torch.device(device).type == "cuda" and reason is None:
         return FlashPagedAttention()
+    if torch.device(device).type == "cpu":
+        return GatherAttention(fused=dtype == torch.float32 and cpu_attention.available())
     if reason is not None and reason not in _WARNED:
         _WARNED.add(reason)
         warnings.warn(f"rollout decode without flash-attn ({reason}): every decode step gathers each slot's whole "

@@ -60,6 +60,22 @@ class RegionCascadePlan:
         return self._base
 
 
+class FusedRegionPlan:
+    """Per-step data of the fused CPU kernel (``rlhf.rollout.cpu_attention``) on an aligned step: each
+    slot's group lead ``[B]`` (whose prompt columns ``[0, pm)`` it reads), first and last visible column
+    ``[B]``; the base kernel's plan on first use (Gemma 2's soft-capped layers)."""
+
+    def __init__(self, base: Callable[[], Any], lead: Tensor, first: Tensor, last: Tensor, pm: int) -> None:
+        self._make_base, self._base = base, None
+        self.lead, self.first, self.last, self.pm = lead, first, last, pm
+
+    @property
+    def base(self) -> Any:
+        if self._base is None:
+            self._base = self._make_base()
+        return self._base
+
+
 class _Groups:
     def __init__(self, members: list[list[int]], device: torch.device) -> None:
         self.runs, self.n = len(members), max(len(m) for m in members)
@@ -67,6 +83,11 @@ class _Groups:
         self.uniform = all(m == list(range(i * n, (i + 1) * n)) for i, m in enumerate(members))
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         self.leads = t([m[0] for m in members])
+        lead_of = [0] * sum(map(len, members))
+        for m in members:
+            for slot in m:
+                lead_of[slot] = m[0]
+        self.lead_of = t(lead_of)  # [B] each slot's group lead (the fused kernel's prompt source)
         self.qidx = self.row_of = None
         if not self.uniform:
             self.qidx = t([m[j] if j < len(m) else m[0] for m in members for j in range(n)])
@@ -107,8 +128,10 @@ class RegionCascade:
         self._zero: Optional[Tensor] = None  # the response mask when no column is hidden
 
     def plan(self, cache: Any, slots: int, pos: Tensor, window: int, dtype: torch.dtype,
-             base: Callable[[], Any]) -> Any:
-        """A ``RegionCascadePlan``, or ``base()`` (the base kernel's plan) for a step without a group."""
+             base: Callable[[], Any], fused: bool = False) -> Any:
+        """A ``RegionCascadePlan`` (``fused``: a ``FusedRegionPlan``, the groups' leads for the fused CPU
+        kernel, which needs no copy of the prompts), or ``base()`` (the base kernel's plan) for a step
+        without a group."""
         pm = cache.prefix_cols
         if not pm or window <= pm:
             return base()
@@ -118,7 +141,7 @@ class RegionCascade:
             found = group_members(cache.group[:slots])
             if found is not None:
                 self._layout = layout = _Groups(found[1], pos.device)
-            pkey = None if found is None else (tuple(found[0]), pm, dtype)
+            pkey = None if found is None or fused else (tuple(found[0]), pm, dtype)
             if pkey is not None and pkey != self._prefix_key:
                 self._prefix_key = pkey
                 # the leads' prompt columns of every layer, [L, 2, runs * Hkv, pm, D], and their hidden columns
@@ -132,6 +155,9 @@ class RegionCascade:
                 self._prefix = (kv, m[:, None].expand(layout.runs, hkv, pm).reshape(layout.runs * hkv, 1, pm))
         if self._layout is None:
             return base()
+        if fused:
+            shift = cache.shift[:slots]
+            return FusedRegionPlan(base, self._layout.lead_of, shift, pos + shift, pm)
         hkv = cache.num_kv_heads
         if cache.step_column is not None:  # every slot at the window's last column: no response column hidden
             if self._zero is None or self._zero.dtype != dtype or self._zero.device != pos.device:

@@ -30,9 +30,12 @@ def _counting(monkeypatch) -> dict:
 
 
 def _pair(kind: str, **kw):
-    off = _sampler(kind, **kw)
+    """Aligned and unaligned samplers on the torch ops (the fused CPU kernel: tests/unit/test_cpu_attention.py)."""
+    on, off = _sampler(kind, **kw), _sampler(kind, **kw)
     off.decode_attention.aligns = False
-    return _sampler(kind, **kw), off
+    for s in (on, off):
+        s.decode_attention.base.fused = False
+    return on, off
 
 
 @pytest.mark.parametrize("case", ["grpo", "stops", "refill", "no_prefix_copy"])

@@ -1,0 +1,355 @@
+"""Fused CPU decode attention over the contiguous cache's slot regions, compiled at run time.
+
+At decode shapes (``G`` query rows per (slot, kv head), a few dozen to a few thousand columns) the
+torch-ops kernels spend most of their time outside the FLOPs: a batched matmul pays MKL's
+per-matrix cost (~0.15 us) for each of ``B * Hkv`` tiny matrices, twice, and the scores make a round
+trip through memory for the mask, the softmax and the second matmul (docs/benchmarks.md, "where the
+tiny GRPO generate goes"). This kernel makes one pass per (slot, kv head): ``G`` dot products per
+column, the fp32 softmax, the weighted sum of V, in registers and L1.
+
+What it computes, for slot ``s``, kv head ``h``, query row ``g`` (``[B, Hkv, G, D]``, fp32)::
+
+    out[s, h, g] = softmax_c(scale * q[s, h, g] . K[c]) V[c],   c in [lo_s, hi_s]
+
+with ``K[c], V[c]`` read from slot ``lead[s]``'s region for columns ``c < pm`` (a GRPO group's
+aligned prompt, ``rlhf.rollout.region_cascade``: one copy read by every member while it is in L1) and
+from slot ``s``'s own region otherwise; ``hi_s`` the slot's current column, ``lo_s`` its first visible
+column, raised to ``hi_s - window + 1`` under a sliding window; GPT-OSS's sink logit (per query head)
+joins the softmax's denominator. The softmax is the reference's (max-subtracted, fp32, normalised
+before the weighted sum); the sums run in another order and ``exp`` is a degree-6 polynomial
+(Cephes' ``expf``, ~1 ulp), so the result equals the torch-ops kernels to fp32 rounding
+(``tests/unit/test_cpu_attention.py``). Gemma 2's soft-capped layers stay on the torch ops.
+
+Build: the C source below is compiled once per machine and source (``cc -O3 -march=native``, under a
+second) into ``$RLHF_KERNEL_CACHE`` (default ``~/.cache/rlhf/kernels``) and loaded with ``ctypes``: no
+torch headers, so the build is quick enough to happen on first use. With OpenMP the (slot, kv head)
+pairs are split over torch's threads (it shares torch's ``libgomp``). Where no compiler works the
+sampler keeps the torch-ops kernels and says so once; ``RLHF_FUSED_CPU_ATTENTION=0`` turns the kernel
+off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* GCC / Clang vector extensions: 8 fp32 lanes, lowered to whatever SIMD the machine has. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE v8 ld(const float* p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+INLINE void st(float* p, v8 x) { memcpy(p, &x, sizeof x); }
+INLINE v8 bc(float a) { return (v8){a, a, a, a, a, a, a, a}; }
+INLINE float hsum(v8 x) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; ++i) s += x[i];
+    return s;
+}
+
+/* The sums of 8 vectors as one vector (lane j: the sum of a[j]'s lanes): three shuffle-add levels. */
+INLINE v8 sum8(const v8* a) {
+    const v8i e = {0, 8, 2, 10, 4, 12, 6, 14}, o = {1, 9, 3, 11, 5, 13, 7, 15};
+    const v8i e2 = {0, 1, 8, 9, 4, 5, 12, 13}, o2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i e3 = {0, 1, 2, 3, 8, 9, 10, 11}, o3 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8 x0 = __builtin_shuffle(a[0], a[1], e) + __builtin_shuffle(a[0], a[1], o);
+    v8 x1 = __builtin_shuffle(a[2], a[3], e) + __builtin_shuffle(a[2], a[3], o);
+    v8 x2 = __builtin_shuffle(a[4], a[5], e) + __builtin_shuffle(a[4], a[5], o);
+    v8 x3 = __builtin_shuffle(a[6], a[7], e) + __builtin_shuffle(a[6], a[7], o);
+    v8 y0 = __builtin_shuffle(x0, x1, e2) + __builtin_shuffle(x0, x1, o2);
+    v8 y1 = __builtin_shuffle(x2, x3, e2) + __builtin_shuffle(x2, x3, o2);
+    return __builtin_shuffle(y0, y1, e3) + __builtin_shuffle(y0, y1, o3);
+}
+
+/* exp(x) for x <= 0 (scores minus their row maximum), Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
+   exp(r) by a degree-6 polynomial, 2^n from the exponent bits; n rounded by the 1.5 * 2^23 trick. */
+INLINE v8 exp_le0(v8 x) {
+    v8i low = x < bc(-87.0f);
+    x = (v8)(((v8i)x & ~low) | ((v8i)bc(-87.0f) & low));
+    v8 n = (x * bc(1.44269504088896341f) + bc(12582912.0f)) - bc(12582912.0f);
+    v8 r = x - n * bc(0.693359375f);
+    r = r + n * bc(2.12194440e-4f);
+    v8 p = bc(1.9875691500e-4f);
+    p = p * r + bc(1.3981999507e-3f);
+    p = p * r + bc(8.3334519073e-3f);
+    p = p * r + bc(4.1665795894e-2f);
+    p = p * r + bc(1.6666665459e-1f);
+    p = p * r + bc(5.0000001201e-1f);
+    p = p * r * r + r + bc(1.0f);
+    v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8)e;
+}
+
+INLINE float exp1(float x) { return exp_le0(bc(x))[0]; }
+
+/* Scores of query rows q[0..gc) (gc <= 2, rows of D = 8 * DV) against columns [c0, c1) of one
+   region (kb: its column 0), into sc[g * n + c - lo]. */
+INLINE void scores(const float* q, int gc, int DV, const float* kb, int64_t c0, int64_t c1, int64_t lo,
+                   int64_t n, float scale, float* sc) {
+    const int64_t D = 8 * DV;
+    for (int g = 0; g < gc; ++g) {
+        v8 qv[DV];
+        for (int t = 0; t < DV; ++t) qv[t] = ld(q + g * D + 8 * t);
+        float* row = sc + g * n - lo;
+        int64_t c = c0;
+        for (; c + 8 <= c1; c += 8) {
+            v8 acc[8];
+            for (int j = 0; j < 8; ++j) {
+                const float* kc = kb + (c + j) * D;
+                acc[j] = qv[0] * ld(kc);
+                for (int t = 1; t < DV; ++t) acc[j] += qv[t] * ld(kc + 8 * t);
+            }
+            st(row + c, sum8(acc) * bc(scale));
+        }
+        for (; c < c1; ++c) {
+            const float* kc = kb + c * D;
+            v8 a = qv[0] * ld(kc);
+            for (int t = 1; t < DV; ++t) a += qv[t] * ld(kc + 8 * t);
+            row[c] = hsum(a) * scale;
+        }
+    }
+}
+
+/* acc[g] += sum over columns [c0, c1) of p[g][c] V[c] (vb: the region's column 0). */
+INLINE void weigh(const float* sc, int gc, int DV, const float* vb, int64_t c0, int64_t c1, int64_t lo,
+                  int64_t n, v8* acc) {
+    const int64_t D = 8 * DV;
+    for (int64_t c = c0; c < c1; ++c) {
+        const float* vc = vb + c * D;
+        for (int g = 0; g < gc; ++g) {
+            v8 p = bc(sc[g * n + c - lo]);
+            for (int t = 0; t < DV; ++t) acc[g * DV + t] += p * ld(vc + 8 * t);
+        }
+    }
+}
+
+/* One (slot, kv head) pair: G query rows, columns [lo, hi]: [lo, pm) from kl / vl, the rest from
+   ko / vo. Rows go two at a time so that their accumulators stay in registers. */
+INLINE void pair(const float* q, float* out, const float* kl, const float* vl, const float* ko,
+                 const float* vo, int64_t lo, int64_t hi, int64_t pm, int64_t G, int DV, float scale,
+                 const float* sink, float* sc) {
+    const int64_t D = 8 * DV, n = hi - lo + 1;
+    const int64_t mid = pm < lo ? lo : (pm > hi + 1 ? hi + 1 : pm);
+    for (int64_t g0 = 0; g0 < G; g0 += 2) {
+        int gc = G - g0 < 2 ? (int)(G - g0) : 2;
+        const float* qg = q + g0 * D;
+        scores(qg, gc, DV, kl, lo, mid, lo, n, scale, sc);
+        scores(qg, gc, DV, ko, mid, hi + 1, lo, n, scale, sc);
+        for (int g = 0; g < gc; ++g) {
+            float* row = sc + g * n;
+            float m = row[0];
+            for (int64_t j = 1; j < n; ++j) m = row[j] > m ? row[j] : m;
+            float sk = sink ? sink[g0 + g] : 0.0f;
+            if (sink && sk > m) m = sk;
+            v8 vs = bc(0.0f), vm = bc(m);
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                v8 e = exp_le0(ld(row + j) - vm);
+                st(row + j, e);
+                vs += e;
+            }
+            float sum = hsum(vs);
+            for (; j < n; ++j) { row[j] = exp1(row[j] - m); sum += row[j]; }
+            if (sink) sum += exp1(sk - m);
+            float inv = 1.0f / sum;
+            for (j = 0; j < n; ++j) row[j] *= inv;
+        }
+        v8 acc[2 * DV];
+        for (int t = 0; t < 2 * DV; ++t) acc[t] = bc(0.0f);
+        weigh(sc, gc, DV, vl, lo, mid, lo, n, acc);
+        weigh(sc, gc, DV, vo, mid, hi + 1, lo, n, acc);
+        for (int g = 0; g < gc; ++g)
+            for (int t = 0; t < DV; ++t) st(out + (g0 + g) * D + 8 * t, acc[g * DV + t]);
+    }
+}
+
+#define PAIR(DV) \
+    static void pair_##DV(const float* q, float* out, const float* kl, const float* vl, const float* ko, \
+                          const float* vo, int64_t lo, int64_t hi, int64_t pm, int64_t G, float scale, \
+                          const float* sink, float* sc) { \
+        pair(q, out, kl, vl, ko, vo, lo, hi, pm, G, DV, scale, sink, sc); \
+    }
+PAIR(1)
+PAIR(2)
+PAIR(4)
+PAIR(8)
+PAIR(16)
+PAIR(32)
+
+/* Any other multiple of 8: the same code with DV unknown at compile time (slower: stack accumulators). */
+static void pair_any(const float* q, float* out, const float* kl, const float* vl, const float* ko,
+                     const float* vo, int64_t lo, int64_t hi, int64_t pm, int64_t G, int DV, float scale,
+                     const float* sink, float* sc) {
+    pair(q, out, kl, vl, ko, vo, lo, hi, pm, G, DV, scale, sink, sc);
+}
+
+typedef void (*pair_fn)(const float*, float*, const float*, const float*, const float*, const float*, int64_t,
+                        int64_t, int64_t, int64_t, float, const float*, float*);
+
+/* q, out: [B, H, G, D] contiguous, D a multiple of 8. k, v: the layer's K / V regions, slot s / head h /
+   column c at s * ss + h * hs + c * D. lead, first, last: [B]. sinks: [H * G] or NULL.
+   Returns 0; -1 when out of memory; -2 for a D that is not a multiple of 8. */
+int region_decode_attention(const float* q, float* out, const float* k, const float* v, int64_t B,
+                            int64_t H, int64_t G, int64_t D, int64_t ss, int64_t hs, const int64_t* lead,
+                            const int64_t* first, const int64_t* last, int64_t pm, int64_t window,
+                            float scale, const float* sinks, int nthreads) {
+    if (D % 8 != 0 || D <= 0) return -2;
+    const int DV = (int)(D / 8);
+    pair_fn fn = DV == 1 ? pair_1 : DV == 2 ? pair_2 : DV == 4 ? pair_4 : DV == 8 ? pair_8
+               : DV == 16 ? pair_16 : DV == 32 ? pair_32 : 0;
+    int64_t wmax = 1;
+    for (int64_t s = 0; s < B; ++s) wmax = last[s] + 1 > wmax ? last[s] + 1 : wmax;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float* sc = (float*)malloc((size_t)(2 * wmax + 8) * sizeof(float));
+        if (!sc) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < B * H; ++i) {
+            if (!sc) continue;
+            int64_t s = i / H, h = i % H;
+            int64_t lo = first[s], hi = last[s];
+            if (window > 0 && hi - window + 1 > lo) lo = hi - window + 1;
+            const float* kl = k + lead[s] * ss + h * hs;
+            const float* vl = v + lead[s] * ss + h * hs;
+            const float* sk = sinks ? sinks + h * G : 0;
+            if (fn)
+                fn(q + i * G * D, out + i * G * D, kl, vl, k + s * ss + h * hs, v + s * ss + h * hs, lo, hi, pm,
+                   G, scale, sk, sc);
+            else
+                pair_any(q + i * G * D, out + i * G * D, kl, vl, k + s * ss + h * hs, v + s * ss + h * hs, lo, hi,
+                         pm, G, DV, scale, sk, sc);
+        }
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno"]
+_STATE: dict[str, object] = {}
+
+
+def _enabled_by_env() -> bool:
+    return os.environ.get("RLHF_FUSED_CPU_ATTENTION", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _cache_dir() -> str:
+    return os.environ.get("RLHF_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlhf", "kernels")
+
+
+def _compile(cc: str, omp: bool) -> str:
+    """Path of the shared library for this source, compiler, flags and machine (built if missing).
+    Built into a temporary file and renamed, so that ranks compiling at once do not read half a file."""
+    flags = _FLAGS + (["-fopenmp"] if omp else ["-fopenmp-simd"])
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([_SOURCE, cc, version, platform.machine(), platform.node(), *flags])
+                         .encode()).hexdigest()[:16]
+    folder = _cache_dir()
+    path = os.path.join(folder, f"region_decode_attention_{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src, lib = os.path.join(tmp, "k.c"), os.path.join(tmp, "k.so")
+        with open(src, "w") as f:
+            f.write(_SOURCE)
+        done = subprocess.run([cc, *flags, src, "-o", lib, "-lm"], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+        os.replace(lib, path)
+    return path
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    """The compiled kernel, built on first use; None (and the reason in ``unavailable_reason``) where
+    it cannot be."""
+    if "lib" in _STATE:
+        return _STATE["lib"]  # type: ignore[return-value]
+    lib, reason = None, None
+    cc = os.environ.get("CC", "cc")
+    for omp in (True, False):
+        try:
+            lib = ctypes.CDLL(_compile(cc, omp))
+            break
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            reason = f"{type(e).__name__}: {e}"
+    if lib is not None:
+        fn = lib.region_decode_attention
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float,
+                       ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    _STATE["lib"], _STATE["reason"] = lib, reason
+    return lib
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the fused kernel is not used in this process (None: it is)."""
+    if not _enabled_by_env():
+        return "RLHF_FUSED_CPU_ATTENTION=0"
+    _load()
+    return _STATE["reason"] if _STATE["lib"] is None else None  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the fused kernel can run here: a CPU build of the C source loads (and the env allows it)."""
+    if not _enabled_by_env():
+        return False
+    lib = _load()
+    if lib is None and not _STATE.get("warned"):
+        _STATE["warned"] = True
+        warnings.warn(f"rollout: the fused CPU decode attention is unavailable ({_STATE['reason']}); decoding with "
+                      "torch ops (slower on CPU). Install a C compiler (gcc) or set CC.", stacklevel=2)
+    return lib is not None
+
+
+def supports(q: Tensor) -> bool:
+    """Whether the kernel takes these queries (``[B, Hkv, G, D]``): fp32 on CPU, a head size that is a
+    multiple of 8 (compiled for 8-256 in powers of two; other multiples run a slower generic loop)."""
+    return q.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] % 8 == 0
+
+
+def region_decode_attention(q: Tensor, k: Tensor, v: Tensor, lead: Tensor, first: Tensor, last: Tensor, pm: int,
+                            scale: float, window: Optional[int] = None, sinks: Optional[Tensor] = None) -> Tensor:
+    """Decode attention of ``q`` ``[B, Hkv, G, D]`` over slot regions (module docstring): ``k``, ``v``
+    ``[S, Hkv, T, D]`` (S >= B; the layer's regions, columns contiguous), ``lead`` / ``first`` / ``last``
+    ``[B]`` int64 (each slot's prompt source, first and last visible column), ``pm`` the aligned prompt
+    columns (0: every column from the slot's own region). Returns ``[B, Hkv, G, D]`` fp32."""
+    if is_fake(q):  # the simulation (rlhf.simulate) runs the sampler on fake tensors: the output is what it allocates
+        return torch.empty_like(q)
+    lib = _load()
+    assert lib is not None, "region_decode_attention: call available() first"
+    b, hkv, g, d = q.shape
+    assert q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == "cpu"
+    assert k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d, "columns must be contiguous rows"
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    idx = [t.to(torch.int64).contiguous() for t in (lead, first, last)]
+    sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    rc = lib.region_decode_attention(
+        q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), b, hkv, g, d, k.stride(0), k.stride(1),
+        idx[0].data_ptr(), idx[1].data_ptr(), idx[2].data_ptr(), int(pm), int(window or 0), float(scale),
+        None if sk is None else sk.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("region_decode_attention: out of memory for the scores buffer") if rc == -1 else \
+            ValueError(f"region_decode_attention: head size {d} is not a multiple of 8")
+    return out
