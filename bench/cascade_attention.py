@@ -12,14 +12,17 @@ the 100M model of bench/sampler.py: 12 query heads, 2 kv heads, head dim 64; fp3
 
 * ``regions``: today's CPU default when the budget holds every slot (slot regions read in place);
 * ``gather``: today's paged kernel (each slot's window copied per layer, prompt blocks n times);
-* ``cascade``: ``rlhf.rollout.cascade_attention`` on the shared blocks (the paged cache).
+* ``cascade``: ``rlhf.rollout.cascade_attention`` on the shared blocks (the paged cache);
+* ``fused``: the fused CPU kernel (``rlhf.rollout.cpu_attention``) on the slot regions aligned as a GRPO
+  call aligns them (each sample reads its group's prompt from the group's first slot), CPU fp32 only.
 
 Each kernel's output is checked against ``gather`` (max abs difference printed). Figures are the
 median over ``--repeats`` steps, kernels interleaved.
 
 ``--sampler``: also whole ``generate`` calls of the tiny model of bench/sampler.py (4 prompts of
-1024 tokens x n, ``--new`` tokens, temperature 1), cascade on (paged, shared blocks) vs off (today's
-slot regions): generated tokens per CPU second, and whether tokens and log-probs agree.
+``--sampler-prompts`` tokens (1024) x n, ``--new`` tokens, temperature 1), cascade on (the sampler's
+rule: paged, shared blocks) vs off (slot regions) vs the aligned slot regions through the fused CPU
+kernel: generated tokens per CPU second, and whether tokens and log-probs agree.
 The last line is one JSON object.
 """
 
@@ -36,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from rlhf.models.arch import LayerAttn  # noqa: E402
+from rlhf.rollout import cpu_attention  # noqa: E402
 from rlhf.rollout.cascade_attention import CascadeAttention  # noqa: E402
 from rlhf.rollout.kv_cache import PagedKVCache  # noqa: E402
 from rlhf.rollout.paged_attention import GatherAttention  # noqa: E402
@@ -46,7 +50,8 @@ BS, HQ, HKV, D = 16, 12, 2, 64
 def caches(prompts: int, n: int, plen: int, resp: int, seed: int, device: str = "cpu",
            dtype: torch.dtype = torch.float32) -> tuple[PagedKVCache, PagedKVCache, torch.Tensor]:
     """A paged cache with each prompt's full blocks shared by its n samples, the same K/V in a
-    contiguous (slot regions) cache, and the slots' current positions ``[B]``."""
+    contiguous (slot regions) cache, aligned with the samples of a prompt in one group (every prompt
+    has ``plen`` tokens: columns are positions), and the slots' current positions ``[B]``."""
     g = torch.Generator().manual_seed(seed)
     b, max_len = prompts * n, plen + resp
     pos = plen + torch.randint(0, resp, (b,), generator=g)
@@ -61,7 +66,8 @@ def caches(prompts: int, n: int, plen: int, resp: int, seed: int, device: str = 
         paged.grow(list(range(lead + 1, lead + n)), [int(p) + 1 for p in pos[lead + 1: lead + n]])
     paged.kv.copy_(torch.randn(paged.kv.shape, generator=g))
     regions = PagedKVCache(1, b * -(-max_len // BS), b, HKV, max_len, D, **kw)
-    regions.start(contiguous=True)
+    regions.start(contiguous=True, prefix_cols=plen)
+    regions.align(list(range(b)), [plen] * b, [i // n for i in range(b)])
     k, v = paged.view(0, torch.arange(b), max_len)  # [B, Hkv, T, D] each, read through the block table
     r = regions.regions()[0]  # [2, S, Hkv, T, D]
     r[0, :, :, :max_len], r[1, :, :, :max_len] = k, v
@@ -80,28 +86,42 @@ P = LayerAttn(D ** -0.5, None, None, 0)
 
 
 def sampler_case(n: int, plen: int, new: int, repeats: int, clock) -> dict:
-    """Tokens per second of whole generate calls, cascade on vs off, alternating; outputs compared."""
+    """Tokens per second of whole generate calls, alternating: cascade off (slot regions, each sample reads
+    its own prompt copy), on (the sampler's rule: paged, shared blocks, at these prompt lengths), and, where
+    the fused CPU kernel runs, the aligned slot regions through it (each sample reads its group's prompt from
+    the group's first slot); outputs compared with "off"."""
     from bench.sampler import PAD, build, make_prompts
     from rlhf.rollout import Sampler, SamplingParams
 
     model = build("tiny")
     prompts = make_prompts(4, (plen, plen), model.config.vocab_size, seed=plen)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new, seed=1)
-    samplers = {on: Sampler(model.config, model.state_dict(), pad_token_id=PAD, max_num_seqs=256,
-                            cascade_attention=on) for on in (False, True)}
-    times: dict[bool, list[float]] = {False: [], True: []}
+    kw = dict(pad_token_id=PAD, max_num_seqs=256, prefill_tokens=max(4096, plen))
+    samplers = {name: Sampler(model.config, model.state_dict(), cascade_attention=name == "on", **kw)
+                for name in ("off", "on")}
+    if cpu_attention.available():
+        samplers["aligned_fused"] = Sampler(model.config, model.state_dict(), **kw, decode_attention=CascadeAttention(
+            GatherAttention(fused=True), min_saved=1 << 40))  # never paged: the aligned regions
+    times: dict[str, list[float]] = {k: [] for k in samplers}
     outs = {}
     for _ in range(repeats):
-        for on, s in samplers.items():
+        for name, s in samplers.items():
             t = clock()
-            outs[on] = s.generate(prompts, params)
-            times[on].append(clock() - t)
-    tokens = float(outs[True].response_lengths.sum())
-    off, on = statistics.median(times[False]), statistics.median(times[True])
-    return {"n": n, "prompt": plen, "new": new, "tok_s_off": round(tokens / off, 1), "tok_s_on": round(tokens / on, 1),
-            "speedup": round(off / on, 2), "same_tokens": bool(torch.equal(outs[True].response_ids,
-                                                                          outs[False].response_ids)),
-            "max_logprob_diff": float((outs[True].log_probs - outs[False].log_probs).abs().max())}
+            outs[name] = s.generate(prompts, params)
+            times[name].append(clock() - t)
+    assert samplers["on"].cache.contiguous is False
+    assert "aligned_fused" not in samplers or samplers["aligned_fused"].cache.prefix_cols == plen
+    tokens = float(outs["off"].response_lengths.sum())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row = {"n": n, "prompt": plen, "new": new, **{f"tok_s_{k}": round(tokens / v, 1) for k, v in med.items()},
+           "speedup": round(med["off"] / med["on"], 2)}
+    for k in samplers:
+        if k != "off":
+            row[f"same_tokens_{k}"] = bool(torch.equal(outs[k].response_ids, outs["off"].response_ids))
+            row[f"max_logprob_diff_{k}"] = float((outs[k].log_probs - outs["off"].log_probs).abs().max())
+    if "aligned_fused" in med:
+        row["aligned_fused_vs_on"] = round(med["on"] / med["aligned_fused"], 2)
+    return row
 
 
 def main() -> None:
@@ -119,6 +139,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--sampler", action="store_true", help="also whole generate calls of the tiny model")
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--sampler-prompts", default="1024", help="prompt lengths of the --sampler calls")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -128,6 +149,8 @@ def main() -> None:
     lens = [256, 2048] if args.quick else [int(x) for x in args.prompt_lens.split(",")]
     repeats = 3 if args.quick else args.repeats
     kernels = {"regions": GatherAttention(), "gather": GatherAttention(), "cascade": CascadeAttention()}
+    if args.device == "cpu" and dtype == torch.float32 and cpu_attention.available():
+        kernels["fused"] = CascadeAttention(GatherAttention(fused=True))
     rows = []
     for n in (int(x) for x in args.ns.split(",")):
         for plen in lens:
@@ -137,8 +160,8 @@ def main() -> None:
             outs = {}
             for _ in range(repeats + 1):  # the first round warms the buffers up
                 for name, kernel in kernels.items():
-                    t, outs[name] = step_time(kernel, regions if name == "regions" else paged, pos, q, args.layers,
-                                              clock)
+                    t, outs[name] = step_time(kernel, regions if name in ("regions", "fused") else paged, pos, q,
+                                              args.layers, clock)
                     times[name].append(t)
             med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
             row = {"n": n, "prompt": plen, "slots": int(pos.shape[0]),
@@ -147,20 +170,26 @@ def main() -> None:
                    "vs_gather": round(med["gather"] / med["cascade"], 2),
                    "max_abs_diff": float((outs["cascade"] - outs["gather"]).float().abs().max()),
                    "regions_diff": float((outs["regions"] - outs["gather"]).float().abs().max())}
+            if "fused" in med:
+                row.update(fused_vs_regions=round(med["regions"] / med["fused"], 2),
+                           fused_vs_cascade=round(med["cascade"] / med["fused"], 2),
+                           fused_diff=float((outs["fused"] - outs["gather"]).abs().max()))
             rows.append(row)
             print(f"n={n:3d} prompt={plen:5d} slots={row['slots']:3d}  attention ms/step: regions {med['regions']:8.2f}"
                   f"  gather {med['gather']:8.2f}  cascade {med['cascade']:8.2f}  speed-up vs regions "
-                  f"{row['vs_regions']:5.2f}x  vs gather {row['vs_gather']:5.2f}x  max|diff| {row['max_abs_diff']:.1e}",
+                  f"{row['vs_regions']:5.2f}x  vs gather {row['vs_gather']:5.2f}x  max|diff| {row['max_abs_diff']:.1e}"
+                  + (f"  | fused {med['fused']:8.2f}  vs regions {row['fused_vs_regions']:5.2f}x  vs cascade "
+                     f"{row['fused_vs_cascade']:5.2f}x  max|diff| {row['fused_diff']:.1e}" if "fused" in med else ""),
                   flush=True)
             del paged, regions
     sampler_rows = []
     if args.sampler and args.device == "cpu":
         for n in (int(x) for x in args.ns.split(",")):
-            r = sampler_case(n, 1024, args.new, repeats, clock)
-            sampler_rows.append(r)
-            print(f"sampler tiny n={n} prompt 1024 new {args.new}: tok/s off {r['tok_s_off']}  on {r['tok_s_on']}  "
-                  f"({r['speedup']:.2f}x)  same tokens {r['same_tokens']}  max|dlogp| {r['max_logprob_diff']:.1e}",
-                  flush=True)
+            for plen in args.sampler_prompts.split(","):
+                r = sampler_case(n, int(plen), args.new, repeats, clock)
+                sampler_rows.append(r)
+                print(f"sampler tiny n={n} prompt {plen} new {args.new}: " + "  ".join(
+                    f"{k}={v}" for k, v in r.items() if k not in ("n", "prompt", "new")), flush=True)
     print(json.dumps({"bench": "cascade_attention", "sampler": sampler_rows, "layers": args.layers, "prompts": args.prompts,
                       "response": args.response, "clock": args.clock, "device": args.device, "dtype": args.dtype, "threads": args.threads,
                       "heads": [HQ, HKV, D], "block_size": BS, "rows": rows}))

@@ -100,9 +100,11 @@ class GenerateRun(TurnSteps):
         self.prompt_lens = [len(p) for p in prompts]
         # a cascade kernel (rlhf.rollout.cascade_attention) pages when a group may share its prompt blocks
         wants_paged = getattr(self.cache.attention, "prefers_paged", None)
-        shares = s.prefix_sharing and wants_paged is not None and wants_paged(self.prompt_lens, n, self.cache.block_size)
-        self.cache.start(contiguous=s.slot_regions and turns is None and not self.cache.attention.in_place
-                         and not shares, prefix_cols=self._aligned_prefix(n, vision))
+        aligned = self._aligned_prefix(n, vision)
+        regions = s.slot_regions and turns is None and not self.cache.attention.in_place
+        shares = s.prefix_sharing and wants_paged is not None and wants_paged(
+            self.prompt_lens, n, self.cache.block_size, aligned=bool(aligned) and regions and self.cache.fits_every_slot)
+        self.cache.start(contiguous=regions and not shares, prefix_cols=aligned)
         self.share_prefix = s.prefix_sharing and not self.cache.contiguous
         seq = torch.arange(N, device=dev)
         keys_t = torch.tensor(keys, dtype=torch.int64, device=dev)

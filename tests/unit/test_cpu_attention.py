@@ -163,3 +163,22 @@ def test_env_switch_and_dtype_rule(monkeypatch):
     assert not decode_attention(torch.device("cpu"), torch.float32).fused
     assert cpu_attention.unavailable_reason() == "RLHF_FUSED_CPU_ATTENTION=0"
     assert not cpu_attention.supports(torch.zeros(1, 1, 1, 12)) and cpu_attention.supports(torch.zeros(1, 1, 1, 24))
+
+
+@pytest.mark.parametrize("budget", [False, True], ids=["every_slot_fits", "kv_budget"])
+def test_long_prompts_stay_in_aligned_regions_where_the_kernel_runs(budget, monkeypatch):
+    """Prompts long enough for the paged cascade (min_saved 16 here): with the fused kernel the call keeps the
+    aligned slot regions (faster per generate at every length measured); under a KV budget that cannot hold every
+    slot, and with the kernel off, it pages and shares the prompt blocks as before."""
+    from tests.unit.test_cascade_attention import MIXED as LONG_MIXED
+
+    kw = {"kv_cache_tokens": 160, "max_num_seqs": 7} if budget else {}
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=9)
+    s = _sampler(block_size=8, decode_attention=CascadeAttention(GatherAttention(fused=True), min_saved=16), **kw)
+    ref = _sampler(block_size=8, decode_attention=CascadeAttention(min_saved=16), **kw)
+    calls = _counting(monkeypatch)
+    a, b = s.generate(LONG_MIXED, params), ref.generate(LONG_MIXED, params)
+    assert not ref.cache.contiguous  # the torch ops page for the cascade
+    assert s.cache.contiguous == (not budget) and (calls["shared"] > 0) == (not budget)
+    assert torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=0)
