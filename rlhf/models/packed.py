@@ -131,6 +131,13 @@ def _layout(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int
     return packed, _local_positions(response_positions(input_ids, attention_mask, packed, R), shard), shard
 
 
+def _hidden_size(model: nn.Module) -> int:
+    """The model's hidden size from its HF config (through FSDP / peft wrappers, which forward attributes);
+    0 when it has none (``auto`` then keeps grouping off on an accelerator without a varlen kernel)."""
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "hidden_size", None) or getattr(getattr(cfg, "text_config", None), "hidden_size", 0) or 0)
+
+
 def _grouped_row(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, R: int,
                  mode: bool | str, sp_group: Optional[dist.ProcessGroup], multi_modal: Optional[dict],
                  ) -> tuple[Optional[GroupedRow], Optional[ResponsePositions]]:
@@ -141,8 +148,11 @@ def _grouped_row(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
             raise NotImplementedError("model.prefix_grouping: not supported with parallel.sp > 1 or a vision-language "
                                       "model; set model.prefix_grouping=false")
         return None, None
+    dev = input_ids.device
     if mode == "auto" and not should_group(mode, shared_prompt_tokens(input_ids, attention_mask, R),
-                                           int(attention_mask.sum())):
+                                           int(attention_mask.sum()), device_type=dev.type,
+                                           varlen_kernel=varlen_kernel(dev) is not None,
+                                           hidden_size=_hidden_size(model)):
         return None, None
     row = group_by_prompt(input_ids, attention_mask, R)
     return row, response_positions(input_ids, attention_mask, None, R, inverse=row.inverse)

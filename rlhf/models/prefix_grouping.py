@@ -23,7 +23,9 @@ Attention back ends (:func:`prefix_attention`): the prompts are plain packed seq
 on GPU (or an injected kernel), bucketed SDPA with an explicit mask otherwise.
 
 ``auto`` (:func:`should_group`) groups a micro-batch when the prompt tokens it removes are at
-least ``AUTO_MIN_SAVED_FRACTION`` (15%) of its real tokens and at least ``AUTO_MIN_SAVED_TOKENS`` (64).
+least ``AUTO_MIN_SAVED_FRACTION`` (15%) of its real tokens and at least ``AUTO_MIN_SAVED_TOKENS`` (64);
+on an accelerator without a varlen kernel (bucketed SDPA) also only when ``saved x hidden_size^2``
+reaches ``AUTO_GPU_MIN_SAVED_WORK`` (there small passes are host-bound and grouping makes them slower).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from rlhf.models.varlen_attention import (DEFAULT_BUCKET_RATIO, VarlenPlan, _sdp
                                           varlen_attention_forward, varlen_kernel)
 from rlhf.schema.config import ConfigError
 
-__all__ = ["AUTO_MIN_SAVED_FRACTION", "AUTO_MIN_SAVED_TOKENS", "PrefixPlan", "GroupedRow", "group_by_prompt",
+__all__ = ["AUTO_MIN_SAVED_FRACTION", "AUTO_MIN_SAVED_TOKENS", "AUTO_GPU_MIN_SAVED_WORK", "PrefixPlan", "GroupedRow", "group_by_prompt",
            "shared_prompt_tokens", "should_group", "prefix_attention", "resolve_mode"]
 
 # auto: group when the shared prompts remove >= 15% of the micro-batch's real tokens and >= 64 tokens.
@@ -47,6 +49,16 @@ __all__ = ["AUTO_MIN_SAVED_FRACTION", "AUTO_MIN_SAVED_TOKENS", "PrefixPlan", "Gr
 # 64-128) already gains 1.08-1.22x, the quickstart's shape (prompt 12, response 8) 1.9x.
 AUTO_MIN_SAVED_FRACTION = 0.15
 AUTO_MIN_SAVED_TOKENS = 64
+# auto on an accelerator without a varlen kernel (CUDA without flash-attn: bucketed SDPA, one masked SDPA per
+# response bucket per layer, plus the host-built plan): the grouped pass adds a roughly fixed host cost per
+# layer, the work it removes per layer is ~ saved tokens x hidden^2 (the projections and MLP of the repeated
+# prompt). bench/prefix_grouping.py on an H200, bf16, n = 8 (docs/benchmarks.md, "Prefix-grouped passes on
+# the GPU"): saved x hidden^2 = 1.7e10 was slower (0.83-0.94x at hidden 1536, 0.68-0.83x at 3072), 3.0e10
+# faster (1.12-1.23x at hidden 2048, 4 or 8 layers), 6.8e10 1.66-1.81x; the layer count did not move the
+# ratio. fp32 pays from ~7.5e9 (1.5-2.6x), but the compute dtype is not known here (FSDP keeps fp32 master
+# weights under bf16 compute), so the bf16 threshold holds for both: fp32 loses some gain, never gets slower.
+# Unmeasured with flash-attn (both parts are then single varlen calls): the token rules alone apply there.
+AUTO_GPU_MIN_SAVED_WORK = 2.5e10
 
 
 @dataclass
@@ -259,12 +271,19 @@ def shared_prompt_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     return int(p_len.sum() - p_len[reps].sum())
 
 
-def should_group(mode: Any, saved: int, total: int) -> bool:
+def should_group(mode: Any, saved: int, total: int, *, device_type: str = "cpu", varlen_kernel: bool = False,
+                 hidden_size: int = 0) -> bool:
     """``model.prefix_grouping``: True / False as given; ``"auto"``: group when the ``saved`` prompt tokens
-    are at least ``AUTO_MIN_SAVED_FRACTION`` of the ungrouped row's ``total`` and ``AUTO_MIN_SAVED_TOKENS``."""
+    are at least ``AUTO_MIN_SAVED_FRACTION`` of the ungrouped row's ``total`` and ``AUTO_MIN_SAVED_TOKENS``,
+    and, on a non-CPU ``device_type`` without a ``varlen_kernel`` (flash-attn), when ``saved * hidden_size**2``
+    (the model's hidden size; 0 = unknown, never) is at least ``AUTO_GPU_MIN_SAVED_WORK``."""
     if mode != "auto":
         return bool(mode)
-    return saved >= AUTO_MIN_SAVED_TOKENS and saved >= AUTO_MIN_SAVED_FRACTION * total
+    if saved < AUTO_MIN_SAVED_TOKENS or saved < AUTO_MIN_SAVED_FRACTION * total:
+        return False
+    if device_type == "cpu" or varlen_kernel:  # CPU: pays from ~4% removed; flash-attn: unmeasured, as before
+        return True
+    return saved * hidden_size ** 2 >= AUTO_GPU_MIN_SAVED_WORK
 
 
 def prefix_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -53,8 +53,9 @@ class ModelConfig:
                "micro-batches (+4 bytes per parameter; the planner counts them). Actor and critic.")
     prefix_grouping: Union[bool, Literal["auto"]] = _f(
         "auto", "Padding-free passes: rows sharing a prompt (a GRPO group) forward it once and their responses attend "
-                "to its K/V (exact). auto = per micro-batch when that removes >= 15% and >= 64 of its tokens "
-                "(rlhf.models.prefix_grouping); off with sp, tp, VLM or MoE models. Actor, reference and critic.")
+                "to its K/V (exact). auto = per micro-batch when that removes >= 15% and >= 64 of its tokens and, on a "
+                "GPU without flash-attn, removed tokens x hidden_size^2 >= 2.5e10 (smaller passes are host-bound "
+                "there; rlhf.models.prefix_grouping); off with sp, tp, VLM or MoE models. Actor, reference and critic.")
     fsdp_unit: Literal["auto", "block", "model"] = _f(
         "auto", "FSDP2 units: block = one per decoder block plus the root (least memory); model = the whole model "
                 "as one unit (one all-gather per forward, one reduce-scatter per backward, no re-gather in the "

@@ -17,7 +17,8 @@ import transformers
 
 import rlhf.models.varlen_attention as va
 from rlhf.models.packed import packed_forward_log_probs, packed_forward_values
-from rlhf.models.prefix_grouping import group_by_prompt, resolve_mode, shared_prompt_tokens, should_group
+from rlhf.models.prefix_grouping import (AUTO_GPU_MIN_SAVED_WORK, group_by_prompt, resolve_mode, shared_prompt_tokens,
+                                         should_group)
 from rlhf.models.tiny import tiny_qwen2_config
 from rlhf.schema.config import ConfigError
 from tests._archs import tiny_model
@@ -176,6 +177,51 @@ def test_auto_rule_and_unsupported_layouts():
                      (dict(tp=2), "parallel.tp"), (dict(vlm=True), "vision-language"), (dict(moe=True), "MoE")):
         with pytest.raises(ConfigError, match=word):
             resolve_mode(True, **{"use_remove_padding": True, **kw})
+
+
+def test_auto_rule_by_device_and_model_size():
+    """``auto`` on a GPU without flash-attn groups only where an H200 measured it pays (docs/benchmarks.md):
+    prompt 1024, response 128, n 8 removes 7168 of ~8960 tokens per micro-batch; bf16 grouped/ungrouped
+    was 0.75-0.80x at hidden 1024, 0.83-0.94x at 1536, 1.12-1.23x at 2048. On CPU it paid at every size."""
+    saved, total = 7 * 1024, 8 * (1024 + 96)
+    for hidden in (64, 1024, 4096):  # CPU: the token rules alone, whatever the model size
+        assert should_group("auto", saved, total, device_type="cpu", hidden_size=hidden)
+    assert not should_group("auto", saved, total, device_type="cuda", hidden_size=1024)  # host-bound: 0.75x
+    assert not should_group("auto", saved, total, device_type="cuda", hidden_size=1536)  # 0.83x
+    assert should_group("auto", saved, total, device_type="cuda", hidden_size=2048)  # 1.18x
+    assert not should_group("auto", 7 * 256, 8 * (256 + 192), device_type="cuda", hidden_size=3072)  # 0.68x
+    assert not should_group("auto", saved, total, device_type="cuda", hidden_size=0)  # size unknown: off
+    # with a varlen kernel (flash-attn) the GPU path is unmeasured: the token rules, as on CPU
+    assert should_group("auto", saved, total, device_type="cuda", varlen_kernel=True, hidden_size=64)
+    # the token rules still come first on a GPU, and true / false are never second-guessed
+    assert not should_group("auto", 63, 100, device_type="cuda", hidden_size=1 << 20)
+    assert not should_group("auto", 1000, 10000, device_type="cuda", hidden_size=1 << 20)  # 10% < 15%
+    assert should_group(True, saved, total, device_type="cuda", hidden_size=64)
+    assert not should_group(False, saved, total, device_type="cpu", hidden_size=4096)
+    h = 2048  # the threshold is inclusive on saved x hidden^2
+    edge = -(-int(AUTO_GPU_MIN_SAVED_WORK) // h ** 2)
+    assert should_group("auto", edge, edge, device_type="cuda", hidden_size=h)
+    assert not should_group("auto", edge - 1, edge, device_type="cuda", hidden_size=h)
+
+
+def test_auto_rule_gets_device_and_hidden_size_from_the_pass(monkeypatch):
+    """packed.py threads the input's device, the varlen kernel and the model's hidden size into ``auto``."""
+    import rlhf.models.packed as packed
+
+    cfg = tiny_qwen2_config(48, hidden_size=32, num_layers=1)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    ids, mask = grpo_rows(48)
+    ids, mask = torch.cat([ids] * 3), torch.cat([mask] * 3)  # >= 64 tokens removed
+    seen = []
+
+    def spy(mode, saved, total, **kw):
+        seen.append(kw)
+        return should_group(mode, saved, total, **kw)
+
+    monkeypatch.setattr(packed, "should_group", spy)
+    packed_forward_log_probs(model, ids, mask, response_length=R, prefix_grouping="auto")
+    assert seen == [dict(device_type="cpu", varlen_kernel=False, hidden_size=32)]
+    assert packed._hidden_size(torch.nn.Linear(2, 2)) == 0
 
 
 def test_config_key():
