@@ -40,8 +40,8 @@ from rlhf.models.varlen_attention import (DEFAULT_BUCKET_RATIO, VarlenPlan, _sdp
                                           varlen_attention_forward, varlen_kernel)
 from rlhf.schema.config import ConfigError
 
-__all__ = ["AUTO_MIN_SAVED_FRACTION", "AUTO_MIN_SAVED_TOKENS", "AUTO_GPU_MIN_SAVED_WORK", "PrefixPlan", "GroupedRow", "group_by_prompt",
-           "shared_prompt_tokens", "should_group", "prefix_attention", "resolve_mode"]
+__all__ = ["AUTO_MIN_SAVED_FRACTION", "AUTO_MIN_SAVED_TOKENS", "AUTO_GPU_MIN_SAVED_WORK", "PrefixPlan", "GroupedRow",
+           "group_by_prompt", "shared_prompt_tokens", "should_group", "prefix_attention", "resolve_mode"]
 
 # auto: group when the shared prompts remove >= 15% of the micro-batch's real tokens and >= 64 tokens.
 # bench/prefix_grouping.py (1 CPU thread, tiny model, n = 8): removing 3.5% of the tokens (prompt 4,

@@ -21,7 +21,8 @@ before the weighted sum); the sums run in another order and ``exp`` is a degree-
 (``tests/unit/test_cpu_attention.py``). Gemma 2's soft-capped layers stay on the torch ops.
 
 Build: the C source below is compiled once per machine and source (``cc -O3 -march=native``, under a
-second) into ``$RLHF_KERNEL_CACHE`` (default ``~/.cache/rlhf/kernels``) and loaded with ``ctypes``: no
+second) into ``$RLHF_KERNEL_CACHE`` (default ``~/.cache/rlhf/kernels``; the temporary directory where
+that is not writable) and loaded with ``ctypes``: no
 torch headers, so the build is quick enough to happen on first use. With OpenMP the (slot, kv head)
 pairs are split over torch's threads (it shares torch's ``libgomp``). Where no compiler works the
 sampler keeps the torch-ops kernels and says so once; ``RLHF_FUSED_CPU_ATTENTION=0`` turns the kernel
@@ -263,11 +264,19 @@ def _compile(cc: str, omp: bool) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([_SOURCE, cc, version, platform.machine(), platform.node(), *flags])
                          .encode()).hexdigest()[:16]
-    folder = _cache_dir()
-    path = os.path.join(folder, f"region_decode_attention_{key}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(folder, exist_ok=True)
+    name = f"region_decode_attention_{key}.so"
+    folders = [_cache_dir(), os.path.join(tempfile.gettempdir(), f"rlhf-kernels-{os.getuid()}")]
+    for folder in folders:
+        if os.path.exists(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    for folder in folders:  # a read-only home: the temporary directory
+        try:
+            os.makedirs(folder, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:
+            continue
+    path = os.path.join(folder, name)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         src, lib = os.path.join(tmp, "k.c"), os.path.join(tmp, "k.so")
         with open(src, "w") as f:

@@ -18,6 +18,10 @@ head order) returning ``[B, Hkv, G, D]``. Slot ``b`` attends to its positions ``
   At decode shapes (``G`` query rows per kv head) this takes about a quarter less CPU time
   than SDPA's flash kernel, which runs the same small GEMMs block by block
   (docs/benchmarks.md).
+  ``GatherAttention(fused=True)`` (the CPU fp32 default where a C compiler is found) runs the
+  slot-region steps through ``rlhf.rollout.cpu_attention`` instead: one pass per (slot, kv head),
+  no batched matmuls (1.07-2.5x less attention time, ``bench/cpu_attention.py``; Gemma 2's
+  soft-capped layers keep the torch ops).
 * ``FlashPagedAttention``: flash-attn's block-table path (``flash_attn_with_kvcache(q, k_cache,
   v_cache, cache_seqlens=, block_table=)``) reads the blocks in place, no gather. The
   function is injectable, so a CPU test drives this kernel with a reference implementation

@@ -20,6 +20,11 @@ bench's GRPO shape (16 prompts x 8, prompts of 8-24 tokens) a step reads ~2x few
 
 Steps without a group of two, or where padding would more than double the query rows, and layers
 with a sliding window, a soft-cap or sink logits run the base kernel over the aligned columns.
+
+Where the base kernel is the fused CPU kernel (``rlhf.rollout.cpu_attention``), a step's plan is only
+each slot's group lead and visible columns (``FusedRegionPlan``): the kernel reads the prompt columns
+from the lead's region, so a group's prompt comes from L1 / L2 after its first sample, and it takes
+sliding windows and sinks too; the torch-ops plan above (and its copy of the groups' prompts) is not made.
 """
 
 from __future__ import annotations

@@ -156,6 +156,14 @@ def test_without_a_compiler_the_sampler_keeps_the_torch_ops(monkeypatch, tmp_pat
     assert out.response_lengths.tolist() == [4] * 4
 
 
+def test_an_unwritable_cache_dir_builds_in_the_temporary_directory(monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setattr(cpu_attention, "_STATE", {})
+    monkeypatch.setenv("RLHF_KERNEL_CACHE", str(blocker / "kernels"))
+    assert cpu_attention.available() and cpu_attention.unavailable_reason() is None
+
+
 def test_env_switch_and_dtype_rule(monkeypatch):
     assert decode_attention(torch.device("cpu"), torch.float32).fused
     assert not decode_attention(torch.device("cpu"), torch.bfloat16).fused  # the kernel is fp32 only
