@@ -49,7 +49,8 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-/* GCC / Clang vector extensions: 8 fp32 lanes, lowered to whatever SIMD the machine has. */
+/* GCC / Clang vector extensions: 8 fp32 lanes, lowered to whatever SIMD the machine has (AVX2 / AVX-512
+   here, NEON on Arm). */
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 #define INLINE static inline __attribute__((always_inline))
@@ -63,18 +64,24 @@ INLINE float hsum(v8 x) {
     return s;
 }
 
+/* Two-vector shuffles: GCC's __builtin_shuffle, Clang's __builtin_shufflevector. */
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+#define EVEN 0, 8, 2, 10, 4, 12, 6, 14
+#define ODD 1, 9, 3, 11, 5, 13, 7, 15
+
 /* The sums of 8 vectors as one vector (lane j: the sum of a[j]'s lanes): three shuffle-add levels. */
 INLINE v8 sum8(const v8* a) {
-    const v8i e = {0, 8, 2, 10, 4, 12, 6, 14}, o = {1, 9, 3, 11, 5, 13, 7, 15};
-    const v8i e2 = {0, 1, 8, 9, 4, 5, 12, 13}, o2 = {2, 3, 10, 11, 6, 7, 14, 15};
-    const v8i e3 = {0, 1, 2, 3, 8, 9, 10, 11}, o3 = {4, 5, 6, 7, 12, 13, 14, 15};
-    v8 x0 = __builtin_shuffle(a[0], a[1], e) + __builtin_shuffle(a[0], a[1], o);
-    v8 x1 = __builtin_shuffle(a[2], a[3], e) + __builtin_shuffle(a[2], a[3], o);
-    v8 x2 = __builtin_shuffle(a[4], a[5], e) + __builtin_shuffle(a[4], a[5], o);
-    v8 x3 = __builtin_shuffle(a[6], a[7], e) + __builtin_shuffle(a[6], a[7], o);
-    v8 y0 = __builtin_shuffle(x0, x1, e2) + __builtin_shuffle(x0, x1, o2);
-    v8 y1 = __builtin_shuffle(x2, x3, e2) + __builtin_shuffle(x2, x3, o2);
-    return __builtin_shuffle(y0, y1, e3) + __builtin_shuffle(y0, y1, o3);
+    v8 x0 = SHUF(a[0], a[1], EVEN) + SHUF(a[0], a[1], ODD);
+    v8 x1 = SHUF(a[2], a[3], EVEN) + SHUF(a[2], a[3], ODD);
+    v8 x2 = SHUF(a[4], a[5], EVEN) + SHUF(a[4], a[5], ODD);
+    v8 x3 = SHUF(a[6], a[7], EVEN) + SHUF(a[6], a[7], ODD);
+    v8 y0 = SHUF(x0, x1, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(x0, x1, 2, 3, 10, 11, 6, 7, 14, 15);
+    v8 y1 = SHUF(x2, x3, 0, 1, 8, 9, 4, 5, 12, 13) + SHUF(x2, x3, 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUF(y0, y1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(y0, y1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* exp(x) for x <= 0 (scores minus their row maximum), Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
@@ -98,85 +105,99 @@ INLINE v8 exp_le0(v8 x) {
 
 INLINE float exp1(float x) { return exp_le0(bc(x))[0]; }
 
-/* Scores of query rows q[0..gc) (gc <= 2, rows of D = 8 * DV) against columns [c0, c1) of one
-   region (kb: its column 0), into sc[g * n + c - lo]. */
-INLINE void scores(const float* q, int gc, int DV, const float* kb, int64_t c0, int64_t c1, int64_t lo,
+/* Columns per tile: a tile's K (or V) rows, TILE_BYTES of them, stay in L1 while every query row of the
+   pair reads them, so a pair's K / V come from L2 or memory once, not once per row (G up to 8 and more). */
+#define TILE_BYTES 16384
+INLINE int64_t tile_cols(int DV) { return TILE_BYTES / (32 * DV) < 8 ? 8 : TILE_BYTES / (32 * DV); }
+
+/* Scores of the G query rows q (rows of D = 8 * DV) against columns [c0, c1) of one region (kb: its
+   column 0), into sc[g * n + c - lo]. */
+INLINE void scores(const float* q, int64_t G, int DV, const float* kb, int64_t c0, int64_t c1, int64_t lo,
                    int64_t n, float scale, float* sc) {
-    const int64_t D = 8 * DV;
-    for (int g = 0; g < gc; ++g) {
-        v8 qv[DV];
-        for (int t = 0; t < DV; ++t) qv[t] = ld(q + g * D + 8 * t);
-        float* row = sc + g * n - lo;
-        int64_t c = c0;
-        for (; c + 8 <= c1; c += 8) {
-            v8 acc[8];
-            for (int j = 0; j < 8; ++j) {
-                const float* kc = kb + (c + j) * D;
-                acc[j] = qv[0] * ld(kc);
-                for (int t = 1; t < DV; ++t) acc[j] += qv[t] * ld(kc + 8 * t);
+    const int64_t D = 8 * DV, tc = tile_cols(DV);
+    for (int64_t t0 = c0; t0 < c1; t0 += tc) {
+        const int64_t t1 = t0 + tc < c1 ? t0 + tc : c1;
+        for (int64_t g = 0; g < G; ++g) {
+            v8 qv[DV];
+            for (int t = 0; t < DV; ++t) qv[t] = ld(q + g * D + 8 * t);
+            float* row = sc + g * n - lo;
+            int64_t c = t0;
+            for (; c + 8 <= t1; c += 8) {
+                v8 acc[8];
+                for (int j = 0; j < 8; ++j) {
+                    const float* kc = kb + (c + j) * D;
+                    acc[j] = qv[0] * ld(kc);
+                    for (int t = 1; t < DV; ++t) acc[j] += qv[t] * ld(kc + 8 * t);
+                }
+                st(row + c, sum8(acc) * bc(scale));
             }
-            st(row + c, sum8(acc) * bc(scale));
-        }
-        for (; c < c1; ++c) {
-            const float* kc = kb + c * D;
-            v8 a = qv[0] * ld(kc);
-            for (int t = 1; t < DV; ++t) a += qv[t] * ld(kc + 8 * t);
-            row[c] = hsum(a) * scale;
+            for (; c < t1; ++c) {
+                const float* kc = kb + c * D;
+                v8 a = qv[0] * ld(kc);
+                for (int t = 1; t < DV; ++t) a += qv[t] * ld(kc + 8 * t);
+                row[c] = hsum(a) * scale;
+            }
         }
     }
 }
 
-/* acc[g] += sum over columns [c0, c1) of p[g][c] V[c] (vb: the region's column 0). */
-INLINE void weigh(const float* sc, int gc, int DV, const float* vb, int64_t c0, int64_t c1, int64_t lo,
-                  int64_t n, v8* acc) {
-    const int64_t D = 8 * DV;
-    for (int64_t c = c0; c < c1; ++c) {
-        const float* vc = vb + c * D;
-        for (int g = 0; g < gc; ++g) {
-            v8 p = bc(sc[g * n + c - lo]);
-            for (int t = 0; t < DV; ++t) acc[g * DV + t] += p * ld(vc + 8 * t);
+/* out[g] (+)= sum over columns [c0, c1) of p[g][c] V[c] (vb: the region's column 0), rows two at a time
+   with their accumulators in registers, tile by tile; init: out starts here (not read). */
+INLINE void weigh(const float* sc, int64_t G, int DV, const float* vb, int64_t c0, int64_t c1, int64_t lo,
+                  int64_t n, float* out, int init) {
+    const int64_t D = 8 * DV, tc = tile_cols(DV);
+    for (int64_t t0 = c0; t0 < c1; t0 += tc) {
+        const int64_t t1 = t0 + tc < c1 ? t0 + tc : c1;
+        for (int64_t g0 = 0; g0 < G; g0 += 2) {
+            const int gc = G - g0 < 2 ? (int)(G - g0) : 2;
+            v8 acc[2 * DV];
+            for (int g = 0; g < gc; ++g)
+                for (int t = 0; t < DV; ++t)
+                    acc[g * DV + t] = init && t0 == c0 ? bc(0.0f) : ld(out + (g0 + g) * D + 8 * t);
+            for (int64_t c = t0; c < t1; ++c) {
+                const float* vc = vb + c * D;
+                for (int g = 0; g < gc; ++g) {
+                    v8 p = bc(sc[(g0 + g) * n + c - lo]);
+                    for (int t = 0; t < DV; ++t) acc[g * DV + t] += p * ld(vc + 8 * t);
+                }
+            }
+            for (int g = 0; g < gc; ++g)
+                for (int t = 0; t < DV; ++t) st(out + (g0 + g) * D + 8 * t, acc[g * DV + t]);
         }
     }
 }
 
 /* One (slot, kv head) pair: G query rows, columns [lo, hi]: [lo, pm) from kl / vl, the rest from
-   ko / vo. Rows go two at a time so that their accumulators stay in registers. */
+   ko / vo. sc: G * (hi - lo + 1) floats. */
 INLINE void pair(const float* q, float* out, const float* kl, const float* vl, const float* ko,
                  const float* vo, int64_t lo, int64_t hi, int64_t pm, int64_t G, int DV, float scale,
                  const float* sink, float* sc) {
-    const int64_t D = 8 * DV, n = hi - lo + 1;
+    const int64_t n = hi - lo + 1;
     const int64_t mid = pm < lo ? lo : (pm > hi + 1 ? hi + 1 : pm);
-    for (int64_t g0 = 0; g0 < G; g0 += 2) {
-        int gc = G - g0 < 2 ? (int)(G - g0) : 2;
-        const float* qg = q + g0 * D;
-        scores(qg, gc, DV, kl, lo, mid, lo, n, scale, sc);
-        scores(qg, gc, DV, ko, mid, hi + 1, lo, n, scale, sc);
-        for (int g = 0; g < gc; ++g) {
-            float* row = sc + g * n;
-            float m = row[0];
-            for (int64_t j = 1; j < n; ++j) m = row[j] > m ? row[j] : m;
-            float sk = sink ? sink[g0 + g] : 0.0f;
-            if (sink && sk > m) m = sk;
-            v8 vs = bc(0.0f), vm = bc(m);
-            int64_t j = 0;
-            for (; j + 8 <= n; j += 8) {
-                v8 e = exp_le0(ld(row + j) - vm);
-                st(row + j, e);
-                vs += e;
-            }
-            float sum = hsum(vs);
-            for (; j < n; ++j) { row[j] = exp1(row[j] - m); sum += row[j]; }
-            if (sink) sum += exp1(sk - m);
-            float inv = 1.0f / sum;
-            for (j = 0; j < n; ++j) row[j] *= inv;
+    scores(q, G, DV, kl, lo, mid, lo, n, scale, sc);
+    scores(q, G, DV, ko, mid, hi + 1, lo, n, scale, sc);
+    for (int64_t g = 0; g < G; ++g) {
+        float* row = sc + g * n;
+        float m = row[0];
+        for (int64_t j = 1; j < n; ++j) m = row[j] > m ? row[j] : m;
+        float sk = sink ? sink[g] : 0.0f;
+        if (sink && sk > m) m = sk;
+        v8 vs = bc(0.0f), vm = bc(m);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            v8 e = exp_le0(ld(row + j) - vm);
+            st(row + j, e);
+            vs += e;
         }
-        v8 acc[2 * DV];
-        for (int t = 0; t < 2 * DV; ++t) acc[t] = bc(0.0f);
-        weigh(sc, gc, DV, vl, lo, mid, lo, n, acc);
-        weigh(sc, gc, DV, vo, mid, hi + 1, lo, n, acc);
-        for (int g = 0; g < gc; ++g)
-            for (int t = 0; t < DV; ++t) st(out + (g0 + g) * D + 8 * t, acc[g * DV + t]);
+        float sum = hsum(vs);
+        for (; j < n; ++j) { row[j] = exp1(row[j] - m); sum += row[j]; }
+        if (sink) sum += exp1(sk - m);
+        v8 inv = bc(1.0f / sum);
+        for (j = 0; j + 8 <= n; j += 8) st(row + j, ld(row + j) * inv);
+        for (; j < n; ++j) row[j] *= inv[0];
     }
+    weigh(sc, G, DV, vl, lo, mid, lo, n, out, 1);
+    weigh(sc, G, DV, vo, mid, hi + 1, lo, n, out, mid == lo);
 }
 
 #define PAIR(DV) \
@@ -218,7 +239,7 @@ int region_decode_attention(const float* q, float* out, const float* k, const fl
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        float* sc = (float*)malloc((size_t)(2 * wmax + 8) * sizeof(float));
+        float* sc = (float*)malloc((size_t)(G * wmax + 8) * sizeof(float));
         if (!sc) {
             #pragma omp atomic write
             failed = 1;

@@ -44,9 +44,9 @@ def _regions_cache(d: int, slots: int = 6, prefix_cols: int = 0) -> PagedKVCache
 @pytest.mark.parametrize("extra", ["plain", "sliding5", "sinks", "threads2"])
 def test_kernel_equals_the_torch_ops_on_slot_regions(d, g, extra, monkeypatch):
     """Six slots at columns 0 to 37 (one column, a block edge, past 8- and 32-column tiles); d = 24 runs the
-    generic (not compiled-in) head size. Both kernels against a float64 evaluation of the torch ops: the fused
-    kernel's error is fp32 rounding: its mean is within 1.5x the torch ops' own (unit-normal inputs: 64-term dot
-    products put the two up to ~2e-6 apart)."""
+    generic (not compiled-in) head size. Against a float64 evaluation of the torch ops the fused kernel's error
+    is fp32 rounding (max 8e-7 here, 4e-6 allowed: another CPU's MKL sums in another order), and it is within
+    5e-6 of the fp32 torch ops (unit-normal inputs: 64-term dot products put the two up to ~2e-6 apart)."""
     torch.manual_seed(d * 10 + g)
     c = _regions_cache(d)
     c.regions().normal_()
@@ -68,7 +68,7 @@ def test_kernel_equals_the_torch_ops_on_slot_regions(d, g, extra, monkeypatch):
         ref = ref_kernel.attend(c, layer, q, ref_kernel.plan(c, 6, pos, w, torch.float32), p)
         out = fused.attend(c, layer, q, fused.plan(c, 6, pos, w, torch.float32), p)
         torch.testing.assert_close(out, ref, atol=5e-6, rtol=1e-5)
-        assert (out.double() - exact).abs().mean() <= 1.5 * (ref.double() - exact).abs().mean() + 1e-9
+        torch.testing.assert_close(out.double(), exact, atol=4e-6, rtol=0)  # ~30 ulp at |out| ~ 1: rounding only
     assert calls["plain"] == 2
 
 
