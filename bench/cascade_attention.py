@@ -20,9 +20,10 @@ Each kernel's output is checked against ``gather`` (max abs difference printed).
 median over ``--repeats`` steps, kernels interleaved.
 
 ``--sampler``: also whole ``generate`` calls of the tiny model of bench/sampler.py (4 prompts of
-``--sampler-prompts`` tokens (1024) x n, ``--new`` tokens, temperature 1), cascade on (the sampler's
-rule: paged, shared blocks) vs off (slot regions) vs the aligned slot regions through the fused CPU
-kernel: generated tokens per CPU second, and whether tokens and log-probs agree.
+``--sampler-prompts`` tokens (1024) x n, ``--new`` tokens, temperature 1): off (slot regions), paged
+(the cascade on shared blocks, torch ops) and the sampler's default (on CPU fp32 with the fused kernel:
+the aligned slot regions through it): generated tokens per CPU second, and whether tokens and log-probs
+agree.
 The last line is one JSON object.
 """
 
@@ -86,22 +87,21 @@ P = LayerAttn(D ** -0.5, None, None, 0)
 
 
 def sampler_case(n: int, plen: int, new: int, repeats: int, clock) -> dict:
-    """Tokens per second of whole generate calls, alternating: cascade off (slot regions, each sample reads
-    its own prompt copy), on (the sampler's rule: paged, shared blocks, at these prompt lengths), and, where
-    the fused CPU kernel runs, the aligned slot regions through it (each sample reads its group's prompt from
-    the group's first slot); outputs compared with "off"."""
+    """Tokens per second of whole generate calls, alternating: ``off`` (slot regions, each sample reads its
+    own prompt copy), ``paged`` (the cascade on shared prompt blocks, torch ops: the sampler's rule where the
+    fused CPU kernel does not run) and ``default`` (the sampler's default: where the fused kernel runs, the
+    aligned slot regions through it, each sample reading its group's prompt from the group's first slot);
+    outputs compared with ``off``."""
     from bench.sampler import PAD, build, make_prompts
     from rlhf.rollout import Sampler, SamplingParams
 
     model = build("tiny")
     prompts = make_prompts(4, (plen, plen), model.config.vocab_size, seed=plen)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new, seed=1)
-    kw = dict(pad_token_id=PAD, max_num_seqs=256, prefill_tokens=max(4096, plen))
-    samplers = {name: Sampler(model.config, model.state_dict(), cascade_attention=name == "on", **kw)
-                for name in ("off", "on")}
-    if cpu_attention.available():
-        samplers["aligned_fused"] = Sampler(model.config, model.state_dict(), **kw, decode_attention=CascadeAttention(
-            GatherAttention(fused=True), min_saved=1 << 40))  # never paged: the aligned regions
+    kw = dict(pad_token_id=PAD, max_num_seqs=256, prefill_tokens=max(8192, plen))
+    samplers = {"off": Sampler(model.config, model.state_dict(), cascade_attention=False, **kw),
+                "paged": Sampler(model.config, model.state_dict(), decode_attention=CascadeAttention(), **kw),
+                "default": Sampler(model.config, model.state_dict(), **kw)}
     times: dict[str, list[float]] = {k: [] for k in samplers}
     outs = {}
     for _ in range(repeats):
@@ -109,18 +109,16 @@ def sampler_case(n: int, plen: int, new: int, repeats: int, clock) -> dict:
             t = clock()
             outs[name] = s.generate(prompts, params)
             times[name].append(clock() - t)
-    assert samplers["on"].cache.contiguous is False
-    assert "aligned_fused" not in samplers or samplers["aligned_fused"].cache.prefix_cols == plen
+    assert not samplers["paged"].cache.contiguous
     tokens = float(outs["off"].response_lengths.sum())
     med = {k: statistics.median(v) for k, v in times.items()}
-    row = {"n": n, "prompt": plen, "new": new, **{f"tok_s_{k}": round(tokens / v, 1) for k, v in med.items()},
-           "speedup": round(med["off"] / med["on"], 2)}
-    for k in samplers:
-        if k != "off":
-            row[f"same_tokens_{k}"] = bool(torch.equal(outs[k].response_ids, outs["off"].response_ids))
-            row[f"max_logprob_diff_{k}"] = float((outs[k].log_probs - outs["off"].log_probs).abs().max())
-    if "aligned_fused" in med:
-        row["aligned_fused_vs_on"] = round(med["on"] / med["aligned_fused"], 2)
+    row = {"n": n, "prompt": plen, "new": new, "default_layout": "aligned regions" if samplers["default"].cache.prefix_cols
+           else ("regions" if samplers["default"].cache.contiguous else "paged"),
+           **{f"tok_s_{k}": round(tokens / v, 1) for k, v in med.items()},
+           "paged_vs_off": round(med["off"] / med["paged"], 2), "default_vs_paged": round(med["paged"] / med["default"], 2)}
+    for k in ("paged", "default"):
+        row[f"same_tokens_{k}"] = bool(torch.equal(outs[k].response_ids, outs["off"].response_ids))
+        row[f"max_logprob_diff_{k}"] = float((outs[k].log_probs - outs["off"].log_probs).abs().max())
     return row
 
 
