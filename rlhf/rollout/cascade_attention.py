@@ -201,7 +201,7 @@ class CascadeAttention:
         """Whether a ``generate`` call of these prompts should page its cache (so that the samples
         share their prompt blocks) because some group may run its prefix once. Not where the call's slot
         regions are ``aligned`` and the fused CPU kernel reads them (each sample reads its group's prompt from
-        the group's first slot): that beats the paged cascade at every prompt length measured, 1.05-1.28x
+        the group's first slot): that beats the paged cascade at every prompt length measured, 1.10-1.41x
         per ``generate`` at n = 8, 16 and prompts 256-2048 (``bench/cascade_attention.py --sampler``)."""
         if aligned and getattr(self.base, "fused", False):
             return False

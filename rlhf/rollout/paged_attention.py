@@ -20,7 +20,7 @@ head order) returning ``[B, Hkv, G, D]``. Slot ``b`` attends to its positions ``
   (docs/benchmarks.md).
   ``GatherAttention(fused=True)`` (the CPU fp32 default where a C compiler is found) runs the
   slot-region steps through ``rlhf.rollout.cpu_attention`` instead: one pass per (slot, kv head),
-  no batched matmuls (1.07-2.5x less attention time, ``bench/cpu_attention.py``; Gemma 2's
+  no batched matmuls (1.2-2.3x less attention time here, ``bench/cpu_attention.py``; Gemma 2's
   soft-capped layers keep the torch ops).
 * ``FlashPagedAttention``: flash-attn's block-table path (``flash_attn_with_kvcache(q, k_cache,
   v_cache, cache_seqlens=, block_table=)``) reads the blocks in place, no gather. The
