@@ -14,7 +14,9 @@ the 100M model of bench/sampler.py: 12 query heads, 2 kv heads, head dim 64; fp3
 * ``gather``: today's paged kernel (each slot's window copied per layer, prompt blocks n times);
 * ``cascade``: ``rlhf.rollout.cascade_attention`` on the shared blocks (the paged cache);
 * ``fused``: the fused CPU kernel (``rlhf.rollout.cpu_attention``) on the slot regions aligned as a GRPO
-  call aligns them (each sample reads its group's prompt from the group's first slot), CPU fp32 only.
+  call aligns them (each sample reads its group's prompt from the group's first slot), CPU fp32 only;
+* ``fused_paged``: the same kernel on the paged cache, through each slot's block table (the shared
+  prompt blocks read by every member).
 
 Each kernel's output is checked against ``gather`` (max abs difference printed). Figures are the
 median over ``--repeats`` steps, kernels interleaved.
@@ -149,6 +151,7 @@ def main() -> None:
     kernels = {"regions": GatherAttention(), "gather": GatherAttention(), "cascade": CascadeAttention()}
     if args.device == "cpu" and dtype == torch.float32 and cpu_attention.available():
         kernels["fused"] = CascadeAttention(GatherAttention(fused=True))
+        kernels["fused_paged"] = GatherAttention(fused=True)
     rows = []
     for n in (int(x) for x in args.ns.split(",")):
         for plen in lens:
@@ -171,13 +174,17 @@ def main() -> None:
             if "fused" in med:
                 row.update(fused_vs_regions=round(med["regions"] / med["fused"], 2),
                            fused_vs_cascade=round(med["cascade"] / med["fused"], 2),
-                           fused_diff=float((outs["fused"] - outs["gather"]).abs().max()))
+                           fused_diff=float((outs["fused"] - outs["gather"]).abs().max()),
+                           fused_paged_vs_cascade=round(med["cascade"] / med["fused_paged"], 2),
+                           fused_paged_diff=float((outs["fused_paged"] - outs["gather"]).abs().max()))
             rows.append(row)
             print(f"n={n:3d} prompt={plen:5d} slots={row['slots']:3d}  attention ms/step: regions {med['regions']:8.2f}"
                   f"  gather {med['gather']:8.2f}  cascade {med['cascade']:8.2f}  speed-up vs regions "
                   f"{row['vs_regions']:5.2f}x  vs gather {row['vs_gather']:5.2f}x  max|diff| {row['max_abs_diff']:.1e}"
                   + (f"  | fused {med['fused']:8.2f}  vs regions {row['fused_vs_regions']:5.2f}x  vs cascade "
-                     f"{row['fused_vs_cascade']:5.2f}x  max|diff| {row['fused_diff']:.1e}" if "fused" in med else ""),
+                     f"{row['fused_vs_cascade']:5.2f}x  max|diff| {row['fused_diff']:.1e}  | fused paged "
+                     f"{med['fused_paged']:8.2f}  vs cascade {row['fused_paged_vs_cascade']:5.2f}x  max|diff| "
+                     f"{row['fused_paged_diff']:.1e}" if "fused" in med else ""),
                   flush=True)
             del paged, regions
     sampler_rows = []

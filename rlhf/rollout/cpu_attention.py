@@ -110,13 +110,15 @@ INLINE float exp1(float x) { return exp_le0(bc(x))[0]; }
 #define TILE_BYTES 16384
 INLINE int64_t tile_cols(int DV) { return TILE_BYTES / (32 * DV) < 8 ? 8 : TILE_BYTES / (32 * DV); }
 
-/* Scores of the G query rows q (rows of D = 8 * DV) against columns [c0, c1) of one region (kb: its
-   column 0), into sc[g * n + c - lo]. */
-INLINE void scores(const float* q, int64_t G, int DV, const float* kb, int64_t c0, int64_t c1, int64_t lo,
-                   int64_t n, float scale, float* sc) {
+/* A run of columns [c0, c1) whose K and V rows are contiguous: k, v point at column c0's rows. */
+typedef struct { const float* k; const float* v; int64_t c0, c1; } seg_t;
+
+/* Scores of the G query rows q (rows of D = 8 * DV) against the columns of one run, into
+   sc[g * n + c - lo]. */
+INLINE void scores(const float* q, int64_t G, int DV, seg_t sg, int64_t lo, int64_t n, float scale, float* sc) {
     const int64_t D = 8 * DV, tc = tile_cols(DV);
-    for (int64_t t0 = c0; t0 < c1; t0 += tc) {
-        const int64_t t1 = t0 + tc < c1 ? t0 + tc : c1;
+    for (int64_t t0 = sg.c0; t0 < sg.c1; t0 += tc) {
+        const int64_t t1 = t0 + tc < sg.c1 ? t0 + tc : sg.c1;
         for (int64_t g = 0; g < G; ++g) {
             v8 qv[DV];
             for (int t = 0; t < DV; ++t) qv[t] = ld(q + g * D + 8 * t);
@@ -125,14 +127,14 @@ INLINE void scores(const float* q, int64_t G, int DV, const float* kb, int64_t c
             for (; c + 8 <= t1; c += 8) {
                 v8 acc[8];
                 for (int j = 0; j < 8; ++j) {
-                    const float* kc = kb + (c + j) * D;
+                    const float* kc = sg.k + (c + j - sg.c0) * D;
                     acc[j] = qv[0] * ld(kc);
                     for (int t = 1; t < DV; ++t) acc[j] += qv[t] * ld(kc + 8 * t);
                 }
                 st(row + c, sum8(acc) * bc(scale));
             }
             for (; c < t1; ++c) {
-                const float* kc = kb + c * D;
+                const float* kc = sg.k + (c - sg.c0) * D;
                 v8 a = qv[0] * ld(kc);
                 for (int t = 1; t < DV; ++t) a += qv[t] * ld(kc + 8 * t);
                 row[c] = hsum(a) * scale;
@@ -141,21 +143,20 @@ INLINE void scores(const float* q, int64_t G, int DV, const float* kb, int64_t c
     }
 }
 
-/* out[g] (+)= sum over columns [c0, c1) of p[g][c] V[c] (vb: the region's column 0), rows two at a time
-   with their accumulators in registers, tile by tile; init: out starts here (not read). */
-INLINE void weigh(const float* sc, int64_t G, int DV, const float* vb, int64_t c0, int64_t c1, int64_t lo,
-                  int64_t n, float* out, int init) {
+/* out[g] (+)= sum over the run's columns of p[g][c] V[c], rows two at a time with their accumulators in
+   registers, tile by tile; init: out starts with this run (not read). */
+INLINE void weigh(const float* sc, int64_t G, int DV, seg_t sg, int64_t lo, int64_t n, float* out, int init) {
     const int64_t D = 8 * DV, tc = tile_cols(DV);
-    for (int64_t t0 = c0; t0 < c1; t0 += tc) {
-        const int64_t t1 = t0 + tc < c1 ? t0 + tc : c1;
+    for (int64_t t0 = sg.c0; t0 < sg.c1; t0 += tc) {
+        const int64_t t1 = t0 + tc < sg.c1 ? t0 + tc : sg.c1;
         for (int64_t g0 = 0; g0 < G; g0 += 2) {
             const int gc = G - g0 < 2 ? (int)(G - g0) : 2;
             v8 acc[2 * DV];
             for (int g = 0; g < gc; ++g)
                 for (int t = 0; t < DV; ++t)
-                    acc[g * DV + t] = init && t0 == c0 ? bc(0.0f) : ld(out + (g0 + g) * D + 8 * t);
+                    acc[g * DV + t] = init && t0 == sg.c0 ? bc(0.0f) : ld(out + (g0 + g) * D + 8 * t);
             for (int64_t c = t0; c < t1; ++c) {
-                const float* vc = vb + c * D;
+                const float* vc = sg.v + (c - sg.c0) * D;
                 for (int g = 0; g < gc; ++g) {
                     v8 p = bc(sc[(g0 + g) * n + c - lo]);
                     for (int t = 0; t < DV; ++t) acc[g * DV + t] += p * ld(vc + 8 * t);
@@ -167,15 +168,12 @@ INLINE void weigh(const float* sc, int64_t G, int DV, const float* vb, int64_t c
     }
 }
 
-/* One (slot, kv head) pair: G query rows, columns [lo, hi]: [lo, pm) from kl / vl, the rest from
-   ko / vo. sc: G * (hi - lo + 1) floats. */
-INLINE void pair(const float* q, float* out, const float* kl, const float* vl, const float* ko,
-                 const float* vo, int64_t lo, int64_t hi, int64_t pm, int64_t G, int DV, float scale,
-                 const float* sink, float* sc) {
+/* One (slot, kv head) pair: G query rows over columns [lo, hi], given as nseg non-empty runs in column
+   order. sc: G * (hi - lo + 1) floats. */
+INLINE void pair(const float* q, float* out, const seg_t* segs, int64_t nseg, int64_t lo, int64_t hi, int64_t G,
+                 int DV, float scale, const float* sink, float* sc) {
     const int64_t n = hi - lo + 1;
-    const int64_t mid = pm < lo ? lo : (pm > hi + 1 ? hi + 1 : pm);
-    scores(q, G, DV, kl, lo, mid, lo, n, scale, sc);
-    scores(q, G, DV, ko, mid, hi + 1, lo, n, scale, sc);
+    for (int64_t i = 0; i < nseg; ++i) scores(q, G, DV, segs[i], lo, n, scale, sc);
     for (int64_t g = 0; g < G; ++g) {
         float* row = sc + g * n;
         float m = row[0];
@@ -196,15 +194,13 @@ INLINE void pair(const float* q, float* out, const float* kl, const float* vl, c
         for (j = 0; j + 8 <= n; j += 8) st(row + j, ld(row + j) * inv);
         for (; j < n; ++j) row[j] *= inv[0];
     }
-    weigh(sc, G, DV, vl, lo, mid, lo, n, out, 1);
-    weigh(sc, G, DV, vo, mid, hi + 1, lo, n, out, mid == lo);
+    for (int64_t i = 0; i < nseg; ++i) weigh(sc, G, DV, segs[i], lo, n, out, i == 0);
 }
 
 #define PAIR(DV) \
-    static void pair_##DV(const float* q, float* out, const float* kl, const float* vl, const float* ko, \
-                          const float* vo, int64_t lo, int64_t hi, int64_t pm, int64_t G, float scale, \
-                          const float* sink, float* sc) { \
-        pair(q, out, kl, vl, ko, vo, lo, hi, pm, G, DV, scale, sink, sc); \
+    static void pair_##DV(const float* q, float* out, const seg_t* segs, int64_t nseg, int64_t lo, int64_t hi, \
+                          int64_t G, float scale, const float* sink, float* sc) { \
+        pair(q, out, segs, nseg, lo, hi, G, DV, scale, sink, sc); \
     }
 PAIR(1)
 PAIR(2)
@@ -214,26 +210,41 @@ PAIR(16)
 PAIR(32)
 
 /* Any other multiple of 8: the same code with DV unknown at compile time (slower: stack accumulators). */
-static void pair_any(const float* q, float* out, const float* kl, const float* vl, const float* ko,
-                     const float* vo, int64_t lo, int64_t hi, int64_t pm, int64_t G, int DV, float scale,
-                     const float* sink, float* sc) {
-    pair(q, out, kl, vl, ko, vo, lo, hi, pm, G, DV, scale, sink, sc);
+static void pair_any(const float* q, float* out, const seg_t* segs, int64_t nseg, int64_t lo, int64_t hi,
+                     int64_t G, int DV, float scale, const float* sink, float* sc) {
+    pair(q, out, segs, nseg, lo, hi, G, DV, scale, sink, sc);
 }
 
-typedef void (*pair_fn)(const float*, float*, const float*, const float*, const float*, const float*, int64_t,
-                        int64_t, int64_t, int64_t, float, const float*, float*);
+static void run_pair(int DV, const float* q, float* out, const seg_t* segs, int64_t nseg, int64_t lo, int64_t hi,
+                     int64_t G, float scale, const float* sink, float* sc) {
+    switch (DV) {
+        case 1: pair_1(q, out, segs, nseg, lo, hi, G, scale, sink, sc); break;
+        case 2: pair_2(q, out, segs, nseg, lo, hi, G, scale, sink, sc); break;
+        case 4: pair_4(q, out, segs, nseg, lo, hi, G, scale, sink, sc); break;
+        case 8: pair_8(q, out, segs, nseg, lo, hi, G, scale, sink, sc); break;
+        case 16: pair_16(q, out, segs, nseg, lo, hi, G, scale, sink, sc); break;
+        case 32: pair_32(q, out, segs, nseg, lo, hi, G, scale, sink, sc); break;
+        default: pair_any(q, out, segs, nseg, lo, hi, G, DV, scale, sink, sc);
+    }
+}
 
-/* q, out: [B, H, G, D] contiguous, D a multiple of 8. k, v: the layer's K / V regions, slot s / head h /
-   column c at s * ss + h * hs + c * D. lead, first, last: [B]. sinks: [H * G] or NULL.
-   Returns 0; -1 when out of memory; -2 for a D that is not a multiple of 8. */
+/* The columns [lo, hi] a slot sees: its first / last visible column, a sliding window's first. */
+INLINE void visible(const int64_t* first, const int64_t* last, int64_t s, int64_t window, int64_t* lo, int64_t* hi) {
+    *lo = first[s];
+    *hi = last[s];
+    if (window > 0 && *hi - window + 1 > *lo) *lo = *hi - window + 1;
+}
+
+/* Slot regions. q, out: [B, H, G, D] contiguous, D a multiple of 8. k, v: the layer's K / V regions, slot
+   s / head h / column c at s * ss + h * hs + c * D. Columns [0, pm) come from slot lead[s]'s region, the
+   rest from slot s's. lead, first, last: [B]. sinks: [H * G] or NULL. Returns 0; -1 when out of memory;
+   -2 for a D that is not a multiple of 8. */
 int region_decode_attention(const float* q, float* out, const float* k, const float* v, int64_t B,
                             int64_t H, int64_t G, int64_t D, int64_t ss, int64_t hs, const int64_t* lead,
                             const int64_t* first, const int64_t* last, int64_t pm, int64_t window,
                             float scale, const float* sinks, int nthreads) {
     if (D % 8 != 0 || D <= 0) return -2;
     const int DV = (int)(D / 8);
-    pair_fn fn = DV == 1 ? pair_1 : DV == 2 ? pair_2 : DV == 4 ? pair_4 : DV == 8 ? pair_8
-               : DV == 16 ? pair_16 : DV == 32 ? pair_32 : 0;
     int64_t wmax = 1;
     for (int64_t s = 0; s < B; ++s) wmax = last[s] + 1 > wmax ? last[s] + 1 : wmax;
     int failed = 0;
@@ -247,20 +258,59 @@ int region_decode_attention(const float* q, float* out, const float* k, const fl
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < B * H; ++i) {
             if (!sc) continue;
-            int64_t s = i / H, h = i % H;
-            int64_t lo = first[s], hi = last[s];
-            if (window > 0 && hi - window + 1 > lo) lo = hi - window + 1;
+            int64_t s = i / H, h = i % H, lo, hi;
+            visible(first, last, s, window, &lo, &hi);
+            const int64_t mid = pm < lo ? lo : (pm > hi + 1 ? hi + 1 : pm);
             const float* kl = k + lead[s] * ss + h * hs;
             const float* vl = v + lead[s] * ss + h * hs;
-            const float* sk = sinks ? sinks + h * G : 0;
-            if (fn)
-                fn(q + i * G * D, out + i * G * D, kl, vl, k + s * ss + h * hs, v + s * ss + h * hs, lo, hi, pm,
-                   G, scale, sk, sc);
-            else
-                pair_any(q + i * G * D, out + i * G * D, kl, vl, k + s * ss + h * hs, v + s * ss + h * hs, lo, hi,
-                         pm, G, DV, scale, sk, sc);
+            const float* ko = k + s * ss + h * hs;
+            const float* vo = v + s * ss + h * hs;
+            seg_t segs[2];
+            int64_t nseg = 0;
+            if (mid > lo) segs[nseg++] = (seg_t){kl + lo * D, vl + lo * D, lo, mid};
+            if (hi + 1 > mid) segs[nseg++] = (seg_t){ko + mid * D, vo + mid * D, mid, hi + 1};
+            run_pair(DV, q + i * G * D, out + i * G * D, segs, nseg, lo, hi, G, scale, sinks ? sinks + h * G : 0, sc);
         }
         free(sc);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Paged blocks. k, v: the layer's K / V, head h / block b / offset o at h * hs + b * bstride + o * D
+   (blocks of bs positions). Slot s's column c is in block table[s * tw + c / bs]. Otherwise as above. */
+int paged_decode_attention(const float* q, float* out, const float* k, const float* v, int64_t B, int64_t H,
+                           int64_t G, int64_t D, int64_t hs, int64_t bstride, int64_t bs, const int64_t* table,
+                           int64_t tw, const int64_t* first, const int64_t* last, int64_t window, float scale,
+                           const float* sinks, int nthreads) {
+    if (D % 8 != 0 || D <= 0) return -2;
+    const int DV = (int)(D / 8);
+    int64_t wmax = 1;
+    for (int64_t s = 0; s < B; ++s) wmax = last[s] + 1 > wmax ? last[s] + 1 : wmax;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float* sc = (float*)malloc((size_t)(G * wmax + 8) * sizeof(float));
+        seg_t* segs = (seg_t*)malloc((size_t)(wmax / bs + 2) * sizeof(seg_t));
+        if (!sc || !segs) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < B * H; ++i) {
+            if (!sc || !segs) continue;
+            int64_t s = i / H, h = i % H, lo, hi, nseg = 0;
+            visible(first, last, s, window, &lo, &hi);
+            for (int64_t c0 = lo; c0 <= hi;) {
+                const int64_t blk = table[s * tw + c0 / bs], off = c0 % bs;
+                const int64_t c1 = c0 - off + bs < hi + 1 ? c0 - off + bs : hi + 1;
+                const int64_t at = h * hs + blk * bstride + off * D;
+                segs[nseg++] = (seg_t){k + at, v + at, c0, c1};
+                c0 = c1;
+            }
+            run_pair(DV, q + i * G * D, out + i * G * D, segs, nseg, lo, hi, G, scale, sinks ? sinks + h * G : 0, sc);
+        }
+        free(sc);
+        free(segs);
     }
     return failed ? -1 : 0;
 }
@@ -323,11 +373,12 @@ def _load() -> Optional[ctypes.CDLL]:
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             reason = f"{type(e).__name__}: {e}"
     if lib is not None:
-        fn = lib.region_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float,
-                       ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
+        lib.region_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64,
+                                                i64, ctypes.c_float, ptr, ctypes.c_int]
+        lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, ptr,
+                                               ptr, i64, ctypes.c_float, ptr, ctypes.c_int]
+        lib.region_decode_attention.restype = lib.paged_decode_attention.restype = ctypes.c_int
     _STATE["lib"], _STATE["reason"] = lib, reason
     return lib
 
@@ -379,7 +430,40 @@ def region_decode_attention(q: Tensor, k: Tensor, v: Tensor, lead: Tensor, first
         q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), b, hkv, g, d, k.stride(0), k.stride(1),
         idx[0].data_ptr(), idx[1].data_ptr(), idx[2].data_ptr(), int(pm), int(window or 0), float(scale),
         None if sk is None else sk.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("region_decode_attention: out of memory for the scores buffer") if rc == -1 else \
-            ValueError(f"region_decode_attention: head size {d} is not a multiple of 8")
+    _check(rc, d)
     return out
+
+
+def paged_decode_attention(q: Tensor, kv: Tensor, table: Tensor, first: Tensor, last: Tensor, scale: float,
+                           window: Optional[int] = None, sinks: Optional[Tensor] = None) -> Tensor:
+    """Decode attention of ``q`` ``[B, Hkv, G, D]`` over paged blocks: ``kv`` ``[2 * Hkv, NB, BS, D]`` (one
+    layer of ``PagedKVCache.kv``: K heads then V heads, each block's positions contiguous), ``table``
+    ``[>= B, MB]`` int64 (slot ``s``'s column ``c`` in block ``table[s, c // BS]``), ``first`` / ``last``
+    ``[B]`` each slot's first and last visible column. Shared prompt blocks are read through every member's
+    table row, so a group's prompt comes from L1 / L2 after its first sample. Returns ``[B, Hkv, G, D]``."""
+    if is_fake(q):
+        return torch.empty_like(q)
+    lib = _load()
+    assert lib is not None, "paged_decode_attention: call available() first"
+    b, hkv, g, d = q.shape
+    assert q.dtype == kv.dtype == torch.float32 and q.device.type == "cpu"
+    assert kv.stride(3) == 1 and kv.stride(2) == d and kv.shape[0] == 2 * hkv, "blocks must hold contiguous rows"
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tab = table.to(torch.int64)
+    assert tab.stride(1) == 1
+    idx = [t.to(torch.int64).contiguous() for t in (first, last)]
+    sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    rc = lib.paged_decode_attention(
+        q.data_ptr(), out.data_ptr(), kv[0].data_ptr(), kv[hkv].data_ptr(), b, hkv, g, d, kv.stride(0), kv.stride(1),
+        kv.shape[2], tab.data_ptr(), tab.stride(0), idx[0].data_ptr(), idx[1].data_ptr(), int(window or 0),
+        float(scale), None if sk is None else sk.data_ptr(), torch.get_num_threads())
+    _check(rc, d)
+    return out
+
+
+def _check(rc: int, d: int) -> None:
+    if rc == -1:
+        raise MemoryError("fused CPU decode attention: out of memory for the scores buffer")
+    if rc != 0:
+        raise ValueError(f"fused CPU decode attention: head size {d} is not a multiple of 8")

@@ -19,8 +19,8 @@ head order) returning ``[B, Hkv, G, D]``. Slot ``b`` attends to its positions ``
   than SDPA's flash kernel, which runs the same small GEMMs block by block
   (docs/benchmarks.md).
   ``GatherAttention(fused=True)`` (the CPU fp32 default where a C compiler is found) runs the
-  slot-region steps through ``rlhf.rollout.cpu_attention`` instead: one pass per (slot, kv head),
-  no batched matmuls (1.2-2.3x less attention time here, ``bench/cpu_attention.py``; Gemma 2's
+  steps through ``rlhf.rollout.cpu_attention`` instead, slot regions and paged blocks (no gathered
+  copy) alike: one pass per (slot, kv head), no batched matmuls (1.2-2.3x less attention time here, ``bench/cpu_attention.py``; Gemma 2's
   soft-capped layers keep the torch ops).
 * ``FlashPagedAttention``: flash-attn's block-table path (``flash_attn_with_kvcache(q, k_cache,
   v_cache, cache_seqlens=, block_table=)``) reads the blocks in place, no gather. The
@@ -87,9 +87,12 @@ class GatherAttention:
     def attend(self, cache: Any, layer: int, q: Tensor, plan: "_GatherPlan", p: Any) -> Tensor:
         b, hkv, g, d = q.shape
         n, w = b * hkv, plan.window
-        if plan.kv is not None and p.softcap is None and self.fused and cpu_attention.supports(q):
-            k, v = cache.regions()[layer].unbind(0)  # [S, Hkv, T, D]: the kernel takes each slot's region
+        if self.fused and p.softcap is None and cpu_attention.supports(q):
             first, last = plan.columns()
+            if plan.kv is None:  # paged: the kernel follows the block table (no gathered copy)
+                return cpu_attention.paged_decode_attention(q, cache.kv[layer], cache.table, first, last, p.scale,
+                                                            p.window, p.sinks)
+            k, v = cache.regions()[layer].unbind(0)  # [S, Hkv, T, D]: the kernel takes each slot's region
             return cpu_attention.region_decode_attention(q, k, v, plan.slots(), first, last, 0, p.scale, p.window,
                                                          p.sinks)
         if plan.kv is not None:  # batch pairs in (slot, kv head) order

@@ -22,14 +22,19 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C comp
 
 
 def _counting(monkeypatch) -> dict:
-    calls = {"plain": 0, "shared": 0}
-    run = cpu_attention.region_decode_attention
+    calls = {"plain": 0, "shared": 0, "paged": 0}
+    run, run_paged = cpu_attention.region_decode_attention, cpu_attention.paged_decode_attention
 
     def counted(q, k, v, lead, first, last, pm, *a, **kw):
         calls["shared" if pm else "plain"] += 1
         return run(q, k, v, lead, first, last, pm, *a, **kw)
 
+    def counted_paged(*a, **kw):
+        calls["paged"] += 1
+        return run_paged(*a, **kw)
+
     monkeypatch.setattr(cpu_attention, "region_decode_attention", counted)
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention", counted_paged)
     return calls
 
 
@@ -189,4 +194,49 @@ def test_long_prompts_stay_in_aligned_regions_where_the_kernel_runs(budget, monk
     assert not ref.cache.contiguous  # the torch ops page for the cascade
     assert s.cache.contiguous == (not budget) and (calls["shared"] > 0) == (not budget)
     assert torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "sliding7"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_paged_kernel_follows_the_block_table(window, sinks, monkeypatch):
+    """Paged cache with shared prompt blocks (mixed groups, blocks of 4, a slot at its first column, runs that
+    start and end inside blocks): the fused kernel through the block table equals the gather kernel; a
+    CascadeAttention over it runs no separate prefix pass."""
+    from tests.unit.test_cascade_attention import _cache, _mixed_groups
+
+    c = _cache()
+    pos = _mixed_groups(c)
+    b, w = pos.shape[0], int(pos.max()) + 1
+    p = LayerAttn(0.35, None, window, 0, sinks=torch.randn(6) if sinks else None)
+    calls = _counting(monkeypatch)
+    ref_kernel, fused = GatherAttention(), CascadeAttention(GatherAttention(fused=True), min_saved=8)
+    plan = fused.plan(c, b, pos, w, torch.float32)
+    assert not hasattr(plan, "groups")  # the base kernel's plan: no cascade step
+    for layer in range(2):
+        q = torch.randn(b, 2, 3, 8)
+        ref = ref_kernel.attend(c, layer, q, ref_kernel.plan(c, b, pos, w, torch.float32), p)
+        torch.testing.assert_close(fused.attend(c, layer, q, plan, p), ref, atol=1e-6, rtol=1e-6)
+    assert calls["paged"] == 2
+
+
+@pytest.mark.parametrize("case", ["kv_budget", "multi_turn"])
+def test_sampler_paged_runs_equal_the_torch_ops(case, monkeypatch):
+    """Paged calls through the kernel: a KV budget that preempts, and tool turns (parked sequences)."""
+    from tests.unit.test_cascade_attention import LONG
+    from tests.unit.test_sampler_turns import PARAMS as TURN_PARAMS, FakeTool
+
+    kw = {"max_num_seqs": 7, "kv_cache_tokens": 160} if case == "kv_budget" else {}
+    on, off = _pair("qwen2", block_size=8, **kw)
+    calls = _counting(monkeypatch)
+    if case == "kv_budget":
+        params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=9, stop_token_ids=[5])
+        a, b = on.generate(MIXED, params), off.generate(MIXED, params)
+        assert a.stats["preemptions"] > 0
+    else:
+        a = on.generate(LONG, TURN_PARAMS, turns=FakeTool(delay=3))
+        b = off.generate(LONG, TURN_PARAMS, turns=FakeTool(delay=3))
+        assert a.stats["turns"] > 0
+    assert not on.cache.contiguous and calls["paged"] > 0
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_lengths, b.response_lengths)
     torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=0)
