@@ -8,8 +8,14 @@ shared prompts (256 and 1024 columns, n = 8) and D = 128. Random fp32 slot regio
 columns; hot caches (the same regions every call). Figures: best of ``--repeats`` rounds of ``--calls``
 calls, microseconds per call, kernels alternating; the outputs are compared (max abs difference).
 
-Usage: ``python bench/cpu_attention.py [--repeats 5] [--calls 10] [--threads 1]``; the last line is one
-JSON object.
+``--sampler``: also whole ``generate`` calls of the tiny model of ``bench/sampler.py`` with the kernel on and
+off (the torch ops), alternating, CPU time, same tokens asserted: GRPO (16 prompts x 8, aligned slot regions),
+the same with tool turns (a deterministic fake tool answers a call token with 1-3 tokens, at most 2 turns per
+sample: the paged cache with parked sequences) and under a KV budget (``kv_cache_tokens`` = 2048: paged,
+preempting).
+
+Usage: ``python bench/cpu_attention.py [--repeats 5] [--calls 10] [--threads 1] [--sampler]``; the last line
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from rlhf.rollout import cpu_attention  # noqa: E402
 
@@ -73,11 +81,67 @@ def case(b: int, h: int, g: int, d: int, t: int, pm: int, n: int, repeats: int, 
             "max_abs_diff": diff}
 
 
+class _Tool:
+    """After ``call`` (at most 2 turns per row) the row gets the observation ``[60 + (row + turn) % 4] * k``,
+    ``k = 1 + (row + turn) % 3``, at once (the sampler's multi-turn protocol, as tests/unit/test_sampler_turns)."""
+
+    def __init__(self, call: int) -> None:
+        self.call, self.turns, self.pending = call, {}, {}
+
+    def turn_ended(self, row: int, response: list[int]) -> bool:
+        if response[-1] != self.call or self.turns.get(row, 0) >= 2:
+            return False
+        t = self.turns[row] = self.turns.get(row, 0) + 1
+        self.pending[row] = [60 + (row + t) % 4] * (1 + (row + t) % 3)
+        return True
+
+    def poll(self, wait: bool) -> list[tuple[int, list[int]]]:
+        out, self.pending = list(self.pending.items()), {}
+        return out
+
+
+def sampler_rows(repeats: int) -> list[dict]:
+    from sampler import PAD, build, make_prompts  # bench/sampler.py
+    from rlhf.rollout import Sampler, SamplingParams
+
+    model = build("tiny")
+    prompts = make_prompts(16, (8, 24), model.config.vocab_size, seed=16)
+    rows = []
+    for name, kw, turns, stop in (("grpo", {}, False, []), ("grpo + tool turns", {}, True, [7]),
+                                  ("grpo, KV budget 2048", {"kv_cache_tokens": 2048}, False, [])):
+        params = SamplingParams(n=8, temperature=1.0, max_new_tokens=48, seed=1, stop_token_ids=stop)
+        samplers = {}
+        for on in (True, False):
+            samplers[on] = Sampler(model.config, model.state_dict(), pad_token_id=PAD, max_num_seqs=256, **kw)
+            samplers[on].decode_attention.base.fused = on
+        times: dict[bool, list[float]] = {True: [], False: []}
+        outs = {}
+        for r in range(repeats + 1):
+            for on, s in samplers.items():
+                t = time.process_time()
+                outs[on] = s.generate(prompts, params, turns=_Tool(7) if turns else None)
+                if r:
+                    times[on].append(time.process_time() - t)
+        assert torch.equal(outs[True].response_ids, outs[False].response_ids), name
+        on_ms, off_ms = (statistics.median(times[k]) * 1e3 for k in (True, False))
+        cache = samplers[True].cache
+        rows.append({"case": name, "layout": "aligned regions" if cache.prefix_cols else
+                     ("regions" if cache.contiguous else "paged"), "turns": int(outs[True].stats.get("turns", 0)),
+                     "preemptions": int(outs[True].stats.get("preemptions", 0)), "on_ms": round(on_ms, 1),
+                     "off_ms": round(off_ms, 1), "speedup": round(off_ms / on_ms, 2),
+                     "max_logprob_diff": float((outs[True].log_probs - outs[False].log_probs).abs().max())})
+        print(f"generate {name:22s} ({rows[-1]['layout']}, turns {rows[-1]['turns']}, preemptions "
+              f"{rows[-1]['preemptions']}): kernel on {on_ms:7.1f} ms  off {off_ms:7.1f} ms  {off_ms / on_ms:5.2f}x",
+              flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sampler", action="store_true", help="also whole generate calls, kernel on vs off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_attention.available():
@@ -89,8 +153,9 @@ def main() -> None:
         print(f"{r['slots']:4d} slots x {r['kv_heads']} kv heads, G {r['G']}, D {r['D']:3d}, {r['columns']:5d} columns, "
               f"lead prompt {r['lead_prompt']:4d}: fused {r['fused_us']:8.1f} us  torch ops {r['torch_us']:8.1f} us  "
               f"{r['speedup']:5.2f}x  max|diff| {r['max_abs_diff']:.1e}", flush=True)
+    generate = sampler_rows(args.repeats) if args.sampler else []
     print(json.dumps({"bench": "cpu_attention", "threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "load_avg_1m": os.getloadavg()[0], "rows": rows}))
+                      "load_avg_1m": os.getloadavg()[0], "rows": rows, "generate": generate}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Fused CPU decode attention over the contiguous cache's slot regions, compiled at run time.
+"""Fused CPU decode attention over the KV cache's slot regions or paged blocks, compiled at run time.
 
 At decode shapes (``G`` query rows per (slot, kv head), a few dozen to a few thousand columns) the
 torch-ops kernels spend most of their time outside the FLOPs: a batched matmul pays MKL's
@@ -13,17 +13,18 @@ What it computes, for slot ``s``, kv head ``h``, query row ``g`` (``[B, Hkv, G, 
 
 with ``K[c], V[c]`` read from slot ``lead[s]``'s region for columns ``c < pm`` (a GRPO group's
 aligned prompt, ``rlhf.rollout.region_cascade``: one copy read by every member while it is in L1) and
-from slot ``s``'s own region otherwise; ``hi_s`` the slot's current column, ``lo_s`` its first visible
-column, raised to ``hi_s - window + 1`` under a sliding window; GPT-OSS's sink logit (per query head)
-joins the softmax's denominator. The softmax is the reference's (max-subtracted, fp32, normalised
+from slot ``s``'s own region otherwise (``paged_decode_attention``: from the blocks of the slot's table
+row, a run of columns per block); ``hi_s`` the slot's current column, ``lo_s`` its first visible column,
+raised to ``hi_s - window + 1`` under a sliding window; GPT-OSS's sink logit (per query head) joins the
+softmax's denominator. K and V go through in 16 KB tiles that every query row reads from L1. The softmax is the reference's (max-subtracted, fp32, normalised
 before the weighted sum); the sums run in another order and ``exp`` is a degree-6 polynomial
 (Cephes' ``expf``, ~1 ulp), so the result equals the torch-ops kernels to fp32 rounding
 (``tests/unit/test_cpu_attention.py``). Gemma 2's soft-capped layers stay on the torch ops.
 
 Build: the C source below is compiled once per machine and source (``cc -O3 -march=native``, under a
 second) into ``$RLHF_KERNEL_CACHE`` (default ``~/.cache/rlhf/kernels``; the temporary directory where
-that is not writable) and loaded with ``ctypes``: no
-torch headers, so the build is quick enough to happen on first use. With OpenMP the (slot, kv head)
+that is not writable) and loaded with ``ctypes``: no torch headers, so the build is quick enough to
+happen on first use; GCC or Clang (``CC``). With OpenMP the (slot, kv head)
 pairs are split over torch's threads (it shares torch's ``libgomp``). Where no compiler works the
 sampler keeps the torch-ops kernels and says so once; ``RLHF_FUSED_CPU_ATTENTION=0`` turns the kernel
 off.
