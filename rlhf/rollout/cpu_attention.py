@@ -229,69 +229,52 @@ static void run_pair(int DV, const float* q, float* out, const seg_t* segs, int6
     }
 }
 
-/* The columns [lo, hi] a slot sees: its first / last visible column, a sliding window's first. */
-INLINE void visible(const int64_t* first, const int64_t* last, int64_t s, int64_t window, int64_t* lo, int64_t* hi) {
-    *lo = first[s];
-    *hi = last[s];
-    if (window > 0 && *hi - window + 1 > *lo) *lo = *hi - window + 1;
-}
+/* The layout of one layer's K / V: slot regions (paged = 0: slot s / head h / column c at s * ss + h * hs +
+   c * D, columns [0, pm) from slot lead[s]) or paged blocks (paged = 1: head h / block b / offset o at
+   h * hs + b * ss + o * D, blocks of bs positions, slot s's column c in block table[s * tw + c / bs]). */
+typedef struct {
+    int paged;
+    int64_t ss, hs, pm, bs, tw;
+    const int64_t *lead, *table;
+} layout_t;
 
-/* Slot regions. q, out: [B, H, G, D] contiguous, D a multiple of 8. k, v: the layer's K / V regions, slot
-   s / head h / column c at s * ss + h * hs + c * D. Columns [0, pm) come from slot lead[s]'s region, the
-   rest from slot s's. lead, first, last: [B]. sinks: [H * G] or NULL. Returns 0; -1 when out of memory;
-   -2 for a D that is not a multiple of 8. */
-int region_decode_attention(const float* q, float* out, const float* k, const float* v, int64_t B,
-                            int64_t H, int64_t G, int64_t D, int64_t ss, int64_t hs, const int64_t* lead,
-                            const int64_t* first, const int64_t* last, int64_t pm, int64_t window,
-                            float scale, const float* sinks, int nthreads) {
-    if (D % 8 != 0 || D <= 0) return -2;
-    const int DV = (int)(D / 8);
-    int64_t wmax = 1;
-    for (int64_t s = 0; s < B; ++s) wmax = last[s] + 1 > wmax ? last[s] + 1 : wmax;
-    int failed = 0;
-    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        float* sc = (float*)malloc((size_t)(G * wmax + 8) * sizeof(float));
-        if (!sc) {
-            #pragma omp atomic write
-            failed = 1;
+/* The runs of columns [lo, hi] of slot s, head h, in column order; returns how many. */
+INLINE int64_t runs(const layout_t* L, const float* k, const float* v, int64_t s, int64_t h, int64_t lo, int64_t hi,
+                    int64_t D, seg_t* segs) {
+    int64_t nseg = 0;
+    if (L->paged) {
+        for (int64_t c0 = lo; c0 <= hi;) {
+            const int64_t blk = L->table[s * L->tw + c0 / L->bs], off = c0 % L->bs;
+            const int64_t c1 = c0 - off + L->bs < hi + 1 ? c0 - off + L->bs : hi + 1;
+            const int64_t at = h * L->hs + blk * L->ss + off * D;
+            segs[nseg++] = (seg_t){k + at, v + at, c0, c1};
+            c0 = c1;
         }
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < B * H; ++i) {
-            if (!sc) continue;
-            int64_t s = i / H, h = i % H, lo, hi;
-            visible(first, last, s, window, &lo, &hi);
-            const int64_t mid = pm < lo ? lo : (pm > hi + 1 ? hi + 1 : pm);
-            const float* kl = k + lead[s] * ss + h * hs;
-            const float* vl = v + lead[s] * ss + h * hs;
-            const float* ko = k + s * ss + h * hs;
-            const float* vo = v + s * ss + h * hs;
-            seg_t segs[2];
-            int64_t nseg = 0;
-            if (mid > lo) segs[nseg++] = (seg_t){kl + lo * D, vl + lo * D, lo, mid};
-            if (hi + 1 > mid) segs[nseg++] = (seg_t){ko + mid * D, vo + mid * D, mid, hi + 1};
-            run_pair(DV, q + i * G * D, out + i * G * D, segs, nseg, lo, hi, G, scale, sinks ? sinks + h * G : 0, sc);
-        }
-        free(sc);
+        return nseg;
     }
-    return failed ? -1 : 0;
+    const int64_t mid = L->pm < lo ? lo : (L->pm > hi + 1 ? hi + 1 : L->pm);
+    const int64_t lead = (L->lead[s] * L->ss + h * L->hs), own = (s * L->ss + h * L->hs);
+    if (mid > lo) segs[nseg++] = (seg_t){k + lead + lo * D, v + lead + lo * D, lo, mid};
+    if (hi + 1 > mid) segs[nseg++] = (seg_t){k + own + mid * D, v + own + mid * D, mid, hi + 1};
+    return nseg;
 }
 
-/* Paged blocks. k, v: the layer's K / V, head h / block b / offset o at h * hs + b * bstride + o * D
-   (blocks of bs positions). Slot s's column c is in block table[s * tw + c / bs]. Otherwise as above. */
-int paged_decode_attention(const float* q, float* out, const float* k, const float* v, int64_t B, int64_t H,
-                           int64_t G, int64_t D, int64_t hs, int64_t bstride, int64_t bs, const int64_t* table,
-                           int64_t tw, const int64_t* first, const int64_t* last, int64_t window, float scale,
-                           const float* sinks, int nthreads) {
+/* q, out: [B, H, G, D] contiguous, D a multiple of 8; first, last: [B] each slot's first and last visible
+   column (window > 0: a sliding window); sinks: [H * G] or NULL. Returns 0; -1 when out of memory; -2 for a
+   D that is not a multiple of 8. */
+static int attend(const layout_t* L, const float* q, float* out, const float* k, const float* v, int64_t B,
+                  int64_t H, int64_t G, int64_t D, const int64_t* first, const int64_t* last, int64_t window,
+                  float scale, const float* sinks, int nthreads) {
     if (D % 8 != 0 || D <= 0) return -2;
     const int DV = (int)(D / 8);
     int64_t wmax = 1;
     for (int64_t s = 0; s < B; ++s) wmax = last[s] + 1 > wmax ? last[s] + 1 : wmax;
+    const int64_t max_runs = L->paged ? wmax / L->bs + 2 : 2;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         float* sc = (float*)malloc((size_t)(G * wmax + 8) * sizeof(float));
-        seg_t* segs = (seg_t*)malloc((size_t)(wmax / bs + 2) * sizeof(seg_t));
+        seg_t* segs = (seg_t*)malloc((size_t)max_runs * sizeof(seg_t));
         if (!sc || !segs) {
             #pragma omp atomic write
             failed = 1;
@@ -299,21 +282,34 @@ int paged_decode_attention(const float* q, float* out, const float* k, const flo
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < B * H; ++i) {
             if (!sc || !segs) continue;
-            int64_t s = i / H, h = i % H, lo, hi, nseg = 0;
-            visible(first, last, s, window, &lo, &hi);
-            for (int64_t c0 = lo; c0 <= hi;) {
-                const int64_t blk = table[s * tw + c0 / bs], off = c0 % bs;
-                const int64_t c1 = c0 - off + bs < hi + 1 ? c0 - off + bs : hi + 1;
-                const int64_t at = h * hs + blk * bstride + off * D;
-                segs[nseg++] = (seg_t){k + at, v + at, c0, c1};
-                c0 = c1;
-            }
+            const int64_t s = i / H, h = i % H;
+            int64_t lo = first[s], hi = last[s];
+            if (window > 0 && hi - window + 1 > lo) lo = hi - window + 1;
+            const int64_t nseg = runs(L, k, v, s, h, lo, hi, D, segs);
             run_pair(DV, q + i * G * D, out + i * G * D, segs, nseg, lo, hi, G, scale, sinks ? sinks + h * G : 0, sc);
         }
         free(sc);
         free(segs);
     }
     return failed ? -1 : 0;
+}
+
+/* Slot regions: k, v the layer's K / V regions (see layout_t). */
+int region_decode_attention(const float* q, float* out, const float* k, const float* v, int64_t B,
+                            int64_t H, int64_t G, int64_t D, int64_t ss, int64_t hs, const int64_t* lead,
+                            const int64_t* first, const int64_t* last, int64_t pm, int64_t window,
+                            float scale, const float* sinks, int nthreads) {
+    const layout_t L = {0, ss, hs, pm, 1, 0, lead, 0};
+    return attend(&L, q, out, k, v, B, H, G, D, first, last, window, scale, sinks, nthreads);
+}
+
+/* Paged blocks: k, v the layer's K / V heads (see layout_t; bstride: one block). */
+int paged_decode_attention(const float* q, float* out, const float* k, const float* v, int64_t B, int64_t H,
+                           int64_t G, int64_t D, int64_t hs, int64_t bstride, int64_t bs, const int64_t* table,
+                           int64_t tw, const int64_t* first, const int64_t* last, int64_t window, float scale,
+                           const float* sinks, int nthreads) {
+    const layout_t L = {1, bstride, hs, 0, bs, tw, 0, table};
+    return attend(&L, q, out, k, v, B, H, G, D, first, last, window, scale, sinks, nthreads);
 }
 """
 
