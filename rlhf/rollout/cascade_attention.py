@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 from rlhf.models.gpt_oss import sink_scale
-from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention
 from rlhf.rollout import cpu_attention
+from rlhf.rollout.paged_attention import FlashPagedAttention, GatherAttention
 from rlhf.rollout.region_cascade import FusedRegionPlan, RegionCascade, RegionCascadePlan
 
 # The rule (bench/cascade_attention.py, docs/benchmarks.md, 1-thread CPU): a group of n >= 2 live

@@ -414,21 +414,10 @@ def region_decode_attention(q: Tensor, k: Tensor, v: Tensor, lead: Tensor, first
     columns (0: every column from the slot's own region). Returns ``[B, Hkv, G, D]`` fp32."""
     if is_fake(q):  # the simulation (rlhf.simulate) runs the sampler on fake tensors: the output is what it allocates
         return torch.empty_like(q)
-    lib = _load()
-    assert lib is not None, "region_decode_attention: call available() first"
-    b, hkv, g, d = q.shape
-    assert q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == "cpu"
-    assert k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d, "columns must be contiguous rows"
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    idx = [t.to(torch.int64).contiguous() for t in (lead, first, last)]
-    sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
-    rc = lib.region_decode_attention(
-        q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), b, hkv, g, d, k.stride(0), k.stride(1),
-        idx[0].data_ptr(), idx[1].data_ptr(), idx[2].data_ptr(), int(pm), int(window or 0), float(scale),
-        None if sk is None else sk.data_ptr(), torch.get_num_threads())
-    _check(rc, d)
-    return out
+    assert k.dtype == v.dtype == torch.float32 and k.stride() == v.stride(), "K and V regions of one layer"
+    assert k.stride(3) == 1 and k.stride(2) == q.shape[-1], "columns must be contiguous rows"
+    return _call("region_decode_attention", q, sinks, k, v, k.stride(0), k.stride(1),
+                 _index(lead), _index(first), _index(last), int(pm), int(window or 0), float(scale))
 
 
 def paged_decode_attention(q: Tensor, kv: Tensor, table: Tensor, first: Tensor, last: Tensor, scale: float,
@@ -440,27 +429,34 @@ def paged_decode_attention(q: Tensor, kv: Tensor, table: Tensor, first: Tensor, 
     table row, so a group's prompt comes from L1 / L2 after its first sample. Returns ``[B, Hkv, G, D]``."""
     if is_fake(q):
         return torch.empty_like(q)
+    hkv = q.shape[1]
+    assert kv.dtype == torch.float32 and kv.shape[0] == 2 * hkv, "one layer's K and V heads"
+    assert kv.stride(3) == 1 and kv.stride(2) == q.shape[-1], "blocks must hold contiguous rows"
+    tab = _index(table)
+    return _call("paged_decode_attention", q, sinks, kv[0], kv[hkv], kv.stride(0), kv.stride(1), kv.shape[2], tab,
+                 tab.shape[1], _index(first), _index(last), int(window or 0), float(scale))
+
+
+def _index(t: Tensor) -> Tensor:
+    return t.to(torch.int64).contiguous()
+
+
+def _call(name: str, q: Tensor, sinks: Optional[Tensor], k: Tensor, v: Tensor, *layout: object) -> Tensor:
+    """Run the kernel ``name`` on ``q`` (made contiguous) over ``k`` / ``v`` with the rest of its arguments
+    ``layout`` in the C signature's order (tensors passed by address, kept alive here); sinks and the thread
+    count go last. Returns the output ``[B, Hkv, G, D]``."""
     lib = _load()
-    assert lib is not None, "paged_decode_attention: call available() first"
-    b, hkv, g, d = q.shape
-    assert q.dtype == kv.dtype == torch.float32 and q.device.type == "cpu"
-    assert kv.stride(3) == 1 and kv.stride(2) == d and kv.shape[0] == 2 * hkv, "blocks must hold contiguous rows"
+    assert lib is not None, f"{name}: call available() first"
+    assert q.dtype == torch.float32 and q.device.type == "cpu"
     q = q.contiguous()
     out = torch.empty_like(q)
-    tab = table.to(torch.int64)
-    assert tab.stride(1) == 1
-    idx = [t.to(torch.int64).contiguous() for t in (first, last)]
+    b, hkv, g, d = q.shape
     sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
-    rc = lib.paged_decode_attention(
-        q.data_ptr(), out.data_ptr(), kv[0].data_ptr(), kv[hkv].data_ptr(), b, hkv, g, d, kv.stride(0), kv.stride(1),
-        kv.shape[2], tab.data_ptr(), tab.stride(0), idx[0].data_ptr(), idx[1].data_ptr(), int(window or 0),
-        float(scale), None if sk is None else sk.data_ptr(), torch.get_num_threads())
-    _check(rc, d)
-    return out
-
-
-def _check(rc: int, d: int) -> None:
+    rest = [a.data_ptr() if isinstance(a, Tensor) else a for a in layout]
+    rc = getattr(lib, name)(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), b, hkv, g, d, *rest,
+                            None if sk is None else sk.data_ptr(), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("fused CPU decode attention: out of memory for the scores buffer")
     if rc != 0:
         raise ValueError(f"fused CPU decode attention: head size {d} is not a multiple of 8")
+    return out

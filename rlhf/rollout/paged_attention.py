@@ -34,6 +34,7 @@ package imports, the reference otherwise.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable, Optional
 
@@ -41,9 +42,9 @@ import torch
 from torch import Tensor
 
 from rlhf.models.gpt_oss import sink_scale
-from rlhf.rollout import cpu_attention
 from rlhf.models.softcap_attention import attention as capped_attention
 from rlhf.models.softcap_attention import sink_softmax
+from rlhf.rollout import cpu_attention
 
 _FLASH: dict[str, Any] = {}
 
@@ -88,13 +89,12 @@ class GatherAttention:
         b, hkv, g, d = q.shape
         n, w = b * hkv, plan.window
         if self.fused and p.softcap is None and cpu_attention.supports(q):
-            first, last = plan.columns()
+            own, first, last = plan.fused_args
             if plan.kv is None:  # paged: the kernel follows the block table (no gathered copy)
                 return cpu_attention.paged_decode_attention(q, cache.kv[layer], cache.table, first, last, p.scale,
                                                             p.window, p.sinks)
             k, v = cache.regions()[layer].unbind(0)  # [S, Hkv, T, D]: the kernel takes each slot's region
-            return cpu_attention.region_decode_attention(q, k, v, plan.slots(), first, last, 0, p.scale, p.window,
-                                                         p.sinks)
+            return cpu_attention.region_decode_attention(q, k, v, own, first, last, 0, p.scale, p.window, p.sinks)
         if plan.kv is not None:  # batch pairs in (slot, kv head) order
             k, v = plan.kv[layer].unbind(0)  # [N, W, D] views
             q3 = q.reshape(n, g, d)
@@ -128,22 +128,14 @@ class _GatherPlan:
         self.blocks, self.kv, self.pos, self.window, self.dtype = blocks, kv, pos, window, dtype
         self.first = first
         self._masks: dict[Optional[int], Tensor] = {}
-        self._fused: Optional[tuple[Tensor, Tensor, Tensor]] = None
 
-    def slots(self) -> Tensor:
-        """``[B]`` each slot's own index (the fused kernel's prompt source: no shared prompt)."""
-        return self._fused_args()[0]
-
-    def columns(self) -> tuple[Tensor, Tensor]:
-        """``[B]`` each slot's first and last visible column (the fused kernel's range)."""
-        return self._fused_args()[1:]
-
-    def _fused_args(self) -> tuple[Tensor, Tensor, Tensor]:
-        if self._fused is None:
-            b = self.pos.shape[0]
-            first = self.first if self.first is not None else torch.zeros(b, dtype=torch.int64, device=self.pos.device)
-            self._fused = (torch.arange(b, device=self.pos.device), first, self.pos)
-        return self._fused
+    @functools.cached_property
+    def fused_args(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``[B]`` each slot's prompt source (itself: no shared prompt), first and last visible column: the
+        fused kernel's arguments, made once per step."""
+        b, dev = self.pos.shape[0], self.pos.device
+        first = self.first if self.first is not None else torch.zeros(b, dtype=torch.int64, device=dev)
+        return torch.arange(b, device=dev), first, self.pos
 
     def batch_mask(self, sliding: Optional[int], hkv: int) -> Tensor:
         """``[B * Hkv, 1, W]`` additive mask (0 or -inf, the step's dtype) of each (slot, kv head)

@@ -29,6 +29,7 @@ sliding windows and sinks too; the torch-ops plan above (and its copy of the gro
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,7 +42,19 @@ from torch import Tensor
 PREFIX_COPY_BYTES = 64 << 20
 
 
-class RegionCascadePlan:
+class _WithBasePlan:
+    """A step plan that carries the base kernel's plan, made on first use (only layers the plan's kernel does
+    not take read it)."""
+
+    def __init__(self, base: Callable[[], Any]) -> None:
+        self._make_base = base
+
+    @functools.cached_property
+    def base(self) -> Any:
+        return self._make_base()
+
+
+class RegionCascadePlan(_WithBasePlan):
     """Per-step data: groups ``[runs, n]`` (``uniform``: runs of consecutive slots; else ``qidx``
     ``[runs * n]`` the slot of each query row, padding rows repeating the group's first slot, and
     ``row_of`` ``[B]`` each slot's row), the prompt columns ``pm``, the step's column window, the
@@ -52,33 +65,21 @@ class RegionCascadePlan:
 
     def __init__(self, base: Callable[[], Any], layout: "_Groups", pm: int, window: int, suffix_mask: Tensor,
                  prefix: tuple[Optional[Tensor], Tensor]) -> None:
-        self._make_base, self._base = base, None
+        super().__init__(base)
         self.pm, self.window, self.suffix_mask = pm, window, suffix_mask
         self.n, self.runs, self.uniform = layout.n, layout.runs, layout.uniform
         self.qidx, self.row_of, self.leads = layout.qidx, layout.row_of, layout.leads
         self.prefix_kv, self.prefix_mask = prefix
 
-    @property
-    def base(self) -> Any:
-        if self._base is None:
-            self._base = self._make_base()
-        return self._base
 
-
-class FusedRegionPlan:
+class FusedRegionPlan(_WithBasePlan):
     """Per-step data of the fused CPU kernel (``rlhf.rollout.cpu_attention``) on an aligned step: each
     slot's group lead ``[B]`` (whose prompt columns ``[0, pm)`` it reads), first and last visible column
     ``[B]``; the base kernel's plan on first use (Gemma 2's soft-capped layers)."""
 
     def __init__(self, base: Callable[[], Any], lead: Tensor, first: Tensor, last: Tensor, pm: int) -> None:
-        self._make_base, self._base = base, None
+        super().__init__(base)
         self.lead, self.first, self.last, self.pm = lead, first, last, pm
-
-    @property
-    def base(self) -> Any:
-        if self._base is None:
-            self._base = self._make_base()
-        return self._base
 
 
 class _Groups:
