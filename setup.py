@@ -33,5 +33,7 @@ setup(
         "vlm": ["pillow"],
         "log": ["tensorboard", "mlflow"],
         "math": ["math-verify"],
+        # The documentation site (mkdocs.yml; `mkdocs build --strict`, run by .ci/run).
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10"],
     },
 )
