@@ -11,6 +11,7 @@ import pytest
 
 from rlhf.ops.metrics import read_metrics
 from tests.e2e.conftest import PARITY_REWARD, grpo_args, run_script_many
+from tests.unit.test_docs_reference import assert_documented
 
 
 CASES = {
@@ -69,6 +70,7 @@ def test_algorithm_runs(name, runs):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [m for m in read_metrics(d / name / "metrics.jsonl") if "actor/loss" in m]
     assert [m["step"] for m in rows] == [1, 2]
+    assert_documented(k for m in read_metrics(d / name / "metrics.jsonl") for k in m)  # docs/reference/metrics.txt
     for m in rows:
         assert math.isfinite(m["actor/loss"]) and m["actor/grad_norm"] > 0
         low = -1.0 if name == "dapo" else 0.0  # the overlong penalty can reach -penalty_factor

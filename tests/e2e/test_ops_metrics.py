@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+from rlhf.ops.metrics import read_metrics
 from tests.e2e.conftest import grpo_args, run_script, train_steps
+from tests.unit.test_docs_reference import assert_documented
 
 
 def test_profile_mfu_memory_alerts_and_generations(tiny_assets, tmp_path):
@@ -14,6 +16,7 @@ def test_profile_mfu_memory_alerts_and_generations(tiny_assets, tmp_path):
         "trainer.alerts": "{entropy_collapse: 100.0, logprob_diff: 1000.0}"}), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     steps = train_steps(out / "metrics.jsonl")
+    assert_documented(k for m in read_metrics(out / "metrics.jsonl") for k in m)  # docs/reference/metrics.txt
     for m in steps.values():
         assert 0 < m["perf/mfu/update"] < 1 and 0 < m["perf/mfu/generate"] < 1
         assert m["perf/max_memory_gb/update"] > 0.1 and m["perf/max_memory_gb/rollout"] > 0.1
