@@ -200,7 +200,8 @@ def _config_table(cls: type, verl: dict[str, list[str]], refused: dict[str, list
         for key, f, tp in leaf_fields(sub, f"{section.name}."):
             doc = f.metadata.get("doc", "")
             if key in refused:
-                doc += " **Refused under " + ", ".join(f"`{m}`" for m in refused[key]) + "** (see the table at the end)."
+                modes = ", ".join(f"`{m}`" for m in refused[key])
+                doc += f" **Refused under {modes}** for some values (see the table at the end)."
             names = "<br>".join(f"`{n}`" for n in verl.get(key, [])) or ""
             lines.append(f'| <a id="{key}"></a>`{key}` | {type_name(tp)} | `{_cell(yaml_value(default_of(f)))}` | '
                          f"{names} | {_cell(doc)} |")

@@ -76,7 +76,8 @@ def test_quickstart_config_is_a_valid_split_of_four():
 
 
 def test_tools_quickstart_and_lora_are_valid_fully_async_splits():
-    """Multi-turn tools and LoRA are no longer refused: the tools quickstart as 2 + 2 (the command in docs/concepts/modes.md)."""
+    """Multi-turn tools and LoRA are no longer refused: the tools quickstart as 2 + 2 (the command in
+    docs/concepts/modes.md)."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "configs" / "quickstart_tools.yaml"
