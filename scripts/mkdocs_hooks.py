@@ -15,5 +15,8 @@ def on_files(files, config):
     from mkdocs.structure.files import File
 
     for path, text in docs_reference.pages().items():
+        stale = files.get_file_from_path(path)  # a copy written into docs/ by hand: the build's own wins
+        if stale is not None:
+            files.remove(stale)
         files.append(File.generated(config, path, content=text))
     return files
