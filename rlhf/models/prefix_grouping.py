@@ -296,7 +296,8 @@ def prefix_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     cap = {"softcap": softcap} if softcap is not None else {}
     if sinks is not None:  # GPT-OSS: flash-attn has no sinks; both parts take the explicit path (no kernel)
         cap["s_aux"] = sinks
-    kernel = varlen_kernel(query.device, query.dtype) if sinks is None else None
+    kernel = varlen_kernel(query.device, query.dtype, softcap=softcap is not None,
+                           dropout=bool(dropout)) if sinks is None else None
     prompt_plan, buckets, resp_inverse = plan.sdpa_plan() if kernel is None else (None, [], None)
     out_p = query.new_zeros(1, 0, query.shape[1], value.shape[-1])  # no prompt tokens at all (all empty)
     if Tp > 0:
