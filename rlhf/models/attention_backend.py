@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 __all__ = ["SITES", "BACKEND_CODES", "Capability", "probe", "choose", "choices", "startup_line", "log_choices",
-           "backend_metrics", "cascade_auto"]
+           "backend_metrics", "cascade_auto", "model_traits"]
 
 SITES = ("packed", "prefix_grouped", "prefill", "cascade_prefix", "decode")
 # Higher = further up the order; 0 = today's path.
@@ -181,6 +181,15 @@ def log_choices(device: torch.device | str, dtype: Optional[torch.dtype], *, sof
         _LOGGED.add(line)
         print(f"[rlhf] {line}", file=sys.stdout, flush=True)
     return picked
+
+
+def model_traits(hf_config: object) -> dict[str, bool]:
+    """``softcap`` / ``sinks`` of a transformers config (Gemma 2's capped logits, GPT-OSS's sinks): the
+    keywords :func:`choose` takes (a vision-language model's text config is read)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    kind = getattr(text, "model_type", "")
+    return {"softcap": kind == "gemma2" and getattr(text, "attn_logit_softcapping", None) is not None,
+            "sinks": kind == "gpt_oss"}
 
 
 def backend_metrics(picked: dict[str, str]) -> dict[str, float]:

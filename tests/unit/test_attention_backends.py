@@ -152,8 +152,15 @@ def test_prefix_grouped_pass_through_torch_varlen_equals_the_plain_packed_pass()
     mask[4, 7:] = 0
     weights = torch.randn(6, 5)
     lp_ref, g_ref = _packed_grads(model, ids, mask, 5, weights)
-    with va.use_varlen_kernel(TorchVarlen(fn=reference_torch_varlen_attn)):
+    shapes = []
+
+    def counted(q, k, v, cu_q, cu_k, *a, **kw):  # the responses' call: fewer queries than keys
+        shapes.append((q.shape[0], k.shape[0]))
+        return reference_torch_varlen_attn(q, k, v, cu_q, cu_k, *a, **kw)
+
+    with va.use_varlen_kernel(TorchVarlen(fn=counted)):
         lp, g = _packed_grads(model, ids, mask, 5, weights, prefix_grouping=True)
+    assert any(tq < tk for tq, tk in shapes) and int(mask.sum()) not in [tq for tq, _ in shapes]
     torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
