@@ -19,11 +19,11 @@ It prints, per model:
   forward + backward over the batch, micro-batches of ``--micro`` rows), FLOPs from ``rlhf.ops.flops`` over the
   card's dense bf16 peak (``rlhf.ops.hardware.peak_flops``);
 * the packed pass through the chosen attention kernel against the bucketed SDPA fallback (time ratio, and the
-  largest log-prob difference);
+  largest log-prob difference); first model only;
 * the step's breakdown: generate (prefill + decode), the old and reference log-prob passes (one forward each,
   measured once), the update; no FSDP, reshard, reward or optimizer (those are ``bench/train_step.py``'s);
 * the same decode through HF ``generate`` (static cache, which transformers compiles on CUDA) on the same
-  prompts, and our generation's tokens/s over HF's.
+  prompts, and our generation's tokens/s over HF's; first model only (its compile is the run's longest wait).
 
 The last line is one JSON object; ``decode_roofline_fraction``, ``prefill_mfu`` and ``update_mfu`` are the first
 model's fractions.
@@ -145,8 +145,12 @@ def packed_pass(model, ids, mask, R: int, micro: int, backward: bool) -> list[to
     return outs
 
 
-def run_model(name: str, args, device: torch.device, dtype: torch.dtype, bw: float, peak: float | None) -> dict:
+def run_model(name: str, args, device: torch.device, dtype: torch.dtype, bw: float, peak: float | None,
+              extras: bool) -> dict:
+    """One model's figures; ``extras``: also the bucketed-SDPA comparison and HF generate (the first model's)."""
     cfg = load_config(name, args.tiny)
+    # rows per update micro-batch: --micro at the 1.5B width, fewer for wider models (activations grow with it)
+    micro = max(1, round(args.micro * min(1.0, (1536 / cfg.hidden_size) ** 1.5)))
     model = build_model(cfg, device, dtype)
     prompts_n, n, P, R = args.prompts, args.n, args.prompt, args.response
     g = torch.Generator().manual_seed(0)
@@ -191,18 +195,18 @@ def run_model(name: str, args, device: torch.device, dtype: torch.dtype, bw: flo
     seq = [P + L for L in lengths]
     train_flops = sum(s * model_flops_per_token(cfg, s, training=True) for s in seq)
     model.train()  # dropout is 0 in these configs; train() is what the actor runs
-    packed_pass(model, ids, mask, R, args.micro, backward=True)  # warm-up (flex compiles here)
-    upd_s, _ = timed(device, lambda: packed_pass(model, ids, mask, R, args.micro, backward=True))
-    lp_s, lp = timed(device, lambda: packed_pass(model, ids, mask, R, args.micro, backward=False))
-    row.update(update_s=upd_s, logprob_s=lp_s, update_mfu=train_flops / upd_s / peak if peak else None,
+    packed_pass(model, ids, mask, R, micro, backward=True)  # warm-up (flex compiles here)
+    upd_s, _ = timed(device, lambda: packed_pass(model, ids, mask, R, micro, backward=True))
+    lp_s, lp = timed(device, lambda: packed_pass(model, ids, mask, R, micro, backward=False))
+    row.update(update_s=upd_s, logprob_s=lp_s, micro_rows=micro, update_mfu=train_flops / upd_s / peak if peak else None,
                packed_kernel=attention_backend.choose("packed", attention_backend.probe(device, dtype)))
-    if not args.skip_sdpa:
+    if extras and not args.skip_sdpa:
         with bucketed_sdpa():
-            packed_pass(model, ids, mask, R, args.micro, backward=True)
-            sdpa_s, _ = timed(device, lambda: packed_pass(model, ids, mask, R, args.micro, backward=True))
-            _, lp_ref = timed(device, lambda: packed_pass(model, ids, mask, R, args.micro, backward=False))
+            packed_pass(model, ids, mask, R, micro, backward=True)
+            sdpa_s, _ = timed(device, lambda: packed_pass(model, ids, mask, R, micro, backward=True))
+            _, lp_ref = timed(device, lambda: packed_pass(model, ids, mask, R, micro, backward=False))
         resp = mask[:, -R:].bool()
-        diff = max(float(((a - b).abs() * resp[i * args.micro:(i + 1) * args.micro]).max())
+        diff = max(float(((a - b).abs() * resp[i * micro:(i + 1) * micro]).max())
                    for i, (a, b) in enumerate(zip(lp, lp_ref)))
         row.update(update_sdpa_s=sdpa_s, update_speedup_vs_sdpa=sdpa_s / upd_s, logprob_max_diff_vs_sdpa=diff)
     step = gen_s + 2 * lp_s + upd_s
@@ -212,7 +216,8 @@ def run_model(name: str, args, device: torch.device, dtype: torch.dtype, bw: flo
     del ids, mask, lp
 
     # --- HF generate on the same prompts (static cache; transformers compiles its forward on CUDA) ---
-    if not args.skip_hf:
+    if extras and not args.skip_hf:
+        model.set_attn_implementation("sdpa")  # HF's own attention (the packed passes switched it to ours)
         hf_ids = torch.tensor(prompts, device=device).repeat_interleave(n, 0)
         kw = dict(max_new_tokens=R, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD,
                   eos_token_id=stops, cache_implementation="static")
@@ -259,7 +264,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 256; --tiny 16)")
     ap.add_argument("--response", type=int, default=None, help="longest response (default 1024; --tiny 24)")
     ap.add_argument("--mean-response", type=float, default=None, help="mean of the long-tail mix (default 350)")
-    ap.add_argument("--micro", type=int, default=None, help="rows per micro-batch of the update (default 32)")
+    ap.add_argument("--micro", type=int, default=None,
+                    help="rows per micro-batch of the update at the 1.5B width, scaled down for wider models "
+                         "(default 32: ~19k tokens)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out HF generate")
     ap.add_argument("--skip-sdpa", action="store_true", help="leave out the bucketed-SDPA comparison")
     args = ap.parse_args()
@@ -282,8 +289,8 @@ def main() -> None:
           f"{(peak or 0) / 1e12:.1f} TFLOP/s ({str(dtype).removeprefix('torch.')})", flush=True)
     names = args.models.split(",")[:1] if args.tiny else args.models.split(",")
     rows = []
-    for name in names:
-        row = run_model(name, args, device, dtype, bw, peak)
+    for i, name in enumerate(names):
+        row = run_model(name, args, device, dtype, bw, peak, extras=i == 0)
         row["hf_compiled"] = device.type == "cuda"
         report(row)
         rows.append(row)
