@@ -198,7 +198,8 @@ def run_model(name: str, args, device: torch.device, dtype: torch.dtype, bw: flo
     packed_pass(model, ids, mask, R, micro, backward=True)  # warm-up (flex compiles here)
     upd_s, _ = timed(device, lambda: packed_pass(model, ids, mask, R, micro, backward=True))
     lp_s, lp = timed(device, lambda: packed_pass(model, ids, mask, R, micro, backward=False))
-    row.update(update_s=upd_s, logprob_s=lp_s, micro_rows=micro, update_mfu=train_flops / upd_s / peak if peak else None,
+    row.update(update_s=upd_s, logprob_s=lp_s, micro_rows=micro,
+               update_mfu=train_flops / upd_s / peak if peak else None,
                packed_kernel=attention_backend.choose("packed", attention_backend.probe(device, dtype)))
     if extras and not args.skip_sdpa:
         with bucketed_sdpa():
