@@ -179,6 +179,19 @@ def run_model(name: str, args, device: torch.device, dtype: torch.dtype, bw: flo
                decode_s=st["decode_s"], prefill_s=st["prefill_s"], generate_s=gen_s,
                decode_tok_s=(tokens - len(lengths)) / st["decode_s"], generate_tok_s=tokens / gen_s,
                decode_roofline_fraction=must_read / bw / st["decode_s"])
+    if extras and args.cascade:  # eager decode with the shared-prompt cascade forced on, against it off
+        from rlhf.rollout import cascade_attention
+
+        for on in (False, True):
+            kernel = cascade_attention.decode_attention(device, dtype) if on else None
+            s = Sampler(cfg, model.state_dict(), pad_token_id=PAD, max_num_seqs=prompts_n * n, device=device,
+                        max_seq_len=P + R, decode_attention=kernel, cascade_attention=False)
+            s.generate(prompts, params)
+            _, o = timed(device, lambda: s.generate(prompts, params))
+            row[f"eager_decode_tok_s_cascade_{'on' if on else 'off'}"] = (
+                int(o.response_lengths.sum()) - len(lengths)) / o.stats["decode_s"]
+            del s, o
+        row["eager_cascade_speedup"] = row["eager_decode_tok_s_cascade_on"] / row["eager_decode_tok_s_cascade_off"]
     lm = 2.0 * matmul_params(cfg)["lm_head"]
     prefill_flops = prompts_n * (P * (model_flops_per_token(cfg, P, training=False) - lm) + lm)
     row["prefill_mfu"] = prefill_flops / st["prefill_s"] / peak if peak else None
@@ -249,6 +262,9 @@ def report(row: dict) -> None:
     b = row["step_breakdown"]
     print("  step: " + "  ".join(f"{k} {v:.2f} s ({v / b['total']:.0%})" for k, v in b.items() if k != "total")
           + f"  total {b['total']:.2f} s")
+    if "eager_cascade_speedup" in row:
+        print(f"  eager decode, cascade on vs off: {row['eager_decode_tok_s_cascade_on']:.0f} vs "
+              f"{row['eager_decode_tok_s_cascade_off']:.0f} tok/s = {row['eager_cascade_speedup']:.2f}x")
     if "hf_tok_s" in row:
         print(f"  generate: ours {row['generate_tok_s']:.0f} tok/s, HF generate (static cache"
               f"{' + compile' if row.get('hf_compiled') else ''}) {row['hf_tok_s']:.0f} tok/s = "
@@ -269,6 +285,8 @@ def main() -> None:
                     help="rows per micro-batch of the update at the 1.5B width, scaled down for wider models "
                          "(default 32: ~19k tokens)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out HF generate")
+    ap.add_argument("--cascade", action="store_true",
+                    help="also eager decode with the shared-prompt cascade on vs off (first model; not in the 6 min)")
     ap.add_argument("--skip-sdpa", action="store_true", help="leave out the bucketed-SDPA comparison")
     args = ap.parse_args()
     tiny = dict(prompts=2, n=4, prompt=16, response=24, mean_response=10.0, micro=8)
