@@ -122,8 +122,14 @@ def test_packed_forward_and_backward_equal_the_reference(family, kernel, monkeyp
     fn = TorchVarlen(fn=reference_torch_varlen_attn) if kernel == "torch_varlen" else \
         FlexVarlen(fn=reference_flex_attention)
     monkeypatch.setattr(va, "_bucketed_sdpa", lambda *a, **k: pytest.fail("the SDPA path ran"))
+    import torch.nn.attention.flex_attention as flex_module
+
+    masks = []
+    real_mask = flex_module.create_block_mask
+    monkeypatch.setattr(flex_module, "create_block_mask", lambda *a, **k: masks.append(1) or real_mask(*a, **k))
     with va.use_varlen_kernel(fn):
         lp, g = _packed_grads(model, ids, mask, R, weights)
+    assert len(masks) == (1 if kernel == "flex" else 0)  # one document mask per forward, shared by the layers
     torch.testing.assert_close(lp, lp_pad * resp, atol=1e-5, rtol=1e-5)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
