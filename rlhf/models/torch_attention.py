@@ -100,7 +100,11 @@ class TorchKVCache:
         self._cu_q: dict[tuple, Tensor] = {}
 
     def _cu(self, b: int, sq: int, device: torch.device) -> Tensor:
-        # made once per shape, outside any graph capture's replays: the query boundaries never change
+        """The query boundaries ``[0, sq, 2 sq, ...]``, kept per shape for eager steps. Not while a CUDA graph is
+        captured: a kernel recorded there runs only at replay, so a tensor made then holds nothing until the first
+        replay and must not be reused by an eager step; the capture records its own ``arange``."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
         key = (b, sq, device)
         if key not in self._cu_q:
             self._cu_q[key] = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
