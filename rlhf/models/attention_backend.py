@@ -106,10 +106,17 @@ def probe(device: torch.device | str, dtype: Optional[torch.dtype] = None, *,
     whether the caller's flash-attn entry imported (None: whether the package imports)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
+    return _probe(device.type, device.index, dtype, cuda and (_flash_attn_imports() if flash_attn is None
+                                                              else flash_attn))
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(device_type: str, index: Optional[int], dtype: Optional[torch.dtype], flash_attn: bool) -> Capability:
+    # cached: the packed site asks once per layer
+    cuda = device_type == "cuda"
     gpu = cuda and torch.cuda.is_available()
     return Capability(
-        device_type=device.type, dtype=dtype, sm=_sm(device.index) if gpu else None,
-        flash_attn=cuda and (_flash_attn_imports() if flash_attn is None else flash_attn),
+        device_type=device_type, dtype=dtype, sm=_sm(index) if gpu else None, flash_attn=flash_attn,
         torch_varlen=_has("torch.nn.attention.varlen", "varlen_attn"),
         flex=_has("torch.nn.attention.flex_attention", "flex_attention")
         and (not cuda or (gpu and importlib.util.find_spec("triton") is not None)))
