@@ -13,8 +13,9 @@ token: geometric lengths with mean ``--mean-response``, the tail cut at 1024). `
 It prints, per model:
 
 * decode tokens/s of our sampler (CUDA graphs on a GPU) and its share of the HBM roofline: the bytes each decode
-  step must read (every weight once, plus the KV of the live sequences at that step), summed over the steps and
-  divided by the bandwidth measured in this run (a device-to-device copy, read + write), over the decode seconds;
+  step must read (every weight once, plus the live KV once: each live sample's own positions and its group's
+  shared prompt blocks once per group), summed over the steps and divided by the bandwidth measured in this run
+  (a device-to-device copy, read + write), over the decode seconds;
 * prefill MFU (the sampler's prefill: each prompt once, logits at its last position) and update MFU (packed
   forward + backward over the batch, micro-batches of ``--micro`` rows), FLOPs from ``rlhf.ops.flops`` over the
   card's dense bf16 peak (``rlhf.ops.hardware.peak_flops``);
@@ -110,10 +111,14 @@ def stop_ids(vocab: int, mean_response: float) -> list[int]:
     return list(range(vocab - k, vocab))
 
 
-def kv_read_bytes(prompt: int, lengths: list[int], per_token: int) -> int:
-    """KV bytes the decode steps must read: a response of ``L`` tokens is decoded in ``L - 1`` steps (its first
-    token comes from prefill), step ``j`` reading ``prompt + j`` positions."""
-    return sum(per_token * ((L - 1) * prompt + (L - 1) * L // 2) for L in lengths if L > 1)
+def kv_read_bytes(prompt: int, lengths: list[int], n: int, per_token: int) -> int:
+    """KV bytes the decode steps must read: the live KV once. A response of ``L`` tokens is decoded in ``L - 1``
+    steps (its first token comes from prefill), step ``j`` reading its own ``j`` positions; the group's prompt
+    (``n`` consecutive samples share its blocks) counts once per step while any of its samples is live."""
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    own = int(((lens - 1).clamp(min=0) * lens // 2).sum())
+    group_steps = int((lens.view(-1, n).max(1).values - 1).clamp(min=0).sum())  # steps a group has a live sample
+    return per_token * (own + prompt * group_steps)
 
 
 @contextmanager
@@ -173,7 +178,7 @@ def run_model(name: str, args, device: torch.device, dtype: torch.dtype, bw: flo
     steps = int(st["decode_steps"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype)
-    must_read = steps * weight_bytes + kv_read_bytes(P, lengths, per_token)
+    must_read = steps * weight_bytes + kv_read_bytes(P, lengths, n, per_token)
     row.update(decode_kernel=sampler.decode_attention.name, response_mean=tokens / len(lengths),
                response_p50=statistics.median(lengths), response_max=max(lengths), decode_steps=steps,
                decode_s=st["decode_s"], prefill_s=st["prefill_s"], generate_s=gen_s,
