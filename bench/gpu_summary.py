@@ -1,7 +1,7 @@
 """Summarise the logs of launch/gpu_check.sh: one JSON object and a markdown table.
 
 Usage: ``python bench/gpu_summary.py OUT_DIR [--tests-rc N]``. Reads the last JSON line of
-``sampler.log``, ``sampler_graph.log``, ``train_step.log`` and ``reshard.log`` in OUT_DIR (any
+``sampler.log``, ``sampler_graph.log``, ``train_step.log``, ``reshard.log`` and ``gpu_step.log`` in OUT_DIR (any
 missing or failed bench is reported as such, not guessed) and the pytest tail of ``tests.log``.
 """
 
@@ -70,6 +70,11 @@ def main() -> None:
         m = next(iter(r["models"].values()))
         summary["reshard"] = {k: m.get(k) for k in ("step_s", "reshard_s", "reshard_share_of_step", "naive_s",
                                                    "speedup_vs_naive", "peak_mem_bytes_by_phase")}
+    step = last_json(d / "gpu_step.log")
+    if step:
+        keys = ("decode_kernel", "packed_kernel", "decode_tok_s", "decode_roofline_fraction", "prefill_mfu",
+                "update_mfu", "update_speedup_vs_sdpa", "logprob_max_diff_vs_sdpa", "generate_speedup_vs_hf")
+        summary["gpu_step"] = {m["model"]: {k: m.get(k) for k in keys} for m in step["models"]}
     print(json.dumps(summary))
 
     def f(x, fmt):
@@ -96,6 +101,13 @@ def main() -> None:
         print(f"\nRL step (generate + log-probs + update): {f(x['step_s'], '.2f')} s, reshard {f(x['reshard_s'], '.4f')} s "
               f"({f(x['reshard_share_of_step'] and 100 * x['reshard_share_of_step'], '.1f')}% of step), "
               f"naive full-state-dict sync {f(x['naive_s'], '.4f')} s; peak memory by phase: {peaks or 'n/a'}")
+
+    for name, x in summary.get("gpu_step", {}).items():
+        print(f"\nbench/gpu_step.py, {name} (GRPO 32 x 8, prompt 256, responses <= 1024): decode "
+              f"[{x['decode_kernel']}] {f(x['decode_tok_s'], '.0f')} tok/s, HBM roofline "
+              f"{f(x['decode_roofline_fraction'], '.2f')}; prefill MFU {f(x['prefill_mfu'], '.3f')}; update MFU "
+              f"[{x['packed_kernel']}] {f(x['update_mfu'], '.3f')}; packed vs bucketed SDPA "
+              f"{f(x['update_speedup_vs_sdpa'], '.2f')}x; generate vs HF {f(x['generate_speedup_vs_hf'], '.2f')}x")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@
 #   bash launch/gpu_check.sh            # exit status: 0 when the GPU tests pass
 #   bash launch/gpu_check.sh --quick    # ~5 minutes (a short GPU lease): the tests with the quickstart
 #                                       # beside them, the CUDA allocator's per-phase peaks, tiny/100M samplers
+#   bash launch/gpu_check.sh --step     # ~7 minutes: torch's attention kernels against their references
+#                                       # (tests/gpu/test_torch_attention_gpu.py), then bench/gpu_step.py
+#                                       # (decode roofline, prefill / update MFU, HF generate; 1.5B and 7B)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,6 +22,15 @@ OUT=${GPU_CHECK_OUT:-outputs/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${1:-}" = "--quick" ]; then exec bash launch/gpu_check_quick.sh "$OUT"; fi
+if [ "${1:-}" = "--step" ]; then
+  timeout 90 "$PY" -m pytest -m gpu tests/gpu/test_torch_attention_gpu.py -q -rs -p no:cacheprovider \
+    2>&1 | tee "$OUT/torch_attention.log"
+  rc=${PIPESTATUS[0]}
+  timeout 420 "$PY" bench/gpu_step.py --device cuda 2>&1 | tee "$OUT/gpu_step.log"
+  step_rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] && rc=$step_rc
+  exit "$rc"
+fi
 
 "$PY" -m pytest -m gpu tests/gpu -q -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
@@ -31,5 +43,6 @@ tests_rc=${PIPESTATUS[0]}
 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 bench/reshard.py --device cuda \
   --models qwen2.5_0.5b --prompts 64 --n 4 --response-length 256 2>&1 | tee "$OUT/reshard.log"
 "$PY" bench/simulate_vs_real.py --device cuda 2>&1 | tee "$OUT/memory.log"  # the simulation vs the allocator
+timeout 420 "$PY" bench/gpu_step.py --device cuda 2>&1 | tee "$OUT/gpu_step.log"  # real shapes vs the roofs
 "$PY" bench/gpu_summary.py "$OUT" --tests-rc "$tests_rc" | tee "$OUT/summary.md"
 exit "$tests_rc"

@@ -20,11 +20,12 @@ Attention back ends (:func:`prefix_attention`): the prompts are plain packed seq
 (:func:`rlhf.models.varlen_attention.varlen_attention_forward`); the responses are a varlen
 *cross* attention with ``cu_seqlens_q`` over the responses and ``cu_seqlens_k`` over their
 ``[prompt ; response]`` key lists, causal aligned bottom-right - flash-attn's varlen convention
-on GPU (or an injected kernel), bucketed SDPA with an explicit mask otherwise.
+on GPU, through whichever kernel :mod:`rlhf.models.attention_backend` picks for the site (flash-attn,
+torch's ``varlen_attn``, compiled flex; or an injected kernel), bucketed SDPA with an explicit mask otherwise.
 
 ``auto`` (:func:`should_group`) groups a micro-batch when the prompt tokens it removes are at
 least ``AUTO_MIN_SAVED_FRACTION`` (15%) of its real tokens and at least ``AUTO_MIN_SAVED_TOKENS`` (64);
-on an accelerator without a varlen kernel (bucketed SDPA) also only when ``saved x hidden_size^2``
+on an accelerator without a varlen kernel (none of those: bucketed SDPA) also only when ``saved x hidden_size^2``
 reaches ``AUTO_GPU_MIN_SAVED_WORK`` (there small passes are host-bound and grouping makes them slower).
 """
 
@@ -57,7 +58,9 @@ AUTO_MIN_SAVED_TOKENS = 64
 # faster (1.12-1.23x at hidden 2048, 4 or 8 layers), 6.8e10 1.66-1.81x; the layer count did not move the
 # ratio. fp32 pays from ~7.5e9 (1.5-2.6x), but the compute dtype is not known here (FSDP keeps fp32 master
 # weights under bf16 compute), so the bf16 threshold holds for both: fp32 loses some gain, never gets slower.
-# Unmeasured with flash-attn (both parts are then single varlen calls): the token rules alone apply there.
+# With a varlen kernel (flash-attn, torch's varlen_attn, compiled flex: both parts are then single varlen calls,
+# no host-built plan) the token rules alone apply; unmeasured on a GPU yet (bench/prefix_grouping.py on the
+# next lease, docs/howto/gpu-attention.md).
 AUTO_GPU_MIN_SAVED_WORK = 2.5e10
 
 
@@ -275,13 +278,13 @@ def should_group(mode: Any, saved: int, total: int, *, device_type: str = "cpu",
                  hidden_size: int = 0) -> bool:
     """``model.prefix_grouping``: True / False as given; ``"auto"``: group when the ``saved`` prompt tokens
     are at least ``AUTO_MIN_SAVED_FRACTION`` of the ungrouped row's ``total`` and ``AUTO_MIN_SAVED_TOKENS``,
-    and, on a non-CPU ``device_type`` without a ``varlen_kernel`` (flash-attn), when ``saved * hidden_size**2``
-    (the model's hidden size; 0 = unknown, never) is at least ``AUTO_GPU_MIN_SAVED_WORK``."""
+    and, on a non-CPU ``device_type`` without a ``varlen_kernel`` (flash-attn, torch varlen, flex), when
+    ``saved * hidden_size**2`` (the model's hidden size; 0 = unknown, never) is at least ``AUTO_GPU_MIN_SAVED_WORK``."""
     if mode != "auto":
         return bool(mode)
     if saved < AUTO_MIN_SAVED_TOKENS or saved < AUTO_MIN_SAVED_FRACTION * total:
         return False
-    if device_type == "cpu" or varlen_kernel:  # CPU: pays from ~4% removed; flash-attn: unmeasured, as before
+    if device_type == "cpu" or varlen_kernel:  # CPU: pays from ~4% removed; a varlen kernel: unmeasured, as before
         return True
     return saved * hidden_size ** 2 >= AUTO_GPU_MIN_SAVED_WORK
 
@@ -296,7 +299,8 @@ def prefix_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     cap = {"softcap": softcap} if softcap is not None else {}
     if sinks is not None:  # GPT-OSS: flash-attn has no sinks; both parts take the explicit path (no kernel)
         cap["s_aux"] = sinks
-    kernel = varlen_kernel(query.device, query.dtype) if sinks is None else None
+    kernel = varlen_kernel(query.device, query.dtype, softcap=softcap is not None,
+                           dropout=bool(dropout)) if sinks is None else None
     prompt_plan, buckets, resp_inverse = plan.sdpa_plan() if kernel is None else (None, [], None)
     out_p = query.new_zeros(1, 0, query.shape[1], value.shape[-1])  # no prompt tokens at all (all empty)
     if Tp > 0:

@@ -9,19 +9,21 @@ calls the function registered under the same name in ``AttentionMaskInterface``;
 (:func:`varlen_attention_mask`) returns None whenever the mask would only say "causal",
 which is always the case for a packed row: nothing of size ``[total, total]`` is built.
 
-Packed calls (``cu_seq_lens_q`` given), two back ends with the same semantics (causal
+Packed calls (``cu_seq_lens_q`` given), two kinds of back end with the same semantics (causal
 inside each sequence, no attention across sequences, GQA, optional sliding window):
 
-* GPU with ``flash_attn`` importable and fp16/bf16 inputs: ``flash_attn_varlen_func``
-  (imported once; a build that fails to import logs one warning and falls back), or a
-  kernel with its calling convention injected by :func:`use_varlen_kernel` (tests drive
-  that code path on CPU with :func:`reference_varlen_attention`). Attention-logit
-  soft-capping (Gemma 2's ``softcap``) is passed to it; the other paths apply it with
+* GPU: a kernel with flash-attn's varlen calling convention, the one
+  :mod:`rlhf.models.attention_backend` picks: ``flash_attn_varlen_func`` (fp16 / bf16; imported
+  once; a build that fails to import logs one warning and falls back), else torch's own
+  ``varlen_attn`` (fp16 / bf16, sm80+) or compiled FlexAttention, both behind that convention
+  (:mod:`rlhf.models.torch_attention`); or a kernel injected by :func:`use_varlen_kernel` (tests
+  drive that code path on CPU with :func:`reference_varlen_attention`). Attention-logit
+  soft-capping (Gemma 2's ``softcap``) is passed to flash-attn and flex; the other paths apply it with
   :func:`rlhf.models.softcap_attention.attention` (SDPA has no soft-cap). Attention sinks
   (GPT-OSS's ``s_aux``) have no flash-attn varlen kernel: such rows take the path below on every
   device, the sink as one more key of SDPA (:func:`rlhf.models.softcap_attention.sink_sdpa`:
   exact, and no ``[Tq, Tk]`` scores, so a 5k-token row does not hold GiBs of them per layer).
-* Otherwise (CPU, fp32, no flash-attn): sequences are sorted by length and grouped into
+* Otherwise (CPU; CUDA with none of those kernels): sequences are sorted by length and grouped into
   buckets whose lengths are within ``bucket_ratio`` of the bucket's longest; each bucket is
   gathered into ``[n_b, H, L_b, D]`` (right-padded inside the bucket) and runs one
   ``scaled_dot_product_attention(is_causal=True)``. Right padding is harmless under a
@@ -49,9 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhf.models import attention_backend
 from rlhf.models.gpt_oss import local
 from rlhf.models.softcap_attention import attention as softcap_attention
 from rlhf.models.softcap_attention import sink_sdpa
+from rlhf.models.torch_attention import FlexVarlen, TorchVarlen
 
 __all__ = [
     "VARLEN_ATTN_IMPLEMENTATION",
@@ -262,17 +266,31 @@ def use_varlen_kernel(fn: Callable) -> Iterator[Callable]:
         _INJECTED["fn"] = previous
 
 
-def varlen_kernel(device: torch.device, dtype: torch.dtype | None = None) -> Callable | None:
-    """The flash-attn-convention kernel packed attention uses for inputs on ``device`` in
-    ``dtype`` (None: any half precision): an injected one, else flash-attn on CUDA in
-    fp16 / bf16 when it imports; None = the bucketed SDPA path."""
+_KERNELS: dict[str, Any] = {}  # one adapter object per backend (their block-mask / boundary caches live there)
+
+
+def varlen_kernel(device: torch.device, dtype: torch.dtype | None = None, *, softcap: bool = False,
+                  dropout: bool = False) -> Callable | None:
+    """The flash-attn-convention kernel packed attention uses for inputs on ``device`` in ``dtype``
+    (None: any half precision): an injected one, else the ``packed`` site's choice of
+    :func:`rlhf.models.attention_backend.choose` (flash-attn, torch's ``varlen_attn``, compiled flex);
+    None = the bucketed SDPA path. ``softcap`` / ``dropout``: the pass needs them (not every kernel has them)."""
     if _INJECTED["fn"] is not None:
         return _INJECTED["fn"]
-    if device.type != "cuda" or dtype not in (None, torch.float16, torch.bfloat16):
+    if device.type != "cuda":
         return None
-    fn = flash_attn_varlen_kernel()
-    _log_once("packed attention: flash-attn varlen kernel" if fn is not None else
-              "packed attention: bucketed SDPA (flash-attn not available)")
+    flash = flash_attn_varlen_kernel()
+    cap = attention_backend.probe(device, dtype, flash_attn=flash is not None)
+    backend = attention_backend.choose("packed", cap, softcap=softcap, dropout=dropout)
+    if backend == "flash_attn":
+        fn = flash
+    elif backend == "torch_varlen":
+        fn = _KERNELS.setdefault(backend, TorchVarlen())
+    elif backend == "flex":
+        fn = _KERNELS.setdefault(backend, FlexVarlen())
+    else:
+        fn = None
+    _log_once(f"packed attention: {backend}" + (" (bucketed SDPA)" if fn is None else ""))
     return fn
 
 
@@ -451,8 +469,10 @@ def varlen_attention_forward(
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
         raise ValueError("varlen attention supports self-attention only (cu_seq_lens_k must equal cu_seq_lens_q)")
 
-    # flash-attn's varlen kernel has no sinks: a GPT-OSS model's packed rows take the bucketed path (sink_sdpa)
-    kernel = varlen_kernel(query.device, query.dtype) if sinks is None else None
+    # no varlen kernel trains sinks exactly (the LSE's gradient): a GPT-OSS model's packed rows take the
+    # bucketed path (sink_sdpa)
+    kernel = varlen_kernel(query.device, query.dtype, softcap=softcap is not None,
+                           dropout=bool(dropout)) if sinks is None else None
     if kernel is not None:
         max_len = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)

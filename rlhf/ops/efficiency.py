@@ -12,6 +12,10 @@ per device), with the peak from ``rlhf.ops.hardware.peak_flops`` (datasheet on G
 measured matmul roof on CPU, agreed over ranks). Peak memory per phase is the maximum over
 ranks (``torch.cuda.max_memory_allocated`` on GPU, peak RSS on CPU). All figures are
 reduced over ranks, so every rank returns the same numbers.
+
+``perf/attn_backend`` / ``perf/attn_backend_decode``: the attention kernel of the packed training pass and of
+decode as ``rlhf.models.attention_backend.BACKEND_CODES`` (0 reference, 1 flex, 2 torch varlen_attn, 3 flash-attn),
+the same on every rank; the start-up line names them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf.models.attention_backend import backend_metrics, log_choices, model_traits
 from rlhf.models.parallel import all_reduce_max, all_reduce_sum
 from rlhf.ops.flops import model_flops_per_token
 from rlhf.ops.hardware import peak_flops
@@ -41,6 +46,8 @@ class EfficiencyMeter:
         # One figure for all ranks (a measured CPU roof varies a little from process to process).
         t = all_reduce_max(torch.tensor([float(peak or 0.0)], dtype=torch.float64, device=device), group)
         self.peak = float(t.item()) or None
+        # the attention kernels this run's call sites use: one start-up line, and perf/attn_backend* codes
+        self.attn_metrics = backend_metrics(log_choices(device, compute_dtype, **model_traits(hf_config)))
 
     def step_metrics(self, *, prompt_tokens: torch.Tensor, response_tokens: torch.Tensor, n_seqs: int,
                      times: Mapping[str, float], peaks: Mapping[str, float],
@@ -55,6 +62,7 @@ class EfficiencyMeter:
                             + [peaks[k] for k in names], dtype=torch.float64, device=self.device)
         t_step, t_gen, t_upd, *mem = all_reduce_max(slow, self.group).tolist()
         out = {f"perf/max_memory_gb/{k}": v / 2 ** 30 for k, v in zip(names, mem)}
+        out.update(self.attn_metrics)
         tokens = p_tok + r_tok
         if t_step > 0:
             out["perf/tokens_per_s"] = tokens / t_step

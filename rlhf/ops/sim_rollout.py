@@ -107,7 +107,7 @@ def value_free_scheduler(counter: Any, device: str = "cpu", flash_attn: bool = T
     sampling.top_p_nucleus = nucleus
     _sampler.Sampler._allocate = allocate
     if device == "cuda":
-        paged_attention.decode_attention = lambda dev, dtype: _cuda_decode_kernel(dev, dtype, flash_attn)
+        paged_attention.decode_attention = lambda dev, dtype, **kw: _cuda_decode_kernel(dev, dtype, flash_attn)
         cascade_attention.decode_attention = lambda device, dtype, base=None: base
         scheduler.RouteBook = HostRouteBook
     try:

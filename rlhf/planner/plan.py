@@ -95,12 +95,26 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def in_place_decode_kernel() -> bool:
+    """Whether a bf16 CUDA rollout decodes in place (no gather buffers): flash-attn installed, or torch's paged
+    ``varlen_attn`` (torch >= 2.10) on an sm80+ GPU (assumed when none is visible: planning on a login node)."""
+    import torch
+
+    from rlhf.models import attention_backend
+
+    if flash_attn_installed():
+        return True
+    cap = attention_backend.probe("cuda", torch.bfloat16, flash_attn=False)
+    return cap.torch_varlen and (cap.sm is None or tuple(cap.sm) >= (8, 0))
+
+
 def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str = "cuda",
                 flash_attn: bool = True, host_memory: Optional[int] = None) -> MemoryPlan:
     """The memory plan of `cfg` for `shape` on `world_size` ranks of `device` ("cuda" or "cpu").
 
-    ``flash_attn``: whether flash-attn is installed (the CUDA decode kernel in fp16 / bf16; else the
-    gather kernel and its buffers are counted). ``host_memory``: the machine's memory, to warn when
+    ``flash_attn``: whether the CUDA decode kernel in fp16 / bf16 reads the cache in place (flash-attn, or
+    torch's paged ``varlen_attn``: :func:`in_place_decode_kernel`); else the gather kernel and its buffers are
+    counted. ``host_memory``: the machine's memory, to warn when
     the per-node host total at load exceeds it."""
     from rlhf.models.fsdp import resolve_fsdp_unit
     from rlhf.models.parallel import ParallelDims
@@ -223,7 +237,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
         s, slots=r.max_num_seqs if kept else slots, seq_len=seq_len, rollout_tp=r.tp, rb=rb,
         paged=not regions) if gather else 0.0
     if gather:
-        why = "rollout.dtype float32" if rb == 4 else "flash-attn is not installed"
+        why = "rollout.dtype float32" if rb == 4 else "flash-attn is not installed and torch has no paged varlen_attn"
         notes.append(f"decode attention without flash-attn ({why}): every slot's window is gathered per layer "
                      f"({fmt_bytes(comp['decode gather buffers (no flash-attn)']).strip()} per layer step"
                      + (", kept in the CUDA-graph pool" if kept else "") + ")"
@@ -421,9 +435,9 @@ def machine_memory() -> Optional[int]:
 
 
 def plan_from_config(cfg: Config, *, world_size: int, device: str) -> MemoryPlan:
-    """The plan on this machine: flash-attn as installed here, host memory as this machine's."""
+    """The plan on this machine: the decode kernel as installed here, host memory as this machine's."""
     return plan_memory(ModelShape.from_model_dir(cfg.model.path), cfg, world_size=world_size, device=device,
-                       flash_attn=flash_attn_installed(), host_memory=machine_memory())
+                       flash_attn=in_place_decode_kernel(), host_memory=machine_memory())
 
 
 def main(argv=None) -> None:

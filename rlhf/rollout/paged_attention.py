@@ -28,8 +28,13 @@ head order) returning ``[B, Hkv, G, D]``. Slot ``b`` attends to its positions ``
   of flash-attn's calling convention. flash-attn 2 needs blocks of a multiple of 256
   positions (``block_multiple``); the sampler rounds its block size up to it.
 
-``decode_attention(device, dtype)`` picks flash-attn on CUDA with fp16 / bf16 when the
-package imports, the reference otherwise.
+* ``FlashPagedAttention(fn=TorchKVCache())``: the same call through torch's own
+  ``varlen_attn(block_table=, seqused_k=)`` (FlashAttention-2 bundled with torch >= 2.10; CUDA,
+  fp16 / bf16, sm80+; ``rlhf.models.torch_attention``): no flash-attn package needed, and, like
+  flash-attn's, nothing read back per step, so it runs under CUDA graphs.
+
+``decode_attention(device, dtype)`` picks by ``rlhf.models.attention_backend`` (flash-attn, then
+torch's paged kernel, then the reference).
 """
 
 from __future__ import annotations
@@ -41,9 +46,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from rlhf.models import attention_backend
 from rlhf.models.gpt_oss import sink_scale
 from rlhf.models.softcap_attention import attention as capped_attention
 from rlhf.models.softcap_attention import sink_softmax
+from rlhf.models.torch_attention import TorchKVCache
 from rlhf.rollout import cpu_attention
 
 _FLASH: dict[str, Any] = {}
@@ -170,6 +177,7 @@ class FlashPagedAttention:
         if fn is None:
             raise ImportError("FlashPagedAttention needs flash-attn: pip install flash-attn --no-build-isolation")
         self.fn = fn
+        self.name = getattr(fn, "name", self.name)  # torch's kernel behind this convention: "torch_varlen_paged"
 
     def graph_key(self, window: int, contiguous: bool) -> tuple:
         """The window is not an input of this kernel (the whole block table and the lengths are):
@@ -199,31 +207,44 @@ class FlashPagedAttention:
 
 
 def gather_on_cuda_reason(device_type: str, dtype: torch.dtype, flash_available: bool) -> Optional[str]:
-    """Why a CUDA run decodes with the gather kernel (None: flash-attn's kernel, or not CUDA)."""
+    """Why a CUDA run decodes with the gather kernel (None: flash-attn's kernel, or not CUDA); torch's own
+    paged kernel, where it applies, is chosen before this is asked (``decode_attention``)."""
     if device_type != "cuda":
         return None
     if dtype not in (torch.float16, torch.bfloat16):
-        return f"the rollout runs in {dtype} (flash-attn takes fp16 / bf16)"
+        return f"the rollout runs in {dtype} (flash-attn and torch's varlen_attn take fp16 / bf16)"
     if not flash_available:
-        return "flash-attn is not installed"
+        return ("flash-attn is not installed, and torch's paged varlen_attn does not apply here (it needs torch >= "
+                "2.10, an sm80+ GPU and no logit soft-cap)")
     return None
 
 
 _WARNED: set[str] = set()
 
 
-def decode_attention(device: torch.device, dtype: torch.dtype) -> GatherAttention | FlashPagedAttention:
-    """The decode kernel for ``device`` / ``dtype`` (see module docstring). A CUDA run without
-    flash-attn's kernel is told once: its paged decode copies every slot's window per layer."""
-    reason = gather_on_cuda_reason(torch.device(device).type, dtype, _flash_with_kvcache() is not None)
-    if torch.device(device).type == "cuda" and reason is None:
-        return FlashPagedAttention()
-    if torch.device(device).type == "cpu":
+def decode_attention(device: torch.device, dtype: torch.dtype, *,
+                     softcap: bool = False) -> GatherAttention | FlashPagedAttention:
+    """The decode kernel for ``device`` / ``dtype`` (``softcap``: the model soft-caps its logits, Gemma 2): the
+    ``decode`` site of :func:`rlhf.models.attention_backend.choose`: flash-attn's paged kernel, else torch's
+    ``varlen_attn`` over the block table (``TorchKVCache`` behind flash-attn's convention), else the gather
+    kernel. A CUDA run left with the gather kernel is told once: its paged decode copies every slot's window
+    per layer."""
+    device = torch.device(device)
+    if device.type == "cpu":
         return GatherAttention(fused=dtype == torch.float32 and cpu_attention.available())
-    if reason is not None and reason not in _WARNED:
+    flash = _flash_with_kvcache()
+    backend = attention_backend.choose("decode", attention_backend.probe(device, dtype, flash_attn=flash is not None),
+                                       softcap=softcap)
+    if backend == "flash_attn":
+        return FlashPagedAttention()
+    if backend == "torch_varlen":
+        return FlashPagedAttention(fn=TorchKVCache())
+    reason = gather_on_cuda_reason(device.type, dtype, flash is not None) or "logit soft-cap"
+    if device.type == "cuda" and reason not in _WARNED:
         _WARNED.add(reason)
         warnings.warn(f"rollout decode without flash-attn ({reason}): every decode step gathers each slot's whole "
                       "K/V window per layer ([2 kv_heads, slots, window, head_dim], in the CUDA-graph pool under "
-                      "rollout.compile; the planner counts it). Use a bf16 rollout with flash-attn, or a KV budget "
-                      "of max_num_seqs x max length (slot regions read in place)", stacklevel=2)
+                      "rollout.compile; the planner counts it). Use a bf16 rollout on an sm80+ GPU (torch's paged "
+                      "varlen_attn) or flash-attn, or a KV budget of max_num_seqs x max length (slot regions read in "
+                      "place)", stacklevel=2)
     return GatherAttention()

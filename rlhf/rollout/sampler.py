@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.models import arch, decoder, moe
+from rlhf.models import arch, attention_backend, decoder, moe
 from rlhf.rollout import cascade_attention as cascade, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
@@ -207,15 +207,17 @@ class Sampler:
         self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_bytes = kv_cache_bytes
-        self.decode_attention = decode_attention or paged_attention.decode_attention(self.device, self.dtype)
+        self.decode_attention = decode_attention or paged_attention.decode_attention(
+            self.device, self.dtype, softcap=any(p.softcap is not None for p in self.spec.arch.layers))
         if use_cuda_graph:
             blocker = graph_blocker(self.spec, self.dtype, "cuda", torch.cuda.get_device_capability(self.device))
             if blocker is not None:
                 warnings.warn(blocker, stacklevel=2)
                 use_cuda_graph = False
-        # On CUDA the cascade runs through flash-attn's log-sum-exp; that path is tested against a CPU
-        # reference of flash-attn but has not run on a GPU yet, so it stays off there until it is measured.
-        if cascade_attention and decode_attention is None and not use_cuda_graph and self.device.type != "cuda":
+        # On CUDA the cascade runs through the paged kernel's log-sum-exp (flash-attn or torch's varlen_attn);
+        # tested against CPU references, off there until measured (attention_backend.cascade_auto)
+        if cascade_attention and decode_attention is None and attention_backend.cascade_auto(
+                self.device.type, self.decode_attention.name, use_cuda_graph):
             self.decode_attention = cascade.decode_attention(self.device, self.dtype, self.decode_attention)
         mult = self.decode_attention.block_multiple
         self.block_size = -(-block_size // mult) * mult

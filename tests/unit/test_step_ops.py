@@ -30,6 +30,7 @@ def test_mfu_is_model_flops_over_time_and_roof():
     assert out["perf/mfu/update"] == upd / (1.0 * 1e9)
     assert out["perf/tokens_per_s_per_device"] == 100 / 2.0
     assert out["perf/max_memory_gb/update"] == 2.0
+    assert out["perf/attn_backend"] == 0.0 and out["perf/attn_backend_decode"] == 0.0  # CPU: the reference paths
 
 
 def test_phase_peaks_are_per_phase_and_nested_phases_fold_into_the_outer_one():
