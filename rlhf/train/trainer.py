@@ -47,6 +47,7 @@ from rlhf.train.evaluation import flat_metrics, generation_rows, rollout_rows, s
 from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch, vlm_processor
 from rlhf.train.async_rl import training_side
 from rlhf.train.async_rl.staleness import skips_old_log_prob_pass, uses_rollout_log_probs as rollout_lp
+from rlhf.train.over_sampling import over_sampling_for
 from rlhf.train.regroup import regroup_rows
 from rlhf.train.rollout_corr import apply_rollout_correction
 
@@ -83,6 +84,8 @@ class RLTrainer:
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
+        self.over = over_sampling_for(cfg, self.loader, self.dp_rank, self.dims.dp, self.dp_group)
+        self.loader = self.over.backlog if self.over is not None else self.loader  # its state: loader + given back
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
@@ -152,9 +155,12 @@ class RLTrainer:
 
     def generate(self, step: int) -> tuple[RolloutBatch, dict]:
         """Next global prompt batch -> this rank's slice -> reshard + sample."""
-        global_idx = self.loader.next_batch()
-        local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dims.dp,
-                                           self.cfg.actor.ppo_mini_batch_size)
+        if self.over is not None:  # rollout.over_sample_rate: more started than needed (train/over_sampling.py)
+            global_idx, local_rows = self.over.draw()
+        else:
+            global_idx = self.loader.next_batch()
+            local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dims.dp,
+                                               self.cfg.actor.ppo_mini_batch_size)
         global_prompts = prompt_batch(global_idx, self.train_data.examples)
         prompts = global_prompts.subset(local_rows)
         self._last_prompts = prompts
@@ -166,18 +172,22 @@ class RLTrainer:
         batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, global_prompts, step=step,
                                              n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature,
                                              local_rows=local_rows, pp_group=self.actor.pp_group, on_finished=stream,
-                                             turns=turns)
+                                             turns=turns, keep_groups=None if self.over is None else self.over.need)
         if turns is not None:
             stats.update(self.agent.metrics(batch, turns, self.dp_group))
             if self.agent.executes:  # tool step rewards to the reward function's extra_info (verl)
                 self.agent.attach_step_rewards(batch, turns, self.cfg.rollout.n, self.group)
+        if self.over is not None:  # the first groups done are used; the rest go back to the data order
+            batch, used, over_stats = self.over.settle(batch, global_idx, local_rows, self.cfg.rollout.n)
+            stats.update(over_stats)
+            self._data_metrics = data_metrics(self.loader, used)
         return batch, stats
 
     def _stream_scores(self, prompts) -> StreamingScores | None:
         """Scoring during generation needs a worker pool and each row generated once by a rank whose
         peers are all dp ranks (no shared scorer, rollout.tp = 1)."""
         if not self.cfg.reward.score_during_generation or not isinstance(self.scorer, RewardPool) \
-                or self.rollout.layout.tp > 1 or (self.agent is not None and self.agent.executes):
+                or self.rollout.layout.tp > 1 or (self.agent is not None and self.agent.executes) or self.over is not None:
             return None
         return StreamingScores(self.scorer, self.tokenizer, prompts)
 
@@ -201,7 +211,7 @@ class RLTrainer:
                 if self.cfg.algorithm.adv_estimator == "remax":
                     metrics.update(self.remax_baseline(batch, step))
             if not fg.enable:
-                return batch, metrics
+                return (batch if self.over is None else self.rebalance_groups(batch)), metrics
             metric = batch.acc if fg.metric == "acc" else batch.token_level_scores.sum(-1)
             keep, _, filtered = select_informative_groups(batch.index, metric)
             kept.append(batch.select(keep.nonzero().squeeze(-1).cpu()))

@@ -1,0 +1,141 @@
+"""Over-sampling's early stop inside one ``Sampler.generate`` call (``rollout.over_sample_rate``).
+
+verl's rule (its SGLang rollout, ``over_sample_rate``): once ``(1 - rate)`` of the started
+requests have completed, the remaining ones are aborted. Here the unit is a prompt *group*
+(its ``n`` samples): a group counts as done when all its samples finished, and at the abort
+every sample of an unfinished group is dropped, finished or not. A group with some samples
+missing would bias its GRPO baseline, and a prompt partly trained cannot go back to the data
+order without being trained twice; verl instead keeps aborted requests as zero-mask padding
+rows and loses their prompts.
+
+:class:`EarlyStop` counts finished groups; when ``keep_groups`` are done the run calls
+:meth:`EarlyStop.stop`, which frees every KV block still held (live slots and parked
+multi-turn sequences), empties the queue and tells a multi-turn handler to forget the rows
+whose tool calls are still out. Under a tensor-parallel rollout every peer finishes the same
+rows at the same steps, so all peers stop at the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["EarlyStop", "estimated_saved_s", "replica_targets"]
+
+
+def replica_targets(started: Sequence[tuple[int, int]], needed: int) -> list[int]:
+    """Groups each rollout replica waits for before it aborts the rest of its chunk.
+
+    Args:
+        started: each replica's ``[start, end)`` chunk of the started prompts (balanced, as
+            ``rlhf.rollout.engine.chunk_bounds`` cuts them).
+        needed: groups the step needs in all.
+
+    Returns:
+        ``needed`` dealt over the replicas in proportion to their chunks (largest remainders
+        first), each at most its chunk: the targets sum to ``min(needed, started)``.
+    """
+    sizes = [e - s for s, e in started]
+    total = sum(sizes)
+    if total == 0:
+        return [0] * len(sizes)
+    needed = min(needed, total)
+    exact = [needed * z / total for z in sizes]
+    out = [min(z, int(x)) for z, x in zip(sizes, exact)]
+    for q in sorted(range(len(sizes)), key=lambda q: (out[q] - exact[q], q)):
+        if sum(out) >= needed:
+            break
+        if out[q] < sizes[q]:
+            out[q] += 1
+    return out
+
+
+def estimated_saved_s(finished_lens: list[int], aborted_gen: list[int], max_new_tokens: int,
+                      step_s: float) -> float:
+    """Decode time the aborted sequences would still have cost, estimated from the finished ones.
+
+    Each aborted sequence that has generated ``g`` tokens is expected to end at the mean length of
+    the finished sequences longer than ``g`` (``max_new_tokens`` when none is); the replica would
+    have decoded until the last of them ended, at ``step_s`` seconds per decode step.
+
+    Args:
+        finished_lens: response lengths of the sequences that finished in this call.
+        aborted_gen: tokens generated so far by each aborted sequence (0: never admitted).
+        max_new_tokens: the length cap.
+        step_s: mean seconds of one decode step of this call.
+
+    Returns:
+        ``step_s * max_g(expected_end(g) - g)``; 0 without aborted sequences.
+    """
+    if not aborted_gen:
+        return 0.0
+    lens = torch.tensor(sorted(finished_lens) or [max_new_tokens], dtype=torch.float64)
+    gen = torch.tensor(aborted_gen, dtype=torch.float64)
+    longer = lens[None, :] > gen[:, None]  # [A, F]
+    count = longer.sum(1)
+    mean = torch.where(count > 0, (lens[None, :] * longer).sum(1) / count.clamp(min=1),
+                       torch.full_like(gen, float(max_new_tokens)))
+    return float((mean - gen).clamp(min=0).max()) * step_s
+
+
+class EarlyStop:
+    """Finished-group count of one generate call with ``num_prompts`` prompts of ``n`` samples."""
+
+    def __init__(self, keep_groups: int, num_prompts: int, n: int) -> None:
+        self.keep_groups, self.n = keep_groups, n
+        self.left = [n] * num_prompts  # unfinished samples per prompt
+        self.done = 0
+        self.finished_lens: list[int] = []
+        self.aborted = torch.zeros(num_prompts, dtype=torch.bool)
+        self.saved_s = 0.0
+
+    @property
+    def reached(self) -> bool:
+        return self.done >= self.keep_groups
+
+    def finished(self, rows: list[int], lens: list[int]) -> None:
+        """Output rows ``rows`` (``prompt * n + sample``) finished with ``lens`` tokens."""
+        self.finished_lens.extend(lens)
+        for r in rows:
+            p = r // self.n
+            self.left[p] -= 1
+            if self.left[p] == 0:
+                self.done += 1
+
+    def stop(self, run: Any) -> None:
+        """Abort everything ``run`` (a ``rlhf.rollout.scheduler.GenerateRun``) still holds."""
+        t0 = time.perf_counter()
+        live = run.live
+        gen = run.slots.gen[:live].tolist() if live else []
+        aborted_gen = gen + [run.resume_gen[q] for q in run.queue]
+        if run.lot is not None:
+            for p in run.lot.parked.values():
+                aborted_gen.append(p.length)
+                if p.blocks is not None:
+                    run.cache.free_blocks(p.blocks)
+            forget = getattr(run.lot.handler, "abandon", None)
+            if forget is not None:
+                forget(list(run.lot.parked))
+            run.lot.parked.clear()
+            run.lot.ready.clear()
+        if live:
+            run.cache.release(list(range(live)))
+            run.slots.token[:live] = 0  # as _compact: vacated slots still run in a static all-slot decode
+            run.slots.pos[:live] = 0
+            run.live = 0
+        run.queue.clear()
+        steps = run.stats["decode_steps"]
+        step_s = run.stats["decode_s"] / steps if steps else 0.0
+        self.saved_s = estimated_saved_s(self.finished_lens, aborted_gen, run.R, step_s)
+        self.aborted = torch.tensor([k > 0 for k in self.left], dtype=torch.bool)
+        run.stats["decode_s"] += time.perf_counter() - t0
+
+    def row_flags(self, device: torch.device) -> Tensor:
+        """``[num_prompts * n]`` bool: the rows of aborted groups."""
+        return self.aborted.repeat_interleave(self.n).to(device)
+
+    def stats(self) -> dict[str, float]:
+        return {"aborted": float(int(self.aborted.sum())), "over_sample_saved_s": self.saved_s}
