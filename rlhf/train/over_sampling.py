@@ -74,7 +74,7 @@ class OverSampling:
         used_pos = [p for p, ok in enumerate(finished) if ok][:self.need]
         used_set = set(used_pos)
         self.backlog.give_back([started[p] for p in range(len(started)) if p not in used_set])
-        keep = [j for j, p in enumerate(local_rows) for _ in range(n) if p in used_set]
+        keep = [j * n + s for j, p in enumerate(local_rows) if p in used_set for s in range(n)]
         kept = batch.select(keep)
         kept.aborted = None
         metrics = {"rollout/over_sample_started": float(len(started)),

@@ -120,3 +120,26 @@ def test_given_back_prompts_survive_a_checkpoint():
     assert [b.take(11) for _ in range(6)] == [a.take(11) for _ in range(6)]
     with pytest.raises(ValueError, match="batch_size"):  # the loader's own checks still apply
         PromptBacklog(PromptLoader(40, 4, seed=3)).load_state_dict(state)
+
+
+def test_settle_keeps_the_first_finished_groups_and_gives_the_rest_back():
+    from rlhf.schema.batch import RolloutBatch
+    from rlhf.train.over_sampling import OverSampling
+
+    over = OverSampling(PromptLoader(40, 4, seed=0), 0.25, 4, dp_rank=0, dp=1)
+    started, rows = over.draw()
+    assert len(started) == 6 and rows == list(range(6))
+    n = 2
+    index = torch.tensor(started).repeat_interleave(n)
+    aborted = torch.tensor([False, False, True, True, False, False, False, False, True, True, False, False])
+    batch = RolloutBatch(input_ids=index[:, None].repeat(1, 3), attention_mask=torch.ones(12, 3, dtype=torch.long),
+                         responses=index[:, None], response_mask=torch.ones(12, 1), index=index,
+                         rollout_log_probs=torch.zeros(12, 1), truncated=torch.zeros(12, dtype=torch.bool),
+                         response_texts=[f"t{i}" for i in range(12)], aborted=aborted)
+    kept, used, metrics = over.settle(batch, started, rows, n)
+    # positions 1 and 4 aborted; of 0, 2, 3, 5 finished the first 4 are used, none left over
+    assert used == [started[p] for p in (0, 2, 3, 5)]
+    assert kept.index.tolist() == [u for u in used for _ in range(n)]  # whole groups, rows in order
+    assert kept.response_texts == [f"t{r}" for r in (0, 1, 4, 5, 6, 7, 10, 11)] and kept.aborted is None
+    assert over.backlog.waiting[:2] == [started[1], started[4]]  # given back first, in data order
+    assert metrics == {"rollout/over_sample_started": 6.0, "rollout/over_sample_returned": 2.0}
