@@ -28,11 +28,11 @@ import torch
 from rlhf.data.backlog import PromptBacklog, started_prompts
 from rlhf.data.loader import PromptLoader
 from rlhf.models.parallel import all_reduce_sum
-from rlhf.rollout.engine import chunk_bounds
+from rlhf.rollout.engine import chunk_bounds, decode_responses
 from rlhf.schema.batch import RolloutBatch
 from rlhf.schema.config import Config
 
-__all__ = ["OverSampling", "over_sampling_for"]
+__all__ = ["OverSampling", "over_sampling_for", "with_row_lists"]
 
 
 class OverSampling:
@@ -82,8 +82,31 @@ class OverSampling:
         return kept, [started[p] for p in used_pos], metrics
 
 
-def over_sampling_for(cfg: Config, loader: PromptLoader, dp_rank: int, dp: int, group=None) -> Optional[OverSampling]:
-    """The colocated trainer's :class:`OverSampling` (None when ``rollout.over_sample_rate`` is 0)."""
-    if cfg.rollout.over_sample_rate <= 0 or cfg.trainer.mode != "colocated":
-        return None
-    return OverSampling(loader, cfg.rollout.over_sample_rate, loader.batch_size, dp_rank, dp, group)
+def over_sampling_for(cfg: Config, loader: PromptLoader, dp_rank: int, dp: int, group=None, *,
+                      generates: bool = True) -> tuple[PromptLoader | PromptBacklog, Optional[OverSampling]]:
+    """``(the data order, the OverSampling that draws from it)`` of a trainer or a one_step_off rollout rank.
+
+    Without ``rollout.over_sample_rate``, and under fully_async (its stream refills a slot as soon as a
+    group ends and carries unfinished groups over weight syncs: it never waits for a tail), the loader
+    and None. ``generates`` False (one_step_off's training side): the backlog alone, mirrored from the
+    rollout role's messages (``rlhf.train.async_rl.pipeline``).
+    """
+    if cfg.rollout.over_sample_rate <= 0 or cfg.trainer.mode == "fully_async":
+        return loader, None
+    if not generates:
+        return PromptBacklog(loader), None
+    over = OverSampling(loader, cfg.rollout.over_sample_rate, loader.batch_size, dp_rank, dp, group)
+    return over.backlog, over
+
+
+def with_row_lists(out: RolloutBatch, examples, tokenizer) -> RolloutBatch:
+    """Rows moved by ``rlhf.train.regroup.regroup_rows`` (tensors only) with their per-row lists rebuilt
+    from the dataset (the group id is the dataset index) and the response texts decoded again."""
+    ex = [examples[k] for k in out.index.tolist()]
+    out.ground_truths = [e.ground_truth for e in ex]
+    out.data_sources = [e.data_source for e in ex]
+    out.extra_infos = [e.extra_info for e in ex]
+    # a VLM's images: from the dataset too (a prompt's pixel_values never travel between ranks)
+    out.multi_modal = [e.multi_modal for e in ex] if any(e.multi_modal is not None for e in ex) else []
+    out.response_texts = decode_responses(tokenizer, out.responses, out.attention_mask[:, -out.responses.shape[1]:])
+    return out

@@ -39,7 +39,7 @@ from rlhf.ops.runtime import StepOps
 from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.scoring import FailedStepGuard, mean_of_sums, reward_components
 from rlhf.rewards.streaming import StreamingScores
-from rlhf.rollout.engine import RolloutEngine, decode_responses, rollout_dtype
+from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.rollout.reshard import RolloutLayout
 from rlhf.config.checks import check_startup
 from rlhf.schema.config import Config, ConfigError
@@ -47,7 +47,7 @@ from rlhf.train.evaluation import flat_metrics, generation_rows, rollout_rows, s
 from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch, vlm_processor
 from rlhf.train.async_rl import training_side
 from rlhf.train.async_rl.staleness import skips_old_log_prob_pass, uses_rollout_log_probs as rollout_lp
-from rlhf.train.over_sampling import over_sampling_for
+from rlhf.train.over_sampling import over_sampling_for, with_row_lists
 from rlhf.train.regroup import regroup_rows
 from rlhf.train.rollout_corr import apply_rollout_correction
 
@@ -84,8 +84,9 @@ class RLTrainer:
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
-        self.over = over_sampling_for(cfg, self.loader, self.dp_rank, self.dims.dp, self.dp_group)
-        self.loader = self.over.backlog if self.over is not None else self.loader  # its state: loader + given back
+        # rollout.over_sample_rate: prompts given back wait in front of the loader (saved with its state)
+        self.loader, self.over = over_sampling_for(cfg, self.loader, self.dp_rank, self.dims.dp, self.dp_group,
+                                                   generates=roles is None)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
@@ -237,14 +238,7 @@ class RLTrainer:
         Rows move with tensor collectives (rlhf/train/regroup.py); the per-row lists are rebuilt here."""
         out = regroup_rows(batch, keep_groups=self.cfg.data.train_batch_size, dp_rank=self.dp_rank, dp=self.dims.dp,
                            mini_batch_size=self.cfg.actor.ppo_mini_batch_size, group=self.dp_group)
-        examples = [self.train_data.examples[k] for k in out.index.tolist()]  # the group id is the dataset index
-        out.ground_truths = [e.ground_truth for e in examples]
-        out.data_sources = [e.data_source for e in examples]
-        out.extra_infos = [e.extra_info for e in examples]
-        # a VLM's images: from the dataset too (a prompt's pixel_values never travel between ranks)
-        out.multi_modal = [e.multi_modal for e in examples] if any(e.multi_modal is not None for e in examples) else []
-        out.response_texts = decode_responses(self.tokenizer, out.responses, out.attention_mask[:, -out.responses.shape[1]:])
-        return out
+        return with_row_lists(out, self.train_data.examples, self.tokenizer)
 
     def remax_baseline(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """ReMax: reward of the greedy response to each prompt is the baseline of its samples."""

@@ -1,0 +1,61 @@
+"""rollout.over_sample_rate end to end (issue 55): long-tail responses, groups aborted, no prompt lost.
+
+Three one-process runs of the tiny task (8 prompts x 2 samples a step, responses stopped at any of
+8 characters: most short, a few long): over-sampling at 0.25 for 4 steps with checkpoints at 2 and
+4; the same without over-sampling for 6 steps; and the first run resumed from its step-2
+checkpoint. A reward function logs the dataset index of every scored sample: the trained prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.e2e.conftest import grpo_args, run_script_many, train_steps
+
+LOG_INDEX = '''
+def log_index(data_source, solution_str, ground_truth, extra_info=None):
+    with open({path!r}, "a") as f:
+        f.write(str(extra_info["index"]) + "\\n")
+    return float(len(solution_str) % 2)
+'''
+
+
+def _case(assets: Path, tmp: Path, name: str, steps: int, **over) -> list[str]:
+    (tmp / f"{name}.py").write_text(LOG_INDEX.format(path=str(tmp / f"{name}.log")))
+    return grpo_args(assets, tmp / name, **{
+        "reward.reward_fn": f"{tmp / name}.py:log_index", "data.val_files": "", "trainer.val_before_train": False,
+        "trainer.test_freq": -1, "trainer.total_training_steps": steps, "actor.ppo_mini_batch_size": 8,
+        "rollout.stop": "[a,b,c,d,e,f,g,h]", "data.max_response_length": 24, **over})
+
+
+def _trained(tmp: Path, name: str, n: int = 2) -> list[int]:
+    """Trained prompts in scoring order, one entry per prompt (its n samples are scored together)."""
+    rows = [int(x) for x in (tmp / f"{name}.log").read_text().split()]
+    return rows[::n]
+
+
+def test_aborted_prompts_return_and_an_epoch_sees_each_prompt_once(tiny_assets, tmp_path):
+    over = {"rollout.over_sample_rate": 0.25, "checkpoint.save_freq": 2, "checkpoint.max_to_keep": 0}
+    resume = tmp_path / "over" / "checkpoints" / "global_step_2"
+    runs = run_script_many("train_grpo.py", [
+        _case(tiny_assets, tmp_path, "over", 4, **over),
+        _case(tiny_assets, tmp_path, "plain", 6),
+        _case(tiny_assets, tmp_path, "resumed", 4, **over, **{"checkpoint.resume": resume})])
+    for r in runs:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    metrics = train_steps(tmp_path / "over" / "metrics.jsonl")
+    assert [m["rollout/over_sample_started"] for m in metrics.values()] == [11.0] * 4  # int(11 x 0.75) = 8
+    assert sum(m["rollout/aborted"] for m in metrics.values()) > 0  # the long tail was cut
+    assert all(m["rollout/over_sample_saved_s"] >= 0 for m in metrics.values())
+    over_idx = _trained(tmp_path, "over")
+    assert len(over_idx) == 4 * 8 and len(set(over_idx)) == 32  # whole batches, no prompt twice (64 prompts: one epoch)
+    state = json.loads((tmp_path / "over" / "checkpoints" / "global_step_4" / "trainer_state.json").read_text())
+    waiting = state["loader"]["waiting"]
+    assert waiting and not set(waiting) & set(over_idx)
+    # None lost: trained + still waiting = what the loader handed out = the plain run's first batches
+    handed = sorted(over_idx + waiting)
+    assert len(handed) % 8 == 0
+    assert handed == sorted(_trained(tmp_path, "plain")[:len(handed)])
+    # The given-back prompts survive the step-2 checkpoint: the resumed run trains steps 3-4 on the same prompts
+    assert _trained(tmp_path, "resumed") == over_idx[16:]
