@@ -13,44 +13,25 @@ rows and loses their prompts.
 multi-turn sequences), empties the queue and tells a multi-turn handler to forget the rows
 whose tool calls are still out. Under a tensor-parallel rollout every peer finishes the same
 rows at the same steps, so all peers stop at the same step.
+
+The count is global over the rollout replicas (``group``: one rank per replica): verl's rule
+counts per rollout worker, but with a few groups per replica a per-replica share rounds to
+"all of them" on some replicas and cuts nothing there, while the step still waits for the
+slowest replica. So every scheduler iteration all-reduces the finished count (one small
+all-reduce); a replica whose own groups are all done keeps taking part until the total is
+reached, and all replicas stop in the same round.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["EarlyStop", "estimated_saved_s", "replica_targets"]
-
-
-def replica_targets(started: Sequence[tuple[int, int]], needed: int) -> list[int]:
-    """Groups each rollout replica waits for before it aborts the rest of its chunk.
-
-    Args:
-        started: each replica's ``[start, end)`` chunk of the started prompts (balanced, as
-            ``rlhf.rollout.engine.chunk_bounds`` cuts them).
-        needed: groups the step needs in all.
-
-    Returns:
-        ``needed`` dealt over the replicas in proportion to their chunks (largest remainders
-        first), each at most its chunk: the targets sum to ``min(needed, started)``.
-    """
-    sizes = [e - s for s, e in started]
-    total = sum(sizes)
-    if total == 0:
-        return [0] * len(sizes)
-    needed = min(needed, total)
-    exact = [needed * z / total for z in sizes]
-    out = [min(z, int(x)) for z, x in zip(sizes, exact)]
-    for q in sorted(range(len(sizes)), key=lambda q: (out[q] - exact[q], q)):
-        if sum(out) >= needed:
-            break
-        if out[q] < sizes[q]:
-            out[q] += 1
-    return out
+__all__ = ["EarlyStop", "estimated_saved_s"]
 
 
 def estimated_saved_s(finished_lens: list[int], aborted_gen: list[int], max_new_tokens: int,
@@ -84,17 +65,32 @@ def estimated_saved_s(finished_lens: list[int], aborted_gen: list[int], max_new_
 class EarlyStop:
     """Finished-group count of one generate call with ``num_prompts`` prompts of ``n`` samples."""
 
-    def __init__(self, keep_groups: int, num_prompts: int, n: int) -> None:
-        self.keep_groups, self.n = keep_groups, n
+    def __init__(self, keep_groups: int, num_prompts: int, n: int, group: Optional[Any] = None) -> None:
+        self.keep_groups, self.n, self.group = keep_groups, n, group
+        self._dev = None
+        if group is not None and dist.get_world_size(group) > 1:
+            self._dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+                else torch.device("cpu")
+        else:
+            self.group = None
         self.left = [n] * num_prompts  # unfinished samples per prompt
         self.done = 0
         self.finished_lens: list[int] = []
         self.aborted = torch.zeros(num_prompts, dtype=torch.bool)
         self.saved_s = 0.0
 
-    @property
     def reached(self) -> bool:
-        return self.done >= self.keep_groups
+        """Whether ``keep_groups`` groups are done (over ``group``: a collective, called in step by every replica)."""
+        if self.group is None:
+            return self.done >= self.keep_groups
+        t = torch.tensor([float(self.done)], dtype=torch.float64, device=self._dev)
+        dist.all_reduce(t, group=self.group)
+        return t.item() >= self.keep_groups
+
+    def wait_for_peers(self) -> None:
+        """This replica has nothing left: take part in the count until the other replicas reach the total."""
+        while self.group is not None and not self.reached():
+            pass
 
     def finished(self, rows: list[int], lens: list[int]) -> None:
         """Output rows ``rows`` (``prompt * n + sample``) finished with ``lens`` tokens."""

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.models.lora import merged_weights_for_rollout
-from rlhf.rollout.abort import replica_targets
+from rlhf.rollout.abort import EarlyStop
 from rlhf.rollout.exchange import exchange_rows
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.routes import batch_routes
@@ -102,15 +102,6 @@ def _rows_to_samples(fn: Optional[OnFinished], first_prompt: int, n: int):
     if fn is None:
         return None
     return lambda rows, ids: fn([(first_prompt + r // n, r % n) for r in rows], ids)
-
-
-def _target(keep_groups: Optional[int], bounds: list[tuple[int, int]], replica: int) -> Optional[int]:
-    """This replica's share of ``keep_groups`` (None: no over-sampling, or its whole chunk is needed)."""
-    if keep_groups is None:
-        return None
-    start, end = bounds[replica]
-    mine = replica_targets(bounds, keep_groups)[replica]
-    return mine if mine < end - start else None
 
 
 def stop_sequences(tokenizer, stop: list[str]) -> list[list[int]]:
@@ -228,9 +219,9 @@ class RolloutEngine:
                 numbers are the sampler's rows of the replica's chunk (``prompt * n + sample``).
                 The batch's ``response_mask`` is then 0 on observation tokens.
             keep_groups: over-sampling (``rollout.over_sample_rate``): the prompt groups the step needs of
-                all ``prompts``; each replica aborts the rest of its chunk once its share
-                (``rlhf.rollout.abort.replica_targets``) has finished. ``RolloutBatch.aborted`` flags
-                the rows of aborted groups.
+                all ``prompts``; every replica aborts the rest of its chunk once that many have finished
+                over all replicas (``rlhf.rollout.abort``). ``RolloutBatch.aborted`` flags the rows of
+                aborted groups.
         """
         pp_group = pp_group if pp_group is not None else getattr(model, "pp_group", None)
         t0 = time.perf_counter()
@@ -266,11 +257,10 @@ class RolloutEngine:
             out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys,
                                    on_finished=_rows_to_samples(on_finished, 0, n), turns=turns,
                                    multi_modal=prompts.multi_modal or None,
-                                   keep_groups=_target(keep_groups, [(0, len(prompts.keys))], 0))
+                                   keep_groups=keep_groups)
             mine = prompts
         else:
-            bounds = chunk_bounds(len(prompts.prompt_ids), lay.dp)
-            start, end = bounds[lay.dp_rank]
+            start, end = chunk_bounds(len(prompts.prompt_ids), lay.dp)[lay.dp_rank]
             out = None
             if end > start:
                 if hasattr(turns, "set_prompts"):
@@ -279,7 +269,9 @@ class RolloutEngine:
                                        prompt_keys=prompts.keys[start:end],
                                        on_finished=_rows_to_samples(on_finished, start, n), turns=turns,
                                        multi_modal=prompts.multi_modal[start:end] if prompts.multi_modal else None,
-                                       keep_groups=_target(keep_groups, bounds, lay.dp_rank))
+                                       keep_groups=keep_groups, count_group=lay.dp_group if lay.dp > 1 else None)
+            elif keep_groups is not None and lay.dp > 1:  # nothing of its own: counts with the others
+                EarlyStop(keep_groups, 0, n, lay.dp_group).wait_for_peers()
             else:
                 sampler.ep_drain()  # rollout.ep: nothing of its own, but its experts serve the peers
             stats_local = dict(out.stats) if out is not None else {}

@@ -359,6 +359,7 @@ class Sampler:
         turns: TurnHandler | None = None,
         multi_modal: list[dict | None] | None = None,
         keep_groups: int | None = None,
+        count_group: Any = None,
     ) -> RolloutOutput:
         """Generate ``params.n`` responses per prompt (see ``RolloutOutput`` for the layout).
 
@@ -371,7 +372,8 @@ class Sampler:
         ``multi_modal``: a VLM's per-prompt images (``{"pixel_values", "image_grid_thw"}`` or None for a
         text prompt), as the data path keeps them (``rlhf.data.multimodal``).
         ``keep_groups``: over-sampling (``rlhf.rollout.abort``): once that many prompts have all ``n``
-        samples finished, the rest is aborted; their rows are flagged in ``RolloutOutput.aborted``.
+        samples finished, the rest is aborted; their rows are flagged in ``RolloutOutput.aborted``. ``count_group``:
+        the rollout replicas' group (one rank each) over which the finished groups are counted.
         """
         params.validate(self.spec.vocab_size)
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -388,7 +390,7 @@ class Sampler:
         elif multi_modal and any(m is not None for m in multi_modal):
             raise ValueError(f"generate: images given but model_type {self.config.model_type!r} is a text LM")
         out = RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys, on_finished, turns,
-                                          vis, keep_groups).execute())
+                                          vis, keep_groups, count_group).execute())
         self.ep_drain()
         return out
 

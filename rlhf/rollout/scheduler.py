@@ -82,9 +82,10 @@ class GenerateRun(TurnSteps):
 
     def __init__(self, s: Any, prompts: list[list[int]], params: SamplingParams, step: int, keys: list[int],
                  on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None,
-                 turns: Optional[TurnHandler] = None, vision: Any = None, keep_groups: Optional[int] = None):
+                 turns: Optional[TurnHandler] = None, vision: Any = None,
+                 keep_groups: Optional[int] = None, count_group: Any = None):
         """``keep_groups``: over-sampling (``rlhf.rollout.abort``) aborts the rest once that many prompt groups
-        finished. ``vision``: a VLM call's ``rlhf.rollout.vision.VisionPrompts`` (prefill embeddings, M-RoPE rows,
+        finished (over the replicas of ``count_group``). ``vision``: a VLM call's ``rlhf.rollout.vision.VisionPrompts`` (prefill embeddings, M-RoPE rows,
         decode rope deltas). ``on_finished(rows, token_ids)``: called as sequences finish (output rows,
         their tokens), so their rewards can be computed while the others still decode. ``turns``: the multi-turn handler."""
         self.s, self.params, self.prompts = s, params, prompts
@@ -151,7 +152,7 @@ class GenerateRun(TurnSteps):
                       "observation_tokens": 0, "parked_preemptions": 0,
                       "shared_blocks": 0}
         self.spec = speculative.for_run(self)  # None unless rollout.speculative is on and applies
-        self.early = EarlyStop(keep_groups, len(prompts), n) if keep_groups is not None else None
+        self.early = EarlyStop(keep_groups, len(prompts), n, count_group) if keep_groups is not None else None
 
     # ------------------------------------------------------------------ main loop
 
@@ -160,7 +161,7 @@ class GenerateRun(TurnSteps):
         threshold = max(1, int(self.s.refill_fraction * self.S))
         lot = self.lot
         while True:
-            if self.early is not None and self.early.reached:
+            if self.early is not None and self.early.reached():
                 self.early.stop(self)
                 break
             if lot is not None and lot.parked:
@@ -178,6 +179,8 @@ class GenerateRun(TurnSteps):
                 if lot is not None and lot.parked:  # everything waits for tools
                     self._take_observations(wait=True)
                     continue
+                if self.early is not None:
+                    self.early.wait_for_peers()
                 break  # nothing live and nothing waiting (a lone sequence always fits: checked at allocation)
             self._reserve_next_positions()
             self._decode_step()

@@ -174,21 +174,23 @@ class RLTrainer:
                                              n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature,
                                              local_rows=local_rows, pp_group=self.actor.pp_group, on_finished=stream,
                                              turns=turns, keep_groups=None if self.over is None else self.over.need)
+        if self.over is not None:  # the first groups done, dealt like fresh prompts; the rest back to the data order
+            batch, used, over_stats = self.over.settle(batch, global_idx, local_rows, self.cfg.rollout.n)
+            batch, self._data_metrics = self.rebalance_groups(batch, self.over.need), data_metrics(self.loader, used)
+            self._last_prompts = prompt_batch(list(dict.fromkeys(batch.index.tolist())), self.train_data.examples)
+            stats.update(over_stats)
         if turns is not None:
             stats.update(self.agent.metrics(batch, turns, self.dp_group))
             if self.agent.executes:  # tool step rewards to the reward function's extra_info (verl)
                 self.agent.attach_step_rewards(batch, turns, self.cfg.rollout.n, self.group)
-        if self.over is not None:  # the first groups done are used; the rest go back to the data order
-            batch, used, over_stats = self.over.settle(batch, global_idx, local_rows, self.cfg.rollout.n)
-            stats.update(over_stats)
-            self._data_metrics = data_metrics(self.loader, used)
         return batch, stats
 
     def _stream_scores(self, prompts) -> StreamingScores | None:
         """Scoring during generation needs a worker pool and each row generated once by a rank whose
         peers are all dp ranks (no shared scorer, rollout.tp = 1)."""
         if not self.cfg.reward.score_during_generation or not isinstance(self.scorer, RewardPool) \
-                or self.rollout.layout.tp > 1 or (self.agent is not None and self.agent.executes) or self.over is not None:
+                or self.rollout.layout.tp > 1 or (self.agent is not None and self.agent.executes) \
+                or self.over is not None:  # over-sampling: the unused rows are never scored
             return None
         return StreamingScores(self.scorer, self.tokenizer, prompts)
 
@@ -212,7 +214,7 @@ class RLTrainer:
                 if self.cfg.algorithm.adv_estimator == "remax":
                     metrics.update(self.remax_baseline(batch, step))
             if not fg.enable:
-                return (batch if self.over is None else self.rebalance_groups(batch)), metrics
+                return batch, metrics
             metric = batch.acc if fg.metric == "acc" else batch.token_level_scores.sum(-1)
             keep, _, filtered = select_informative_groups(batch.index, metric)
             kept.append(batch.select(keep.nonzero().squeeze(-1).cpu()))
@@ -233,10 +235,11 @@ class RLTrainer:
                         "dynamic_sampling/kept_groups": n_groups.item()})
         return batch, metrics
 
-    def rebalance_groups(self, batch: RolloutBatch) -> RolloutBatch:
-        """Exactly train_batch_size kept groups, dealt to dp ranks mini-batch-major (like fresh prompts).
-        Rows move with tensor collectives (rlhf/train/regroup.py); the per-row lists are rebuilt here."""
-        out = regroup_rows(batch, keep_groups=self.cfg.data.train_batch_size, dp_rank=self.dp_rank, dp=self.dims.dp,
+    def rebalance_groups(self, batch: RolloutBatch, keep: int = 0) -> RolloutBatch:
+        """Exactly ``keep`` (default train_batch_size) kept groups, dealt to dp ranks mini-batch-major (like fresh
+        prompts). Rows move with tensor collectives (rlhf/train/regroup.py); the per-row lists are rebuilt here."""
+        out = regroup_rows(batch, keep_groups=keep or self.cfg.data.train_batch_size, dp_rank=self.dp_rank,
+                           dp=self.dims.dp,
                            mini_batch_size=self.cfg.actor.ppo_mini_batch_size, group=self.dp_group)
         return with_row_lists(out, self.train_data.examples, self.tokenizer)
 

@@ -10,7 +10,7 @@ import torch
 from rlhf.data.backlog import PromptBacklog, started_prompts
 from rlhf.data.loader import PromptLoader
 from rlhf.rollout import SamplingParams
-from rlhf.rollout.abort import estimated_saved_s, replica_targets
+from rlhf.rollout.abort import estimated_saved_s
 from rlhf.rollout.exchange import pack_rows, unpack_rows
 from tests.unit.test_sampler import PROMPTS, _sampler
 from tests.unit.test_sampler_turns import FakeTool, PARAMS as TURN_PARAMS
@@ -24,12 +24,6 @@ def test_started_prompts_is_the_fewest_whose_kept_share_fills_the_batch(need, ra
     t = started_prompts(need, rate)
     assert t == want
     assert int(t * (1 - rate) + 1e-9) >= need and (rate == 0 or int((t - 1) * (1 - rate) + 1e-9) < need)
-
-
-def test_replica_targets_deal_the_need_in_proportion():
-    assert replica_targets([(0, 3), (3, 6), (6, 9), (9, 11)], 8) == [2, 2, 2, 2]  # 2.18, 2.18, 2.18, 1.45
-    assert replica_targets([(0, 6), (6, 11)], 10) == [5, 5]  # 5.45 -> 5, 4.55 -> 4 (+1: the larger remainder)
-    assert replica_targets([(0, 2), (2, 2)], 5) == [2, 0]  # never more than a chunk; an empty chunk needs none
 
 
 def test_saved_seconds_estimate_from_the_finished_lengths():
