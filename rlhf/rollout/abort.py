@@ -17,9 +17,13 @@ rows at the same steps, so all peers stop at the same step.
 The count is global over the rollout replicas (``group``: one rank per replica): verl's rule
 counts per rollout worker, but with a few groups per replica a per-replica share rounds to
 "all of them" on some replicas and cuts nothing there, while the step still waits for the
-slowest replica. So every scheduler iteration all-reduces the finished count (one small
-all-reduce); a replica whose own groups are all done keeps taking part until the total is
-reached, and all replicas stop in the same round.
+slowest replica. So the replicas all-reduce their finished counts, one small asynchronous
+all-reduce at a time, checked (not waited for) once per scheduler iteration; a replica whose
+own groups are all done keeps taking part until the total is reached, and all replicas stop
+after the same round. The abort lands one round after the count is reached: groups finished
+meanwhile are extra (given back by the trainer), never too few. Under a tensor-parallel rollout
+each round is waited for (``lockstep``): the peers of a replica see it complete at the same
+iteration and stop together.
 """
 
 from __future__ import annotations
@@ -65,9 +69,14 @@ def estimated_saved_s(finished_lens: list[int], aborted_gen: list[int], max_new_
 class EarlyStop:
     """Finished-group count of one generate call with ``num_prompts`` prompts of ``n`` samples."""
 
-    def __init__(self, keep_groups: int, num_prompts: int, n: int, group: Optional[Any] = None) -> None:
-        self.keep_groups, self.n, self.group = keep_groups, n, group
+    def __init__(self, keep_groups: int, num_prompts: int, n: int, group: Optional[Any] = None,
+                 lockstep: bool = False) -> None:
+        """``group``: one rank per rollout replica (None: count this call's groups alone). ``lockstep``: wait for
+        each round (a tensor-parallel rollout: its peers must stop at the same iteration)."""
+        self.keep_groups, self.n, self.group, self.lockstep = keep_groups, n, group, lockstep
         self._dev = None
+        self._work: Any = None  # the all-reduce round in flight
+        self._sum: Optional[Tensor] = None
         if group is not None and dist.get_world_size(group) > 1:
             self._dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
                 else torch.device("cpu")
@@ -80,17 +89,27 @@ class EarlyStop:
         self.saved_s = 0.0
 
     def reached(self) -> bool:
-        """Whether ``keep_groups`` groups are done (over ``group``: a collective, called in step by every replica)."""
+        """Whether ``keep_groups`` groups are done. Over ``group`` the count is an all-reduce in flight: this
+        returns False until the round in flight completes (no replica waits for the others' decode steps),
+        then starts the next round; every replica sees the same sums round by round, so all stop after the
+        same round."""
         if self.group is None:
             return self.done >= self.keep_groups
-        t = torch.tensor([float(self.done)], dtype=torch.float64, device=self._dev)
-        dist.all_reduce(t, group=self.group)
-        return t.item() >= self.keep_groups
+        if self._work is None:
+            self._sum = torch.tensor([float(self.done)], dtype=torch.float64, device=self._dev)
+            self._work = dist.all_reduce(self._sum, group=self.group, async_op=True)
+            return False
+        if not self.lockstep and not self._work.is_completed():
+            return False
+        self._work.wait()
+        self._work = None
+        return self._sum.item() >= self.keep_groups
 
     def wait_for_peers(self) -> None:
         """This replica has nothing left: take part in the count until the other replicas reach the total."""
         while self.group is not None and not self.reached():
-            pass
+            if self._work is not None:
+                self._work.wait()  # idle: block on the round instead of spinning
 
     def finished(self, rows: list[int], lens: list[int]) -> None:
         """Output rows ``rows`` (``prompt * n + sample``) finished with ``lens`` tokens."""

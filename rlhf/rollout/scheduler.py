@@ -152,7 +152,8 @@ class GenerateRun(TurnSteps):
                       "observation_tokens": 0, "parked_preemptions": 0,
                       "shared_blocks": 0}
         self.spec = speculative.for_run(self)  # None unless rollout.speculative is on and applies
-        self.early = EarlyStop(keep_groups, len(prompts), n, count_group) if keep_groups is not None else None
+        self.early = None if keep_groups is None else \
+            EarlyStop(keep_groups, len(prompts), n, count_group, lockstep=s.tp_group is not None)
 
     # ------------------------------------------------------------------ main loop
 
