@@ -137,3 +137,33 @@ def test_settle_keeps_the_first_finished_groups_and_gives_the_rest_back():
     assert kept.response_texts == [f"t{r}" for r in (0, 1, 4, 5, 6, 7, 10, 11)] and kept.aborted is None
     assert over.backlog.waiting[:2] == [started[1], started[4]]  # given back first, in data order
     assert metrics == {"rollout/over_sample_started": 6.0, "rollout/over_sample_returned": 2.0}
+
+
+def test_aborted_tool_calls_are_collected_by_a_later_call():
+    from rlhf.agent.loop import AgentLoop, _Waiting
+    from rlhf.agent.rollout import ToolAgent
+    from rlhf.agent.runner import ToolResult
+
+    class Runner:  # tickets 1 and 2 out; 1 finished
+        def __init__(self):
+            self.results = {1: ToolResult("x")}
+
+        def wait_any(self, tickets, timeout=None):
+            return [t for t in tickets if t in self.results]
+
+        def take(self, t):
+            return self.results.pop(t)
+
+    runner = Runner()
+    loop = AgentLoop(None, runner, None, {})
+    loop.waiting[4] = _Waiting([1, ToolResult("answered at once")], 0, 3, ["a", "b"])
+    loop.waiting[6] = _Waiting([2], 0, 5, ["a"])
+    loop.abandon([4, 6])
+    assert loop.waiting == {} and loop.orphans == [1, 2]
+    agent = object.__new__(ToolAgent)
+    agent.runner, agent._last_loop, agent._orphans = runner, loop, []
+    agent._collect_orphans()
+    assert runner.results == {} and agent._orphans == [2]  # 1 taken; 2 still running: looked at next call
+    runner.results[2] = ToolResult("late")
+    agent._collect_orphans()
+    assert runner.results == {} and agent._orphans == []
