@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -129,6 +130,8 @@ def main() -> None:
                     help="also run colocated with this rollout.over_sample_rate; 0: skip")
     ap.add_argument("--over-sample-only", action="store_true",
                     help="run only colocated and colocated + over-sampling")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="--over-sample-only: alternate the two runs this many times; medians are printed")
     args = ap.parse_args()
     lengths = {"rollout.stop": "[a,b,c,d,e,f,g,h]"} if args.lengths == "long-tail" else {}
     from tests._assets import write_tiny_assets
@@ -140,18 +143,21 @@ def main() -> None:
         if args.baseline_split and not args.over_sample_only:
             runs.append(("fully_async", FULLY_ASYNC(args, args.baseline_split, False)))
         if args.over_sample_only:
-            runs = runs[:1]
-        if args.over_sample:
+            runs = [("colocated", {}), ("colocated", {"rollout.over_sample_rate": args.over_sample})] * args.repeats
+        elif args.over_sample:
             runs.append(("colocated", {"rollout.over_sample_rate": args.over_sample}))
         rows = [tiny_grpo_rows(assets, Path(tmp) / f"run{i}", batch=args.batch, n=args.n, response=args.response,
                                steps=args.steps, warmup=args.warmup, nproc=4, **{
                                    "trainer.mode": mode, "actor.tis_imp_ratio_cap": 2.0, **lengths, **extra})
                 for i, (mode, extra) in enumerate(runs)]
-    over = over_sampling_figures(rows[0], rows[-1], args.batch * args.n, args.over_sample) if args.over_sample else None
-    if args.over_sample_only:
+    if args.over_sample_only:  # colocated, over-sampling, colocated, ...: the median of each figure
+        each = [over_sampling_figures(rows[i], rows[i + 1], args.batch * args.n, args.over_sample)
+                for i in range(0, len(rows), 2)]
+        over = {k: statistics.median(e[k] for e in each) for k in each[0]}
         print_over_sampling(over)
-        print(json.dumps({**over, "config": vars(args)}))
+        print(json.dumps({**over, "repeats": each, "config": vars(args)}))
         return
+    over = over_sampling_figures(rows[0], rows[-1], args.batch * args.n, args.over_sample) if args.over_sample else None
     colo, off, full = rows[:3]
     base = rows[3] if args.baseline_split else None
     t_colo, t_off = mean(colo, "timing/step"), mean(off, "timing/step")

@@ -85,8 +85,8 @@ class GenerateRun(TurnSteps):
                  turns: Optional[TurnHandler] = None, vision: Any = None,
                  keep_groups: Optional[int] = None, count_group: Any = None):
         """``keep_groups``: over-sampling (``rlhf.rollout.abort``) aborts the rest once that many prompt groups
-        finished (over the replicas of ``count_group``). ``vision``: a VLM call's ``rlhf.rollout.vision.VisionPrompts`` (prefill embeddings, M-RoPE rows,
-        decode rope deltas). ``on_finished(rows, token_ids)``: called as sequences finish (output rows,
+        finished (over the replicas of ``count_group``). ``vision``: a VLM call's
+        ``rlhf.rollout.vision.VisionPrompts`` (prefill embeddings, M-RoPE rows, decode rope deltas). ``on_finished(rows, token_ids)``: called as sequences finish (output rows,
         their tokens), so their rewards can be computed while the others still decode. ``turns``: the multi-turn handler."""
         self.s, self.params, self.prompts = s, params, prompts
         self.vision = vision
@@ -605,6 +605,6 @@ class GenerateRun(TurnSteps):
             stats["parked_preemptions"] = float(st["parked_preemptions"])
         return {"response_ids": self.out_ids, "response_mask": mask, "log_probs": self.out_logp,
                 "response_lengths": lengths, "routes": None if self.routes is None else self.routes.table(),
-                "truncated": ~self.out_stopped, "aborted": None if self.early is None else
-                self.early.row_flags(lengths.device), "prompt_index": torch.arange(N, device=lengths.device) // self.n,
+                "truncated": ~self.out_stopped, "prompt_index": torch.arange(N, device=lengths.device) // self.n,
+                "aborted": None if self.early is None else self.early.row_flags(lengths.device),
                 "stats": stats}

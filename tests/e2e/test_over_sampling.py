@@ -1,9 +1,9 @@
 """rollout.over_sample_rate end to end (issue 55): long-tail responses, groups aborted, no prompt lost.
 
-Three one-process runs of the tiny task (8 prompts x 2 samples a step, responses stopped at any of
+One-process runs of the tiny task (8 prompts x 2 samples a step, responses stopped at any of
 8 characters: most short, a few long): over-sampling at 0.25 for 4 steps with checkpoints at 2 and
 4; the same without over-sampling for 6 steps; and the first run resumed from its step-2
-checkpoint. A reward function logs the dataset index of every scored sample: the trained prompts.
+checkpoint; and over-sampling with DAPO's filter_groups. A reward function logs the dataset index of every scored sample: the trained prompts.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ def test_aborted_prompts_return_and_an_epoch_sees_each_prompt_once(tiny_assets, 
     runs = run_script_many("train_grpo.py", [
         _case(tiny_assets, tmp_path, "over", 4, **over),
         _case(tiny_assets, tmp_path, "plain", 6),
-        _case(tiny_assets, tmp_path, "resumed", 4, **over, **{"checkpoint.resume": resume})])
+        _case(tiny_assets, tmp_path, "resumed", 4, **over, **{"checkpoint.resume": resume}),
+        _case(tiny_assets, tmp_path, "dapo", 2, **{"rollout.over_sample_rate": 0.25,
+                                                   "algorithm.filter_groups.enable": True,
+                                                   "algorithm.filter_groups.metric": "score"})])
     for r in runs:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     metrics = train_steps(tmp_path / "over" / "metrics.jsonl")
@@ -59,3 +62,7 @@ def test_aborted_prompts_return_and_an_epoch_sees_each_prompt_once(tiny_assets, 
     assert handed == sorted(_trained(tmp_path, "plain")[:len(handed)])
     # The given-back prompts survive the step-2 checkpoint: the resumed run trains steps 3-4 on the same prompts
     assert _trained(tmp_path, "resumed") == over_idx[16:]
+    # With DAPO's filter_groups each generation batch is over-sampled; the step still trains 8 groups
+    dapo = train_steps(tmp_path / "dapo" / "metrics.jsonl")
+    assert len(dapo) == 2 and all(m["dynamic_sampling/kept_groups"] >= 8 for m in dapo.values())
+    assert all(m["rollout/over_sample_started"] == 11.0 for m in dapo.values())
