@@ -74,3 +74,22 @@ def test_aborted_prompts_return_and_an_epoch_sees_each_prompt_once(tiny_assets, 
     dapo = train_steps(tmp_path / "dapo" / "metrics.jsonl")
     assert len(dapo) == 2 and all(m["dynamic_sampling/kept_groups"] >= 8 for m in dapo.values())
     assert all(m["rollout/over_sample_started"] == 11.0 for m in dapo.values())
+
+
+def test_one_step_off_rollout_role_aborts_and_the_training_side_keeps_the_order(tiny_assets, tmp_path):
+    """one_step_off on 1 + 1 ranks: the rollout role over-samples; the training side mirrors the data order
+    from its messages, so its checkpoint holds the waiting prompts: trained + waiting = the loader's batches."""
+    from rlhf.data.loader import PromptLoader
+    from tests.e2e.conftest import run_script
+
+    args = _case(tiny_assets, tmp_path, "off", 4, **{"rollout.over_sample_rate": 0.25, "trainer.mode": "one_step_off",
+                                                    "actor.tis_imp_ratio_cap": 2.0, "checkpoint.save_freq": 4})
+    r = run_script("train_grpo.py", args, nproc=2)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    metrics = train_steps(tmp_path / "off" / "metrics.jsonl")
+    assert [m["rollout/over_sample_started"] for m in metrics.values()] == [11.0] * 4
+    assert sum(m["rollout/aborted"] for m in metrics.values()) > 0
+    loader = json.loads((tmp_path / "off" / "checkpoints" / "global_step_4" / "trainer_state.json").read_text())["loader"]
+    handed = sorted(_trained(tmp_path, "off") + loader["waiting"])
+    order = PromptLoader(loader["dataset_len"], 8, seed=loader["seed"]).epoch_order(0)
+    assert len(handed) == loader["position"] * 8 and handed == sorted(order[:len(handed)])
