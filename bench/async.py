@@ -93,7 +93,10 @@ def over_sampling_figures(colo: list[dict], over: list[dict], samples: int, rate
             "rollout_s_colocated": mean(colo, "timing/rollout"), "rollout_s_over_sampling": mean(over, "timing/rollout"),
             "over_sampling_aborted_groups": mean(over, "rollout/aborted"),
             "over_sampling_started_prompts": mean(over, "rollout/over_sample_started"),
-            "over_sampling_saved_s_estimate": mean(over, "rollout/over_sample_saved_s")}
+            "over_sampling_saved_s_estimate": mean(over, "rollout/over_sample_saved_s"),
+            # the sampler's own seconds (slowest replica) in colocated's step: even a free tail cannot save more
+            "sampler_s_colocated": mean(colo, "rollout/seconds"),
+            "bound_if_sampling_were_free": t_colo / (t_colo - mean(colo, "rollout/seconds"))}
 
 
 def print_over_sampling(o: dict) -> None:
@@ -101,7 +104,8 @@ def print_over_sampling(o: dict) -> None:
           f"samples/s vs colocated {o['samples_per_s_colocated']:.1f} ({o['over_sampling_vs_colocated']:.2f}x); "
           f"generation {o['rollout_s_over_sampling']:.2f} s vs {o['rollout_s_colocated']:.2f} s a step, "
           f"{o['over_sampling_aborted_groups']:.1f} of {o['over_sampling_started_prompts']:.0f} started groups aborted, "
-          f"estimated saving {o['over_sampling_saved_s_estimate']:.2f} s a step")
+          f"estimated saving {o['over_sampling_saved_s_estimate']:.2f} s a step; the sampler is "
+          f"{o['sampler_s_colocated']:.2f} s of colocated's step: {o['bound_if_sampling_were_free']:.2f}x if it took no time")
 
 
 def trainer_breakdown(rows: list[dict]) -> dict[str, float]:

@@ -4,16 +4,16 @@ verl's rule is that a rollout aborts its remaining requests once ``(1 - over_sam
 the requests it started have completed. Here a step starts ``T`` prompts, the fewest with
 ``int(T * (1 - rate)) >= need`` (``need``: ``data.train_batch_size``, or ``data.gen_batch_size``
 per generation batch under ``algorithm.filter_groups``), so that the finished groups fill the
-batch; each rollout replica aborts the rest of its chunk once its share of ``need`` groups is
-done (``rlhf.rollout.abort``). Then :meth:`OverSampling.settle`:
+batch; the rollout replicas abort the rest once ``need`` groups have finished over all of them
+(``rlhf.rollout.abort``). Then :meth:`OverSampling.settle`:
 
 * every rank learns which started prompts finished (one all-reduce of ``T`` flags over dp);
 * the step uses the first ``need`` finished prompts in the data order; the others (aborted, or
   finished beyond ``need`` when several groups end at the same decode step) go back to the front
   of the order (:class:`rlhf.data.backlog.PromptBacklog`), so no prompt is lost and none is
   trained twice;
-* the used rows are dealt to the dp ranks mini-batch-major like fresh prompts
-  (``rlhf.train.regroup``), by the caller.
+* the caller deals the used rows to the dp ranks mini-batch-major like fresh prompts
+  (``rlhf.train.regroup``) before they are scored.
 
 The started prompts are cut into contiguous chunks over the dp ranks (the engine gives each
 rank its chunk's rows); the backlog is part of the data-loader state in checkpoints.
