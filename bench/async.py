@@ -5,6 +5,7 @@ ones; and, for comparison, the earlier 3 rollout + 1 training rank with recomput
     python bench/async.py                           # ~2 min on a 2-core CPU
     python bench/async.py --lengths long-tail       # most responses short, a few up to ~8x the median
     python bench/async.py --steps 8 --response 128
+    python bench/async.py --lengths long-tail --over-sample-only   # colocated vs colocated + over-sampling only
 
 ``--lengths long-tail`` stops a response at any of 8 of the tiny model's 102 character tokens
 (``rollout.stop``): a near-geometric length with median ~R/11 and a tail to R, the regime where a
@@ -13,6 +14,9 @@ lockstep batch waits for its longest response and streaming does not. fully_asyn
 (``trigger_parameter_sync_step``, default 1), partial rollout, truncated IS (cap 2),
 ``use_rollout_log_probs`` (``--recompute`` turns it off) on ``--rollout-ranks`` of the 4 ranks.
 Printed for fully_async: the training rank's seconds per step by phase (the bottleneck of 3 + 1).
+``--over-sample RATE`` (default 0.1; 0 skips it) adds colocated with ``rollout.over_sample_rate``:
+more prompts start than the step needs and the slowest groups are aborted (back to the data order);
+its samples/s counts the trained samples (``batch x n`` a step, as colocated's).
 
 Generation is made the dominant phase on purpose (long responses from a random tiny
 model, which rarely stops early): that is the regime the pipeline is for. Both runs use
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -79,6 +84,30 @@ def one_step_off_rollout_idle_share(rows: list[dict]) -> float:
     return mean(rows, "async/rollout_idle_share")
 
 
+def over_sampling_figures(colo: list[dict], over: list[dict], samples: int, rate: float) -> dict:
+    """Colocated with ``rollout.over_sample_rate`` against colocated: trained samples per second, the
+    generation phase, and what the sampler aborted and estimated it saved."""
+    t_colo, t_over = mean(colo, "timing/step"), mean(over, "timing/step")
+    return {"over_sample_rate": rate, "samples_per_s_colocated": samples / t_colo,
+            "samples_per_s_colocated_over_sampling": samples / t_over, "over_sampling_vs_colocated": t_colo / t_over,
+            "rollout_s_colocated": mean(colo, "timing/rollout"), "rollout_s_over_sampling": mean(over, "timing/rollout"),
+            "over_sampling_aborted_groups": mean(over, "rollout/aborted"),
+            "over_sampling_started_prompts": mean(over, "rollout/over_sample_started"),
+            "over_sampling_saved_s_estimate": mean(over, "rollout/over_sample_saved_s"),
+            # the sampler's own seconds (slowest replica) in colocated's step: even a free tail cannot save more
+            "sampler_s_colocated": mean(colo, "rollout/seconds"),
+            "bound_if_sampling_were_free": t_colo / (t_colo - mean(colo, "rollout/seconds"))}
+
+
+def print_over_sampling(o: dict) -> None:
+    print(f"colocated + over_sample_rate {o['over_sample_rate']}: {o['samples_per_s_colocated_over_sampling']:.1f} "
+          f"samples/s vs colocated {o['samples_per_s_colocated']:.1f} ({o['over_sampling_vs_colocated']:.2f}x); "
+          f"generation {o['rollout_s_over_sampling']:.2f} s vs {o['rollout_s_colocated']:.2f} s a step, "
+          f"{o['over_sampling_aborted_groups']:.1f} of {o['over_sampling_started_prompts']:.0f} started groups aborted, "
+          f"estimated saving {o['over_sampling_saved_s_estimate']:.2f} s a step; the sampler is "
+          f"{o['sampler_s_colocated']:.2f} s of colocated's step: {o['bound_if_sampling_were_free']:.2f}x if it took no time")
+
+
 def trainer_breakdown(rows: list[dict]) -> dict[str, float]:
     """Mean seconds per step of the training rank's phases, and its wait for groups."""
     out = {p: mean(rows, f"timing/{p}") for p in TRAINER_PHASES}
@@ -101,6 +130,12 @@ def main() -> None:
     ap.add_argument("--baseline-split", type=int, default=3,
                     help="also run fully_async with this many rollout ranks and recomputed log-probs (the "
                          "earlier default, 3 + 1); 0: skip")
+    ap.add_argument("--over-sample", type=float, default=0.1,
+                    help="also run colocated with this rollout.over_sample_rate; 0: skip")
+    ap.add_argument("--over-sample-only", action="store_true",
+                    help="run only colocated and colocated + over-sampling")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="--over-sample-only: alternate the two runs this many times; medians are printed")
     args = ap.parse_args()
     lengths = {"rollout.stop": "[a,b,c,d,e,f,g,h]"} if args.lengths == "long-tail" else {}
     from tests._assets import write_tiny_assets
@@ -109,12 +144,24 @@ def main() -> None:
         assets = write_tiny_assets(Path(tmp) / "assets", n_train=256, n_val=16)
         runs = [("colocated", {}), ("one_step_off", {}),
                 ("fully_async", FULLY_ASYNC(args, args.rollout_ranks, not args.recompute))]
-        if args.baseline_split:
+        if args.baseline_split and not args.over_sample_only:
             runs.append(("fully_async", FULLY_ASYNC(args, args.baseline_split, False)))
+        if args.over_sample_only:
+            runs = [("colocated", {}), ("colocated", {"rollout.over_sample_rate": args.over_sample})] * args.repeats
+        elif args.over_sample:
+            runs.append(("colocated", {"rollout.over_sample_rate": args.over_sample}))
         rows = [tiny_grpo_rows(assets, Path(tmp) / f"run{i}", batch=args.batch, n=args.n, response=args.response,
                                steps=args.steps, warmup=args.warmup, nproc=4, **{
                                    "trainer.mode": mode, "actor.tis_imp_ratio_cap": 2.0, **lengths, **extra})
                 for i, (mode, extra) in enumerate(runs)]
+    if args.over_sample_only:  # colocated, over-sampling, colocated, ...: the median of each figure
+        each = [over_sampling_figures(rows[i], rows[i + 1], args.batch * args.n, args.over_sample)
+                for i in range(0, len(rows), 2)]
+        over = {k: statistics.median(e[k] for e in each) for k in each[0]}
+        print_over_sampling(over)
+        print(json.dumps({**over, "repeats": each, "config": vars(args)}))
+        return
+    over = over_sampling_figures(rows[0], rows[-1], args.batch * args.n, args.over_sample) if args.over_sample else None
     colo, off, full = rows[:3]
     base = rows[3] if args.baseline_split else None
     t_colo, t_off = mean(colo, "timing/step"), mean(off, "timing/step")
@@ -140,6 +187,8 @@ def main() -> None:
         "config": vars(args),
     }
     res["fully_async_trainer_s"] = trainer_breakdown(full)
+    if over is not None:
+        res.update(over)
     if base is not None:
         res["steps_per_s_fully_async_baseline_split"] = 1 / mean(base, "timing/step")
         res["fully_async_baseline_split_train_idle_share"] = mean(base, "async/trainer_idle_share")
@@ -178,6 +227,8 @@ def main() -> None:
           f"{res['wall_steps_per_s_one_step_off']:.3f}, fully_async {res['wall_steps_per_s_fully_async']:.3f} steps/s; "
           f"fully_async {res['wall_steps_per_s_fully_async'] / res['wall_steps_per_s_one_step_off']:.2f}x one_step_off, "
           f"{res['wall_steps_per_s_fully_async'] / res['wall_steps_per_s_colocated']:.2f}x colocated")
+    if over is not None:
+        print_over_sampling(over)
     print(json.dumps(res))
 
 

@@ -88,6 +88,7 @@ class AgentLoop:
         self.prompt_infos: list = []  # the replica chunk's prompts: (key, extra_info), row = prompt * n + sample
         self.n = 1
         self.step_rewards: dict[tuple, dict[str, list[float]]] = {}  # (prompt key, sample) -> tool -> rewards
+        self.orphans: list[int] = []  # tickets of calls whose rows were aborted (rlhf.rollout.abort)
 
     def set_prompts(self, keys: list, extra_infos: list, n: int) -> None:
         """The prompts of the sampler's rows (called by the engine before generating): their per-sample
@@ -132,6 +133,14 @@ class AgentLoop:
                 items.append(None)  # a TP peer: the result comes from the group's first rank
         self.waiting[row] = _Waiting(items, response[-1], len(response), names)
         return True
+
+    def abandon(self, rows: list[int]) -> None:
+        """Over-sampling aborted ``rows`` while they waited for tools: forget them; their calls' tickets are
+        kept in ``orphans`` for the agent to collect (a result never taken would stay in the pool)."""
+        for row in rows:
+            w = self.waiting.pop(row, None)
+            if w is not None:
+                self.orphans.extend(t for t in w.items if isinstance(t, int))
 
     def poll(self, wait: bool) -> list[tuple[int, list[int]]]:
         ready = self._ready(wait) if self.runner is not None else None

@@ -60,10 +60,13 @@ class ToolAgent:
         self.runs_tools = tp_group is None or dist.get_rank() == self.tp_src
         self.runner = make_tool_runner(specs, num_workers=cfg.num_workers, timeout_s=cfg.tool_timeout_s,
                                        label=cfg.tool_config_path) if self.runs_tools else None
+        self._last_loop: AgentLoop | None = None
+        self._orphans: list[int] = []  # tickets of aborted rows' calls not yet collected (_collect_orphans)
 
     def turns(self, groups: int = 0, n: int = 1) -> AgentLoop:
         """The turn handler of one generate call; with ``groups``, of a fully_async stream run's ``groups``
         reusable group slots of ``n`` samples (:class:`rlhf.agent.stream_loop.StreamAgentLoop`)."""
+        self._collect_orphans()
         c = self.cfg
         kw = dict(max_assistant_turns=c.max_assistant_turns, max_user_turns=c.max_user_turns,
                   max_parallel_calls=c.max_parallel_calls, tp_group=getattr(self.layout, "tp_group", None),
@@ -72,7 +75,20 @@ class ToolAgent:
             from rlhf.agent.stream_loop import StreamAgentLoop
 
             return StreamAgentLoop(self.tokenizer, self.runner, self.fmt, self.schemas, groups=groups, n=n, **kw)
-        return AgentLoop(self.tokenizer, self.runner, self.fmt, self.schemas, **kw)
+        self._last_loop = AgentLoop(self.tokenizer, self.runner, self.fmt, self.schemas, **kw)
+        return self._last_loop
+
+    def _collect_orphans(self) -> None:
+        """Take (and drop) the finished results of calls whose rows an earlier generate call aborted
+        (over-sampling, ``AgentLoop.abandon``); the unfinished ones are looked at again next call."""
+        if self._last_loop is not None:
+            self._orphans += self._last_loop.orphans
+            self._last_loop.orphans = []
+        if self._orphans and self.runner is not None:
+            done = set(self.runner.wait_any(self._orphans, 0))
+            for t in done:
+                self.runner.take(t)
+            self._orphans = [t for t in self._orphans if t not in done]
 
     def metrics(self, batch, loop: AgentLoop, dp_group=None, prefix: str = "agent/") -> dict[str, float]:
         """Global tool-use metrics of a generated batch (collective over ``dp_group`` and the replicas)."""

@@ -23,6 +23,9 @@ def validate(cfg: Config) -> None:
     need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
     need(cfg.rollout.temperature >= 0, "rollout.temperature", "must be >= 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    need(0 <= cfg.rollout.over_sample_rate < 1, "rollout.over_sample_rate", "must be in [0, 1) (verl: 0 = off)")
+    need(cfg.rollout.over_sample_rate == 0 or cfg.rollout.ep == 1, "rollout.over_sample_rate",
+         "needs rollout.ep = 1 (a replica waiting for the others' count cannot serve their experts)")
     need(cfg.rollout.top_k == -1 or cfg.rollout.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
     need(cfg.rollout.tp >= 1, "rollout.tp", "must be >= 1")
     need(cfg.rollout.ep >= 1, "rollout.ep", f"must be >= 1, got {cfg.rollout.ep}")

@@ -284,7 +284,7 @@ RULES: dict[str, Rule] = {
         "calculate_log_probs", "profiler", "trace", "data_parallel_size",
         "pipeline_model_parallel_size", "agent")},
     _R + "ignore_eos": only((False,), "responses stop at EOS", "ignore_eos=true is not supported"),
-    _R + "over_sample_rate": only((0, 0.0), "no over-sampling", "over-sampling is not supported"),
+    _R + "over_sample_rate": to("rollout.over_sample_rate"),
     _R + "skip_rollout": only((False,), "rollouts are generated", "skip_rollout (replaying dumps) is not supported"),
     _R + "skip_dump_dir": ignored("no rollout dumps"),
     **{_R + "multi_turn." + k: to("rollout.multi_turn." + k) for k in (

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.models.lora import merged_weights_for_rollout
+from rlhf.rollout.abort import EarlyStop
 from rlhf.rollout.exchange import exchange_rows
 from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
 from rlhf.rollout.routes import batch_routes
@@ -65,15 +66,18 @@ _MAX_STATS = ("seconds", "prefill_s", "decode_s", "num_slots", "kv_cache_bytes",
 
 
 def global_rollout_stats(local: dict[str, float], group: Optional[dist.ProcessGroup],
-                         multi_turn: bool = False, speculative: bool = False) -> dict[str, float]:
+                         multi_turn: bool = False, speculative: bool = False,
+                         over_sampling: bool = False) -> dict[str, float]:
     """One replica's sampler stats -> the rollout's: counts summed over the replicas in ``group`` (one rank
     per replica), times and cache sizes their maximum, ``tokens_per_s`` = all tokens / the slowest replica,
     ``slot_utilisation`` the replicas' mean. A replica with no prompts (empty ``local``) contributes zeros;
     the keys are fixed, so every replica takes part in the same two all-reduces."""
-    summed_keys = _SUMMED_STATS + (MULTI_TURN_STATS if multi_turn else ()) + (SPEC_STATS if speculative else ())
+    summed_keys = _SUMMED_STATS + (MULTI_TURN_STATS if multi_turn else ()) + (SPEC_STATS if speculative else ()) \
+        + (("aborted",) if over_sampling else ())
+    max_keys = _MAX_STATS + (("over_sample_saved_s",) if over_sampling else ())
     summed = torch.tensor([float(local.get(k, 0.0)) for k in summed_keys + ("slot_utilisation",)]
                           + [float(bool(local))], dtype=torch.float64)
-    maxed = torch.tensor([float(local.get(k, 0.0)) for k in _MAX_STATS], dtype=torch.float64)
+    maxed = torch.tensor([float(local.get(k, 0.0)) for k in max_keys], dtype=torch.float64)
     if group is not None and dist.get_world_size(group) > 1:
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
         summed, maxed = summed.to(dev), maxed.to(dev)
@@ -81,7 +85,7 @@ def global_rollout_stats(local: dict[str, float], group: Optional[dist.ProcessGr
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
     sums, maxes = summed.tolist(), maxed.tolist()
     out = dict(zip(summed_keys, sums))
-    out.update(zip(_MAX_STATS, maxes))
+    out.update(zip(max_keys, maxes))
     out["slot_utilisation"] = sums[-2] / max(sums[-1], 1.0)  # mean over the replicas that decoded
     out["tokens_per_s"] = out["tokens_generated"] / out["seconds"] if out["seconds"] > 0 else 0.0
     if speculative:
@@ -195,7 +199,8 @@ class RolloutEngine:
                  temperature: float, local_rows: Optional[list[int]] = None,
                  pp_group: Optional[dist.ProcessGroup] = None, top_p: Optional[float] = None,
                  top_k: Optional[int] = None, on_finished: Optional[OnFinished] = None,
-                 turns: Optional[TurnHandler] = None) -> tuple[RolloutBatch, dict[str, float]]:
+                 turns: Optional[TurnHandler] = None, keep_groups: Optional[int] = None,
+                 ) -> tuple[RolloutBatch, dict[str, float]]:
         """Reshard `model` (training layout) -> rollout weights -> sample -> RolloutBatch.
 
         Args:
@@ -213,6 +218,10 @@ class RolloutEngine:
             turns: multi-turn handler of this rank's replica (``rlhf.rollout.turns``); its row
                 numbers are the sampler's rows of the replica's chunk (``prompt * n + sample``).
                 The batch's ``response_mask`` is then 0 on observation tokens.
+            keep_groups: over-sampling (``rollout.over_sample_rate``): the prompt groups the step needs of
+                all ``prompts``; every replica aborts the rest of its chunk once that many have finished
+                over all replicas (``rlhf.rollout.abort``). ``RolloutBatch.aborted`` flags the rows of
+                aborted groups.
         """
         pp_group = pp_group if pp_group is not None else getattr(model, "pp_group", None)
         t0 = time.perf_counter()
@@ -220,7 +229,7 @@ class RolloutEngine:
         reshard_s = time.perf_counter() - t0
         batch, stats = self.sample(weights, hf_config, prompts, step=step, n=n, temperature=temperature,
                                    local_rows=local_rows, top_p=top_p, top_k=top_k, on_finished=on_finished,
-                                   turns=turns, consume_weights=True)
+                                   turns=turns, consume_weights=True, keep_groups=keep_groups)
         del weights  # handed over: the sampler took (and dropped) its tensors while fusing them
         if self.device.type == "cuda" and self._kept is None:
             torch.cuda.empty_cache()  # hand the rollout copy and KV cache back before the update
@@ -232,7 +241,7 @@ class RolloutEngine:
                temperature: float, local_rows: Optional[list[int]] = None, top_p: Optional[float] = None,
                top_k: Optional[int] = None, on_finished: Optional[OnFinished] = None,
                turns: Optional[TurnHandler] = None, consume_weights: bool = False,
-               ) -> tuple[RolloutBatch, dict[str, float]]:
+               keep_groups: Optional[int] = None) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample with rollout ``weights`` already in this rank's rollout layout (the arguments are
         :meth:`generate`'s); the rollout role of trainer.mode one_step_off calls it with received weights.
         ``consume_weights``: the dict is handed over (emptied as the sampler fuses it: lower peak memory)."""
@@ -247,7 +256,8 @@ class RolloutEngine:
                 turns.set_prompts(prompts.keys, prompts.extra_infos, n)
             out = sampler.generate(prompts.prompt_ids, params, step=step, prompt_keys=prompts.keys,
                                    on_finished=_rows_to_samples(on_finished, 0, n), turns=turns,
-                                   multi_modal=prompts.multi_modal or None)
+                                   multi_modal=prompts.multi_modal or None,
+                                   keep_groups=keep_groups)
             mine = prompts
         else:
             start, end = chunk_bounds(len(prompts.prompt_ids), lay.dp)[lay.dp_rank]
@@ -258,14 +268,17 @@ class RolloutEngine:
                 out = sampler.generate(prompts.prompt_ids[start:end], params, step=step,
                                        prompt_keys=prompts.keys[start:end],
                                        on_finished=_rows_to_samples(on_finished, start, n), turns=turns,
-                                       multi_modal=prompts.multi_modal[start:end] if prompts.multi_modal else None)
+                                       multi_modal=prompts.multi_modal[start:end] if prompts.multi_modal else None,
+                                       keep_groups=keep_groups, count_group=lay.dp_group if lay.dp > 1 else None)
+            elif keep_groups is not None and lay.dp > 1:  # nothing of its own: counts with the others
+                EarlyStop(keep_groups, 0, n, lay.dp_group).wait_for_peers()
             else:
                 sampler.ep_drain()  # rollout.ep: nothing of its own, but its experts serve the peers
             stats_local = dict(out.stats) if out is not None else {}
             out = self._exchange(out, len(prompts.prompt_ids), n, local_rows, sampler.route_shape)
             # global over the rollout replicas (one rank each in lay.dp_group), like every logged metric
             out.stats = global_rollout_stats(stats_local, lay.dp_group if lay.dp > 1 else None, turns is not None,
-                                             self.cfg.speculative.enable)
+                                             self.cfg.speculative.enable, keep_groups is not None)
             mine = prompts.subset(local_rows)
         del sampler
         t2 = time.perf_counter()
@@ -349,7 +362,8 @@ class RolloutEngine:
             rollout_log_probs=rollout_lp, truncated=out.truncated.cpu().bool(),
             response_texts=texts, ground_truths=[prompts.ground_truths[i] for i in pick],
             data_sources=[prompts.data_sources[i] for i in pick], extra_infos=[prompts.extra_infos[i] for i in pick],
-            multi_modal=[prompts.multi_modal[i] for i in pick] if prompts.multi_modal else [])
+            multi_modal=[prompts.multi_modal[i] for i in pick] if prompts.multi_modal else [],
+            aborted=None if out.aborted is None else out.aborted.cpu().bool())
         if out.routes is not None:  # [N, P + R, S, k] like input_ids (prompts cut / padded the same way)
             batch.routes = batch_routes(out.routes.cpu(), out.routes.shape[1] - out.response_ids.shape[1], P)
         return batch.to(self.device)

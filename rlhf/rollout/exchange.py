@@ -9,7 +9,7 @@ only, not every replica's (an all-gather of all rows was several GB per GPU at 2
 Rows travel packed in one int32 tensor ``[rows, 2R + 2]`` (was int64 ids and masks, plus fp32
 log-probs): ``R`` token ids, with the response mask folded into the sign (``-(id + 1)`` where the
 mask is 0: observation tokens and padding), the ``R`` fp32 log-probs as their bits, the length,
-and the truncated flag. Packing and unpacking are exact. A MoE sampler's routes (``rlhf.rollout.routes``,
+and the flags (bit 0: truncated, bit 1: aborted by over-sampling). Packing and unpacking are exact. A MoE sampler's routes (``rlhf.rollout.routes``,
 int16 ``[P + R, S, k]`` per row in the batch layout) follow the same rows in a second all-to-all.
 """
 
@@ -35,7 +35,10 @@ def pack_rows(out: Optional[RolloutOutput], width: int, R: int, device: torch.de
     buf[:rows, r:R] = -1  # past the response: mask 0, id 0
     buf[:rows, R:R + r] = out.log_probs[:, :r].float().contiguous().view(torch.int32)
     buf[:rows, 2 * R] = out.response_lengths.to(torch.int32)
-    buf[:rows, 2 * R + 1] = out.truncated.to(torch.int32)
+    flags = out.truncated.to(torch.int32)
+    if out.aborted is not None:
+        flags = flags | (out.aborted.to(torch.int32) << 1)
+    buf[:rows, 2 * R + 1] = flags
     return buf
 
 
@@ -45,8 +48,10 @@ def unpack_rows(buf: Tensor, R: int, n: int) -> RolloutOutput:
     mask = packed >= 0
     ids = torch.where(mask, packed, -packed - 1).long()
     logp = buf[:, R:2 * R].contiguous().view(torch.float32)
+    flags = buf[:, 2 * R + 1]
     return RolloutOutput(response_ids=ids, response_mask=mask, log_probs=logp,
-                         response_lengths=buf[:, 2 * R].long(), truncated=buf[:, 2 * R + 1].bool(),
+                         response_lengths=buf[:, 2 * R].long(), truncated=(flags & 1).bool(),
+                         aborted=(flags & 2).bool(),
                          prompt_index=torch.arange(buf.shape[0] // n, device=buf.device).repeat_interleave(n))
 
 

@@ -51,6 +51,8 @@ class RolloutOutput:
     # [N, W + R, S, k] int16 MoE expert ids of every token the sampler fed (``record_routes``), prompts
     # right-aligned to W columns, -1 where no forward routed the token (rlhf.rollout.routes)
     routes: Tensor | None = None
+    # [N] bool: rows of prompt groups aborted by over-sampling (``generate(keep_groups=...)``); None without
+    aborted: Tensor | None = None
 
 
 def graph_blocker(spec: decoder.DecoderSpec, dtype: torch.dtype, device_type: str,
@@ -358,6 +360,8 @@ class Sampler:
         on_finished: Callable[[list[int], list[list[int]]], None] | None = None,
         turns: TurnHandler | None = None,
         multi_modal: list[dict | None] | None = None,
+        keep_groups: int | None = None,
+        count_group: Any = None,
     ) -> RolloutOutput:
         """Generate ``params.n`` responses per prompt (see ``RolloutOutput`` for the layout).
 
@@ -369,6 +373,9 @@ class Sampler:
         for an observation that is appended to it, and ``max_new_tokens`` bounds the whole trajectory.
         ``multi_modal``: a VLM's per-prompt images (``{"pixel_values", "image_grid_thw"}`` or None for a
         text prompt), as the data path keeps them (``rlhf.data.multimodal``).
+        ``keep_groups``: over-sampling (``rlhf.rollout.abort``): once that many prompts have all ``n``
+        samples finished, the rest is aborted; their rows are flagged in ``RolloutOutput.aborted``. ``count_group``:
+        the rollout replicas' group (one rank each) over which the finished groups are counted.
         """
         params.validate(self.spec.vocab_size)
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -385,7 +392,7 @@ class Sampler:
         elif multi_modal and any(m is not None for m in multi_modal):
             raise ValueError(f"generate: images given but model_type {self.config.model_type!r} is a text LM")
         out = RolloutOutput(**GenerateRun(self, prompts, params, step, prompt_keys, on_finished, turns,
-                                          vis).execute())
+                                          vis, keep_groups, count_group).execute())
         self.ep_drain()
         return out
 

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from rlhf.models import decoder
 from rlhf.rollout import speculative
+from rlhf.rollout.abort import EarlyStop
 from rlhf.rollout.kv_cache import PagedKVCache
 from rlhf.rollout.routes import RouteBook, stack_routes
 from rlhf.rollout.sampling import SamplingParams, position_keys, sample_next, sequence_keys, uniforms
@@ -81,9 +82,11 @@ class GenerateRun(TurnSteps):
 
     def __init__(self, s: Any, prompts: list[list[int]], params: SamplingParams, step: int, keys: list[int],
                  on_finished: Optional[Callable[[list[int], list[list[int]]], None]] = None,
-                 turns: Optional[TurnHandler] = None, vision: Any = None):
-        """``vision``: a VLM call's ``rlhf.rollout.vision.VisionPrompts`` (prefill embeddings, M-RoPE rows,
-        decode rope deltas). ``on_finished(rows, token_ids)``: called as sequences finish (output rows,
+                 turns: Optional[TurnHandler] = None, vision: Any = None,
+                 keep_groups: Optional[int] = None, count_group: Any = None):
+        """``keep_groups``: over-sampling (``rlhf.rollout.abort``) aborts the rest once that many prompt groups
+        finished (over the replicas of ``count_group``). ``vision``: a VLM call's
+        ``rlhf.rollout.vision.VisionPrompts`` (prefill embeddings, M-RoPE rows, decode rope deltas). ``on_finished(rows, token_ids)``: called as sequences finish (output rows,
         their tokens), so their rewards can be computed while the others still decode. ``turns``: the multi-turn handler."""
         self.s, self.params, self.prompts = s, params, prompts
         self.vision = vision
@@ -149,6 +152,8 @@ class GenerateRun(TurnSteps):
                       "observation_tokens": 0, "parked_preemptions": 0,
                       "shared_blocks": 0}
         self.spec = speculative.for_run(self)  # None unless rollout.speculative is on and applies
+        self.early = None if keep_groups is None else \
+            EarlyStop(keep_groups, len(prompts), n, count_group, lockstep=s.tp_group is not None)
 
     # ------------------------------------------------------------------ main loop
 
@@ -157,6 +162,9 @@ class GenerateRun(TurnSteps):
         threshold = max(1, int(self.s.refill_fraction * self.S))
         lot = self.lot
         while True:
+            if self.early is not None and self.early.reached():
+                self.early.stop(self)
+                break
             if lot is not None and lot.parked:
                 self._take_observations(wait=False)
                 if lot.ready and self.live < self.S:
@@ -172,6 +180,8 @@ class GenerateRun(TurnSteps):
                 if lot is not None and lot.parked:  # everything waits for tools
                     self._take_observations(wait=True)
                     continue
+                if self.early is not None:
+                    self.early.wait_for_peers()
                 break  # nothing live and nothing waiting (a lone sequence always fits: checked at allocation)
             self._reserve_next_positions()
             self._decode_step()
@@ -519,6 +529,8 @@ class GenerateRun(TurnSteps):
             return
         self.out_len[rows] = lens
         self.out_stopped[rows] = stopped
+        if self.early is not None:
+            self.early.finished(rows.tolist(), lens.tolist())
         if self.on_finished is not None:
             ids = self.out_ids[rows].tolist()
             self.on_finished(rows.tolist(), [r[:n] for r, n in zip(ids, lens.tolist())])
@@ -585,6 +597,8 @@ class GenerateRun(TurnSteps):
         }
         if self.spec is not None:
             stats.update(self.spec.stats())
+        if self.early is not None:
+            stats.update(self.early.stats())
         if self.lot is not None:
             stats["turns"] = float(st["turns"])
             stats["observation_tokens"] = float(st["observation_tokens"])
@@ -592,4 +606,5 @@ class GenerateRun(TurnSteps):
         return {"response_ids": self.out_ids, "response_mask": mask, "log_probs": self.out_logp,
                 "response_lengths": lengths, "routes": None if self.routes is None else self.routes.table(),
                 "truncated": ~self.out_stopped, "prompt_index": torch.arange(N, device=lengths.device) // self.n,
+                "aborted": None if self.early is None else self.early.row_flags(lengths.device),
                 "stats": stats}

@@ -60,6 +60,7 @@ class RolloutBatch:
     rollout_is_weights: Optional[torch.Tensor] = None   # [N, R] rollout-correction loss weights (algos/rollout_corr.py)
     token_versions: Optional[torch.Tensor] = None       # [N, R] int64 policy version that sampled each token
     routes: Optional[torch.Tensor] = None               # [N, P+R, S, k] int16 MoE expert ids per sparse layer
+    aborted: Optional[torch.Tensor] = None              # [N] bool: group aborted by over-sampling (rollout/abort.py)
     # Python-side per-row data (not tensors).
     response_texts: list = field(default_factory=list)
     ground_truths: list = field(default_factory=list)

@@ -149,6 +149,11 @@ class RolloutConfig:
                                        "always keeps it.")
     gpu_memory_utilization: float = _f(0.5, "On CUDA with kv_cache_tokens and kv_cache_memory 0: the KV cache takes at most this "
                                             "fraction of the device memory free after the rollout weights (verl name).")
+    over_sample_rate: float = _f(0.0, "verl's long-tail cut: each rollout replica aborts its remaining requests once "
+                                      "(1 - over_sample_rate) of the prompt groups it started have finished. Here "
+                                      "enough extra prompts start that the finished groups fill data.train_batch_size, "
+                                      "and aborted prompts go back to the front of the data order (none lost). 0: off. "
+                                      "fully_async: no effect (its stream never waits for a tail).")
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig, metadata={
         "doc": "Tool-using multi-turn rollouts (verl's rollout.multi_turn names)."})
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig, metadata={

@@ -39,7 +39,7 @@ from rlhf.ops.runtime import StepOps
 from rlhf.rewards.pool import RewardPool, make_scorer
 from rlhf.rewards.scoring import FailedStepGuard, mean_of_sums, reward_components
 from rlhf.rewards.streaming import StreamingScores
-from rlhf.rollout.engine import RolloutEngine, decode_responses, rollout_dtype
+from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.rollout.reshard import RolloutLayout
 from rlhf.config.checks import check_startup
 from rlhf.schema.config import Config, ConfigError
@@ -47,6 +47,7 @@ from rlhf.train.evaluation import flat_metrics, generation_rows, rollout_rows, s
 from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch, vlm_processor
 from rlhf.train.async_rl import training_side
 from rlhf.train.async_rl.staleness import skips_old_log_prob_pass, uses_rollout_log_probs as rollout_lp
+from rlhf.train.over_sampling import over_sampling_for, with_row_lists
 from rlhf.train.regroup import regroup_rows
 from rlhf.train.rollout_corr import apply_rollout_correction
 
@@ -83,6 +84,9 @@ class RLTrainer:
         self.train_data = self._load_data(cfg.data.train_files, "data.train_files")
         self.val_data = self._load_data(cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         self.loader, self.total_steps = make_loader(cfg, len(self.train_data))
+        # rollout.over_sample_rate: prompts given back wait in front of the loader (saved with its state)
+        self.loader, self.over = over_sampling_for(cfg, self.loader, self.dp_rank, self.dims.dp, self.dp_group,
+                                                   generates=roles is None)
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.kl_coef,
                                          cfg.algorithm.kl_ctrl.target_kl, cfg.algorithm.kl_ctrl.horizon)
         self._print_setup()
@@ -152,9 +156,12 @@ class RLTrainer:
 
     def generate(self, step: int) -> tuple[RolloutBatch, dict]:
         """Next global prompt batch -> this rank's slice -> reshard + sample."""
-        global_idx = self.loader.next_batch()
-        local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dims.dp,
-                                           self.cfg.actor.ppo_mini_batch_size)
+        if self.over is not None:  # rollout.over_sample_rate: more started than needed (train/over_sampling.py)
+            global_idx, local_rows = self.over.draw()
+        else:
+            global_idx = self.loader.next_batch()
+            local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dims.dp,
+                                               self.cfg.actor.ppo_mini_batch_size)
         global_prompts = prompt_batch(global_idx, self.train_data.examples)
         prompts = global_prompts.subset(local_rows)
         self._last_prompts = prompts
@@ -166,7 +173,12 @@ class RLTrainer:
         batch, stats = self.rollout.generate(self.actor.model, self.actor.hf_config, global_prompts, step=step,
                                              n=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature,
                                              local_rows=local_rows, pp_group=self.actor.pp_group, on_finished=stream,
-                                             turns=turns)
+                                             turns=turns, keep_groups=None if self.over is None else self.over.need)
+        if self.over is not None:  # the first groups done, dealt like fresh prompts; the rest back to the data order
+            batch, used, over_stats = self.over.settle(batch, global_idx, local_rows, self.cfg.rollout.n)
+            batch, self._data_metrics = self.rebalance_groups(batch, self.over.need), data_metrics(self.loader, used)
+            self._last_prompts = prompt_batch(list(dict.fromkeys(batch.index.tolist())), self.train_data.examples)
+            stats.update(over_stats)
         if turns is not None:
             stats.update(self.agent.metrics(batch, turns, self.dp_group))
             if self.agent.executes:  # tool step rewards to the reward function's extra_info (verl)
@@ -177,7 +189,8 @@ class RLTrainer:
         """Scoring during generation needs a worker pool and each row generated once by a rank whose
         peers are all dp ranks (no shared scorer, rollout.tp = 1)."""
         if not self.cfg.reward.score_during_generation or not isinstance(self.scorer, RewardPool) \
-                or self.rollout.layout.tp > 1 or (self.agent is not None and self.agent.executes):
+                or self.rollout.layout.tp > 1 or (self.agent is not None and self.agent.executes) \
+                or self.over is not None:  # over-sampling: the unused rows are never scored
             return None
         return StreamingScores(self.scorer, self.tokenizer, prompts)
 
@@ -222,19 +235,13 @@ class RLTrainer:
                         "dynamic_sampling/kept_groups": n_groups.item()})
         return batch, metrics
 
-    def rebalance_groups(self, batch: RolloutBatch) -> RolloutBatch:
-        """Exactly train_batch_size kept groups, dealt to dp ranks mini-batch-major (like fresh prompts).
-        Rows move with tensor collectives (rlhf/train/regroup.py); the per-row lists are rebuilt here."""
-        out = regroup_rows(batch, keep_groups=self.cfg.data.train_batch_size, dp_rank=self.dp_rank, dp=self.dims.dp,
+    def rebalance_groups(self, batch: RolloutBatch, keep: int = 0) -> RolloutBatch:
+        """Exactly ``keep`` (default train_batch_size) kept groups, dealt to dp ranks mini-batch-major (like fresh
+        prompts). Rows move with tensor collectives (rlhf/train/regroup.py); the per-row lists are rebuilt here."""
+        out = regroup_rows(batch, keep_groups=keep or self.cfg.data.train_batch_size, dp_rank=self.dp_rank,
+                           dp=self.dims.dp,
                            mini_batch_size=self.cfg.actor.ppo_mini_batch_size, group=self.dp_group)
-        examples = [self.train_data.examples[k] for k in out.index.tolist()]  # the group id is the dataset index
-        out.ground_truths = [e.ground_truth for e in examples]
-        out.data_sources = [e.data_source for e in examples]
-        out.extra_infos = [e.extra_info for e in examples]
-        # a VLM's images: from the dataset too (a prompt's pixel_values never travel between ranks)
-        out.multi_modal = [e.multi_modal for e in examples] if any(e.multi_modal is not None for e in examples) else []
-        out.response_texts = decode_responses(self.tokenizer, out.responses, out.attention_mask[:, -out.responses.shape[1]:])
-        return out
+        return with_row_lists(out, self.train_data.examples, self.tokenizer)
 
     def remax_baseline(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """ReMax: reward of the greedy response to each prompt is the baseline of its samples."""

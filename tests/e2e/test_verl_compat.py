@@ -152,6 +152,7 @@ def test_verl_multiturn_example_dry_runs(verl_home):
     ported with per-sample kwargs) dry-runs unchanged."""
     out = _dry_run("verl_gsm8k_multiturn.args", verl_home)
     assert "[verl] actor_rollout_ref.rollout.multi_turn.enable=True -> rollout.multi_turn.enable=True" in out
+    assert "[verl] actor_rollout_ref.rollout.over_sample_rate=0.1 -> rollout.over_sample_rate=0.1" in out  # issue 55
     assert "dry run OK" in out
 
 
@@ -195,9 +196,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def test_verl_multiturn_example_runs_with_per_sample_tool_kwargs(verl_home, tmp_path):
-    """Issue 39 items 5, 9: the multi-turn example runs 2 steps on 2 CPU ranks (trainer.n_gpus_per_node
-    appended: 2); the ported Gsm8kTool gets each prompt's ground truth and its step rewards reach the
-    reward function's extra_info."""
+    """Issue 39 items 5, 9, issue 55: the multi-turn example (its rollout.over_sample_rate=0.1 included) runs
+    2 steps on 2 CPU ranks (trainer.n_gpus_per_node appended: 2); the ported Gsm8kTool gets each prompt's
+    ground truth and its step rewards reach the reward function's extra_info."""
     (tmp_path / "r.py").write_text(STEP_REWARD_FN)
     os.environ["STEP_REWARDS_LOG"] = str(tmp_path / "seen.jsonl")
     try:
@@ -210,5 +211,11 @@ def test_verl_multiturn_example_runs_with_per_sample_tool_kwargs(verl_home, tmp_
     import json
 
     seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
-    # 2 steps x 8 prompts x 2 samples in training (step rewards attached), then the 16 validation prompts
+    # 2 steps x 8 prompts x 2 samples in training (step rewards attached), then the 16 validation prompts:
+    # over_sample_rate=0.1 started 9 prompts a step, and only the 8 used ones were scored
     assert len(seen) == 2 * 8 * 2 + 16 and all(isinstance(s, list) for s in seen[:32])
+    from rlhf.ops.metrics import read_metrics
+
+    rows = [m for m in read_metrics(tmp_path / "out" / "metrics.jsonl") if "timing/step" in m]
+    assert [m["rollout/over_sample_started"] for m in rows] == [9.0, 9.0]
+    assert all(m["rollout/over_sample_returned"] >= 1 and "rollout/aborted" in m for m in rows)

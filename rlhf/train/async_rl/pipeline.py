@@ -111,8 +111,12 @@ class OneStepOff:
         t0 = time.perf_counter()
         msg = recv_object(self.roles.partner, self.device, self.roles.pair_group)
         wait = time.perf_counter() - t0
-        expected = loader.next_batch()  # the loader is mirrored here so that checkpoints hold its position
-        if msg["global_idx"] != expected:
+        if "started" in msg:  # rollout.over_sample_rate: the prompts it started, then the ones it gave back
+            expected, got = loader.take(len(msg["started"])), msg["started"]
+            loader.give_back(msg["returned"])
+        else:  # the loader is mirrored here so that checkpoints hold its position
+            expected, got = loader.next_batch(), msg["global_idx"]
+        if got != expected:
             raise RuntimeError(f"one_step_off: the rollout role generated batch {msg['step']} from other prompts "
                                f"than this rank's data order; both roles must run the same config and data")
         msg["batch"] = msg["batch"].to(self.device)

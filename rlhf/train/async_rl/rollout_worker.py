@@ -30,7 +30,9 @@ from rlhf.train.async_rl.pipeline import Schedule
 from rlhf.train.async_rl.roles import Roles
 from rlhf.train.async_rl.staleness import IdleClock
 from rlhf.train.async_rl.transfer import WeightReceiver, send_object
+from rlhf.train.over_sampling import over_sampling_for, with_row_lists
 from rlhf.train.prompts import load_data, make_loader, prompt_batch
+from rlhf.train.regroup import regroup_rows
 
 
 def rollout_inputs(cfg: Config):
@@ -49,7 +51,10 @@ class RolloutWorker:
         self.cfg, self.roles, self.device = cfg, roles, roles.env.device
         m = cfg.model
         self.tokenizer, self.hf_config, self.data = rollout_inputs(cfg)
-        self.loader, self.total_steps = make_loader(cfg, len(self.data))
+        loader, self.total_steps = make_loader(cfg, len(self.data))
+        self.dp_rank, self.dp = roles.mesh["dp"].get_local_rank(), roles.mesh["dp"].size()
+        # rollout.over_sample_rate: this role draws and settles; the training side mirrors the data order
+        self.loader, self.over = over_sampling_for(cfg, loader, self.dp_rank, self.dp, roles.mesh["dp"].get_group())
         self.start = 0
         if resume is not None:
             state = json.loads((Path(resume) / "trainer_state.json").read_text())
@@ -61,7 +66,6 @@ class RolloutWorker:
                                     layout=roles.layout, record_routes=cfg.actor.router_replay != "R2")
         self.weights = WeightReceiver(roles.partner, self.device,
                                       (m.lora_alpha, m.lora_rank) if m.lora_rank else None, roles.pair_group)
-        self.dp_rank, self.dp = roles.mesh["dp"].get_local_rank(), roles.mesh["dp"].size()
         self.agent = make_agent(cfg.rollout.multi_turn, self.tokenizer, roles.layout)
         self.clock = IdleClock(time.perf_counter())  # waits on the partner, per generate-and-hand-over cycle
 
@@ -74,24 +78,43 @@ class RolloutWorker:
     def generate(self, step: int, weights: dict[str, torch.Tensor]) -> None:
         """B_step with ``weights`` (= theta_{version_of(step)}) -> the partner's rows -> the partner."""
         c = self.cfg
-        global_idx = self.loader.next_batch()
-        local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dp,
-                                           c.actor.ppo_mini_batch_size)
+        if self.over is not None:
+            global_idx, local_rows = self.over.draw()
+        else:
+            global_idx = self.loader.next_batch()
+            local_rows = minibatch_major_shard(list(range(len(global_idx))), self.dp_rank, self.dp,
+                                               c.actor.ppo_mini_batch_size)
         t0 = time.perf_counter()
         share, idle_s = self.clock.lap(t0)  # the cycle that ended: the previous batch generated and handed over
         turns = self.agent.turns() if self.agent is not None else None
         batch, stats = self.engine.sample(weights, self.hf_config, prompt_batch(global_idx, self.data.examples),
                                           step=step, n=c.rollout.n, temperature=c.rollout.temperature,
-                                          local_rows=local_rows, turns=turns)
+                                          local_rows=local_rows, turns=turns,
+                                          keep_groups=None if self.over is None else self.over.need)
         if turns is not None:  # each rank holds its partner's dp rows: sum over the role's dp ranks
             stats.update(self.agent.metrics(batch, turns, self.roles.mesh["dp"].get_group()))
+        order = {}
+        if self.over is not None:  # the used groups, dealt to the partners mini-batch-major; the rest given back
+            batch, global_idx, order = self._settle(batch, global_idx, local_rows, stats)
         stats["async/rollout_generate_s"] = time.perf_counter() - t0
         stats["async/rollout_idle_s"], stats["async/rollout_idle_share"] = idle_s, share
         t1 = time.perf_counter()
-        send_object({"step": step, "version": Schedule.version_of(step), "global_idx": global_idx,
+        send_object({"step": step, "version": Schedule.version_of(step), "global_idx": global_idx, **order,
                      "batch": batch.to(torch.device("cpu")), "stats": stats}, self.roles.partner, self.device,
                     self.roles.pair_group)
         self.clock.wait(time.perf_counter() - t1)
+
+    def _settle(self, batch, started: list[int], local_rows: list[int], stats: dict) -> tuple:
+        """Over-sampling's settle (``rlhf.train.over_sampling``) on the rollout role: ``(this rank's partner's
+        rows, the used prompts, the message's "started" / "returned" for the training side's mirror)``."""
+        c = self.cfg
+        kept, used, more = self.over.settle(batch, started, local_rows, c.rollout.n)
+        stats.update(more)
+        kept = regroup_rows(kept, keep_groups=self.over.need, dp_rank=self.dp_rank, dp=self.dp,
+                            mini_batch_size=c.actor.ppo_mini_batch_size, group=self.roles.mesh["dp"].get_group())
+        returned = [i for i in started if i not in set(used)]
+        return with_row_lists(kept, self.data.examples, self.tokenizer), used, {"started": started,
+                                                                               "returned": returned}
 
     def run(self) -> None:
         with closing_agent(self.agent):
