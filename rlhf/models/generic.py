@@ -110,9 +110,6 @@ def generic_refusal(config: Any) -> str | None:
         return f"model_type {model_type!r} has no causal-LM head in transformers (MODEL_FOR_CAUSAL_LM_MAPPING)"
     if getattr(config, "is_encoder_decoder", False):
         return f"{model_type} is an encoder-decoder model; the sampler runs decoder-only LMs"
-    if not getattr(cls, "_supports_attention_backend", False):
-        return (f"{cls.__name__}'s attention does not go through transformers' AttentionInterface "
-                f"(_supports_attention_backend=False), so the paged cache cannot be plugged in")
     text = getattr(config, "text_config", None) or config
     types = set(getattr(text, "layer_types", None) or ())
     other = sorted(t for t in types if t not in ATTENTION_LAYER_TYPES)
@@ -120,6 +117,9 @@ def generic_refusal(config: Any) -> str | None:
         what = f" ({', '.join(other)} layers)" if other else ""
         return (f"{model_type} is a hybrid whose layers keep convolution / recurrent state{what}; the generic "
                 f"sampler holds only the paged K/V cache per slot")
+    if not getattr(cls, "_supports_attention_backend", False):
+        return (f"{cls.__name__}'s attention does not go through transformers' AttentionInterface "
+                f"(_supports_attention_backend=False), so the paged cache cannot be plugged in")
     if other:
         return (f"{model_type} has {', '.join(other)} layers, whose attention masks the generic path does not "
                 f"build (it builds causal and sliding-window masks)")

@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from rlhf.models import arch
-from rlhf.models.generic import rollout_path
 
 ATTN_IMPLEMENTATION = "rlhf_paged"
 _CTX: contextvars.ContextVar["_Forward | None"] = contextvars.ContextVar("rlhf_paged_forward", default=None)
@@ -110,6 +109,9 @@ def paged_attention_forward(module: Any, query: Tensor, key: Tensor, value: Tens
     h, hkv, dk, dv = query.shape[1], key.shape[1], key.shape[-1], value.shape[-1]
     la = _layer_attn(module, scaling, dk, kwargs)
     if f.mode == "probe":
+        if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+            raise NotImplementedError(f"generic rollout: {type(module).__name__} attends bidirectionally "
+                                      "(is_causal=False; an encoder's LM head needs is_decoder=True)")
         f.shapes.append((h, hkv, dk, dv))
         out = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(h // hkv, 1),
                                                                value.repeat_interleave(h // hkv, 1), is_causal=True)
@@ -172,15 +174,15 @@ class _Active:
 
 
 def build(config: Any, weights: Mapping[str, Tensor], *, device: torch.device, dtype: torch.dtype,
-          consume: bool = False) -> tuple[torch.nn.Module, GenericSpec]:
+          consume: bool = False, reason: str = "") -> tuple[torch.nn.Module, GenericSpec]:
     """The rollout copy: ``config``'s HF causal LM on ``device`` in ``dtype``, filled with ``weights``
-    (HF state-dict names, as ``rlhf.rollout.reshard`` gathers them), and its :class:`GenericSpec`."""
+    (HF state-dict names, as ``rlhf.rollout.reshard`` gathers them), and its :class:`GenericSpec`
+    (``reason``: why the model is not on the fast path)."""
     import copy
 
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    reason = rollout_path(config).reason
     config = copy.deepcopy(config)
     config._attn_implementation = register()
     with no_init_weights(), torch.device(device):

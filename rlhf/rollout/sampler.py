@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhf.models import arch, decoder, moe
-from rlhf.models.generic import GENERIC, rollout_path
+from rlhf.models.generic import GENERIC, RolloutPath, rollout_path
 from rlhf.rollout import cascade_attention as cascade, generic, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
@@ -149,6 +149,8 @@ class Sampler:
         record_routes: a MoE model's sampler records each token's top-k expert ids per sparse layer
             (``RolloutOutput.routes``: rollout routing replay, ``actor.router_replay=R3``); ignored for
             a dense model.
+        generic_path: run the model's own HF modules (``rlhf.rollout.generic``) even where the fast functional
+            decoder has its family (benchmarks and tests that compare the two paths on one model).
     """
 
     def __init__(
@@ -179,6 +181,7 @@ class Sampler:
         speculative: Any = None,
         record_routes: bool = False,
         ep_group: Any = None,
+        generic_path: bool = False,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -199,6 +202,8 @@ class Sampler:
         # both offer prefill / prefill_chunk / decode with one signature, which the scheduler calls
         self.backend: Any = decoder
         self.path = rollout_path(model_config) if self.vlm_config is None else None
+        if generic_path and self.path is not None:
+            self.path = RolloutPath(GENERIC, "generic_path=True")
         if self.path is not None and self.path.path == GENERIC:
             self.backend = generic
             use_cuda_graph, speculative = self._generic_limits(tp_group, ep_group, use_cuda_graph, speculative)
@@ -217,7 +222,7 @@ class Sampler:
         self.dtype = dtype or next(iter(weights.values())).dtype
         if self.backend is generic:  # the HF module is the weights; its spec comes from a probe forward
             self.weights, self.spec = generic.build(model_config, weights, device=self.device, dtype=self.dtype,
-                                                    consume=consume_weights)
+                                                    consume=consume_weights, reason=self.path.reason)
         self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_bytes = kv_cache_bytes
