@@ -88,7 +88,7 @@ def _modeling_source(cls: type) -> str:
         return ""
 
 
-def _fast_refusal(config: Any) -> str | None:
+def _fast_refusal(config: Any, max_seq_len: int | None = None) -> str | None:
     """Why the functional decoder cannot run ``config`` (None: it can)."""
     from rlhf.models.arch import SUPPORTED_MODEL_TYPES, VL_TEXT_FAMILY
     from rlhf.models.decoder import check_supported
@@ -96,7 +96,7 @@ def _fast_refusal(config: Any) -> str | None:
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES + tuple(VL_TEXT_FAMILY):
         return "it is not one of the hand-ported fast families (rlhf.models.arch)"
     try:
-        check_supported(config)
+        check_supported(config, max_seq_len)
     except NotImplementedError as e:
         return str(e).removeprefix("rollout sampler: ")
     return None
@@ -115,8 +115,8 @@ def generic_refusal(config: Any) -> str | None:
     other = sorted(t for t in types if t not in ATTENTION_LAYER_TYPES)
     if _STATE_PATTERN.search(_modeling_source(cls)) or any("linear" in t or "mamba" in t or "conv" in t for t in other):
         what = f" ({', '.join(other)} layers)" if other else ""
-        return (f"{model_type} is a hybrid whose layers keep convolution / recurrent state{what}; the generic "
-                f"sampler holds only the paged K/V cache per slot")
+        return (f"{model_type}'s layers keep convolution / recurrent state{what} (Mamba, linear attention or "
+                f"short convolutions); the generic sampler holds only the paged K/V cache per slot")
     if not getattr(cls, "_supports_attention_backend", False):
         return (f"{cls.__name__}'s attention does not go through transformers' AttentionInterface "
                 f"(_supports_attention_backend=False), so the paged cache cannot be plugged in")
@@ -130,10 +130,10 @@ def generic_refusal(config: Any) -> str | None:
     return None
 
 
-def rollout_path(config: Any) -> RolloutPath:
-    """The path of ``config`` (see the module docstring); raises NotImplementedError with the one-line
-    reason for a refused model."""
-    fast_reason = _fast_refusal(config)
+def rollout_path(config: Any, max_seq_len: int | None = None) -> RolloutPath:
+    """The path of ``config`` (see the module docstring) for sequences up to ``max_seq_len``; raises
+    NotImplementedError with the one-line reason for a refused model."""
+    fast_reason = _fast_refusal(config, max_seq_len)
     if fast_reason is None:
         return RolloutPath(FAST, "")
     refusal = generic_refusal(config)

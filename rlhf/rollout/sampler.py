@@ -201,7 +201,7 @@ class Sampler:
         # the seam: the functional decoder (fast families) or the model's own HF modules (rlhf.rollout.generic);
         # both offer prefill / prefill_chunk / decode with one signature, which the scheduler calls
         self.backend: Any = decoder
-        self.path = rollout_path(model_config) if self.vlm_config is None else None
+        self.path = rollout_path(model_config, max_seq_len) if self.vlm_config is None else None
         if generic_path and self.path is not None:
             self.path = RolloutPath(GENERIC, "generic_path=True")
         if self.path is not None and self.path.path == GENERIC:
