@@ -205,7 +205,7 @@ def family_table(model_types: list[str] | None = None, tested: tuple[str, ...] =
 
 
 # families the tests run end to end on the generic path (tests/unit/test_generic_rollout.py)
-TESTED_GENERIC = ("granite", "exaone4", "seed_oss", "olmo3", "smollm3", "gpt2")
+TESTED_GENERIC = ("granite", "exaone4", "seed_oss", "olmo3", "smollm3", "gemma4_text", "deepseek_v2")
 
 if __name__ == "__main__":
     import warnings

@@ -20,7 +20,8 @@ Layouts of the HF forward:
 
 Which attention layer a call belongs to is the order of the calls within one forward (K/V caches are
 numbered 0..L-1 by it). The cache's head count and width come from a one-token probe forward at build
-time: a model whose K and V widths differ (MLA) keeps both zero-padded to the wider one. The context
+time: where K and V widths differ (MLA) or layers differ in head width (Gemma 4's global layers), every
+K / V is zero-padded to the widest (exact: zeros add nothing to q.k, and padded output columns are cut). The context
 of the forward in flight is a ``ContextVar``, so nothing depends on a model passing kwargs through.
 
 Not here: CUDA graphs, tensor- / expert-parallel rollout, speculative verification, VLM prompts and
@@ -75,8 +76,7 @@ class GenericSpec:
     num_layers: int  # attention layers (K/V caches)
     num_heads: int
     num_kv_heads: int
-    head_dim: int  # cache width: max(K width, V width)
-    v_dim: int
+    head_dim: int  # cache width: the widest K or V of any layer (narrower ones are zero-padded)
     vocab_size: int
     reason: str  # why not the fast path (the start-up line)
     arch: Any = None  # no ArchSpec: no MoE routes, no fused weights
@@ -222,17 +222,18 @@ def _probe(model: torch.nn.Module, config: Any, reason: str) -> GenericSpec:
               position_ids=torch.zeros((1, 1), dtype=torch.int64, device=dev), use_cache=False)
     if not f.shapes:
         raise NotImplementedError(f"generic rollout: {config.model_type} called no attention function")
-    if len(set(f.shapes)) > 1:
-        raise NotImplementedError(f"generic rollout: {config.model_type}'s attention layers differ in heads / widths "
-                                  f"{sorted(set(f.shapes))}; the paged cache has one shape for all layers")
+    heads = {(h, hkv) for h, hkv, _, _ in f.shapes}
+    if len(heads) > 1:
+        raise NotImplementedError(f"generic rollout: {config.model_type}'s attention layers differ in (query, kv) "
+                                  f"heads {sorted(heads)}; the paged cache has one head count for all layers")
     layers = getattr(config, "num_hidden_layers", None) or getattr(getattr(config, "text_config", None),
                                                                    "num_hidden_layers", None)
     if layers is not None and len(f.shapes) != layers:
         raise NotImplementedError(f"generic rollout: {len(f.shapes)} of {config.model_type}'s {layers} layers call "
                                   f"attention; the others would need per-slot state the generic sampler does not hold")
-    h, hkv, dk, dv = f.shapes[0]
+    (h, hkv), = heads
     return GenericSpec(model_type=config.model_type, num_layers=len(f.shapes), num_heads=h, num_kv_heads=hkv,
-                       head_dim=max(dk, dv), v_dim=dv, vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+                       head_dim=max(max(dk, dv) for _, _, dk, dv in f.shapes), vocab_size=int(model.get_output_embeddings().weight.shape[0]),
                        reason=reason)
 
 
