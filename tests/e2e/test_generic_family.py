@@ -29,14 +29,21 @@ def write_family(out, kind: str):
     return out
 
 
+# granite trains with tp=2 from its base_model_tp_plan (rlhf.models.generic_tp); the others with dp=2
+TP = {"granite": 2}
+
+
 @pytest.mark.parametrize("kind", list(EXTRA))
 def test_grpo_step_two_ranks_generic_path(tiny_assets, tmp_path, parity_reward, kind):
     model = write_family(tmp_path / "m", kind)
     args = grpo_args(tiny_assets, tmp_path / "o", **{"model.path": model, "trainer.total_training_steps": 1,
+                                                       "parallel.tp": TP.get(kind, 1),
                                                        "reward.reward_fn": parity_reward,
                                                        "trainer.test_freq": -1, "trainer.val_before_train": False})
     r = run_script("train_grpo.py", args, nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
+    tp = TP.get(kind, 1)
+    assert f"layout dp={2 // tp} tp={tp} " in r.stdout
     lines = [ln for ln in r.stdout.splitlines() if "runs on the generic path" in ln]
     assert len(lines) == 1 and kind in lines[0]  # rank 0 says it once
     step = train_steps(tmp_path / "o" / "metrics.jsonl")[1]
