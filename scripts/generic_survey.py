@@ -3,10 +3,11 @@
 For each ``model_type`` that ``rlhf.models.generic.classify`` puts on the generic path, its default config
 is shrunk (hidden 64, 2 layers, 4 heads, 2 kv heads, vocab 64, through the config's ``attribute_map``),
 built with random fp32 weights, and the sampler's greedy tokens and log-probs (generic path) are compared
-with HF ``generate`` / forward on three prompts. One subprocess per family (``--timeout`` each). Prints one
+with HF ``generate`` / forward on three prompts (in one process; ``--isolate``: one subprocess per family,
+``--timeout`` each). Prints one
 line per family (``equal``, ``differs`` or ``error: ...``) and, last, a JSON object {model_type: result}.
 
-Usage: ``python scripts/generic_survey.py [--only granite,gpt2] [--timeout 120]``.
+Usage: ``python scripts/generic_survey.py [--only granite,gpt2] [--isolate --timeout 120]``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def one(model_type: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="")
-    ap.add_argument("--timeout", type=int, default=120)
+    ap.add_argument("--timeout", type=int, default=120, help="per family, with --isolate")
+    ap.add_argument("--isolate", action="store_true", help="one subprocess per family")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -75,16 +77,21 @@ def main() -> None:
 
     types = a.only.split(",") if a.only else [t for t in sorted(_causal_lm_names()) if classify(t)[0] == GENERIC]
     results = {}
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     for t in types:
-        try:
-            r = subprocess.run([sys.executable, __file__, "--one", t], capture_output=True, text=True,
-                               timeout=a.timeout, env=env)
-            line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-            results[t] = line[-1][7:] if line else f"error: exit {r.returncode}: " + (r.stderr.strip().splitlines()
-                                                                                     or [""])[-1][:160]
-        except subprocess.TimeoutExpired:
-            results[t] = f"error: over {a.timeout} s"
+        if a.isolate:  # one subprocess per family: a hang or crash costs only that family
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            try:
+                r = subprocess.run([sys.executable, __file__, "--one", t], capture_output=True, text=True,
+                                   timeout=a.timeout, env=env)
+                line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+                results[t] = line[-1][7:] if line else f"error: exit {r.returncode}"
+            except subprocess.TimeoutExpired:
+                results[t] = f"error: over {a.timeout} s"
+        else:
+            try:
+                results[t] = one(t)
+            except Exception as e:  # noqa: BLE001 - a survey reports every family's failure and goes on
+                results[t] = "error: " + f"{type(e).__name__}: {e}".splitlines()[0][:160]
         print(f"{t}: {results[t]}", flush=True)
     print(json.dumps(results))
 

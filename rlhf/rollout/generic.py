@@ -229,8 +229,9 @@ def _probe(model: torch.nn.Module, config: Any, reason: str) -> GenericSpec:
     layers = getattr(config, "num_hidden_layers", None) or getattr(getattr(config, "text_config", None),
                                                                    "num_hidden_layers", None)
     if layers is not None and len(f.shapes) != layers:
-        raise NotImplementedError(f"generic rollout: {len(f.shapes)} of {config.model_type}'s {layers} layers call "
-                                  f"attention; the others would need per-slot state the generic sampler does not hold")
+        raise NotImplementedError(f"generic rollout: {config.model_type}'s {layers} layers made {len(f.shapes)} attention "
+                                  f"calls, not one each (layers without attention would need per-slot state, and "
+                                  f"two calls per layer two caches)")
     (h, hkv), = heads
     return GenericSpec(model_type=config.model_type, num_layers=len(f.shapes), num_heads=h, num_kv_heads=hkv,
                        head_dim=max(max(dk, dv) for _, _, dk, dv in f.shapes), vocab_size=int(model.get_output_embeddings().weight.shape[0]),
