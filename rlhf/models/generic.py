@@ -115,9 +115,9 @@ def generic_refusal(config: Any) -> str | None:
     types = set(getattr(text, "layer_types", None) or ())
     other = sorted(t for t in types if t not in ATTENTION_LAYER_TYPES)
     if _STATE_PATTERN.search(_modeling_source(cls)) or any("linear" in t or "mamba" in t or "conv" in t for t in other):
-        what = f" ({', '.join(other)} layers)" if other else ""
-        return (f"{model_type}'s layers keep convolution / recurrent state{what} (Mamba, linear attention or "
-                f"short convolutions); the generic sampler holds only the paged K/V cache per slot")
+        what = f"{', '.join(other)} layers" if other else "Mamba, linear attention or short convolutions"
+        return (f"{model_type}'s layers keep convolution / recurrent state ({what}); the generic sampler holds only "
+                f"the paged K/V cache per slot")
     if not getattr(cls, "_supports_attention_backend", False):
         return (f"{cls.__name__}'s attention does not go through transformers' AttentionInterface "
                 f"(_supports_attention_backend=False), so the paged cache cannot be plugged in")
