@@ -91,7 +91,8 @@ def _pad(x: Tensor, d: int) -> Tensor:
     return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
 
 
-def _layer_attn(module: Any, scaling: float | None, d: int, kw: dict) -> arch.LayerAttn:
+def _layer_attn(scaling: float | None, d: int, kw: dict) -> arch.LayerAttn:
+    """The calling layer's attention settings, as transformers passes them to an attention function."""
     scale = scaling if scaling is not None else d ** -0.5
     return arch.LayerAttn(scale=float(scale), softcap=kw.get("softcap"), window=kw.get("sliding_window"), rope=0,
                           sinks=kw.get("s_aux"))
@@ -107,7 +108,7 @@ def paged_attention_forward(module: Any, query: Tensor, key: Tensor, value: Tens
         raise RuntimeError("rlhf_paged attention called outside a generic-path forward (rlhf.rollout.generic)")
     layer, f.layer = f.layer, f.layer + 1
     h, hkv, dk, dv = query.shape[1], key.shape[1], key.shape[-1], value.shape[-1]
-    la = _layer_attn(module, scaling, dk, kwargs)
+    la = _layer_attn(scaling, dk, kwargs)
     if f.mode == "probe":
         if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
             raise NotImplementedError(f"generic rollout: {type(module).__name__} attends bidirectionally "
@@ -229,13 +230,14 @@ def _probe(model: torch.nn.Module, config: Any, reason: str) -> GenericSpec:
     layers = getattr(config, "num_hidden_layers", None) or getattr(getattr(config, "text_config", None),
                                                                    "num_hidden_layers", None)
     if layers is not None and len(f.shapes) != layers:
-        raise NotImplementedError(f"generic rollout: {config.model_type}'s {layers} layers made {len(f.shapes)} attention "
-                                  f"calls, not one each (layers without attention would need per-slot state, and "
-                                  f"two calls per layer two caches)")
+        raise NotImplementedError(f"generic rollout: {config.model_type}'s {layers} layers made {len(f.shapes)} "
+                                  f"attention calls, not one each (layers without attention would need per-slot "
+                                  f"state, and two calls per layer two caches)")
     (h, hkv), = heads
+    width = max(max(dk, dv) for _, _, dk, dv in f.shapes)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
     return GenericSpec(model_type=config.model_type, num_layers=len(f.shapes), num_heads=h, num_kv_heads=hkv,
-                       head_dim=max(max(dk, dv) for _, _, dk, dv in f.shapes), vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-                       reason=reason)
+                       head_dim=width, vocab_size=vocab, reason=reason)
 
 
 # --------------------------------------------------------------------------- forwards (decoder's signatures)

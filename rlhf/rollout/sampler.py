@@ -443,16 +443,16 @@ class Sampler:
         routes = [] if self.route_shape is not None else None
         if not self.static_shapes:
             with self.lean():
-                out = self.backend.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
-                                     window, self.cos, self.sin, self.tp_group, None if rope is None else rope[:live],
-                                     routes)
+                out = self.backend.decode(self.spec, self.weights, self.cache, self.token_buf[:live],
+                                          self.pos_buf[:live], window, self.cos, self.sin, self.tp_group,
+                                          None if rope is None else rope[:live], routes)
             self._keep_routes(routes, live)
             return out
         window = min(self.max_seq_len, max(64, 1 << (window - 1).bit_length()))
         if not self.use_cuda_graph:
             with self.lean():
                 out = self.backend.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
-                                     window, self.cos, self.sin, self.tp_group, rope, routes)[:live]
+                                          window, self.cos, self.sin, self.tp_group, rope, routes)[:live]
             self._keep_routes(routes, live)
             return out
         key = graph_key(self.decode_attention, window, self.cache.contiguous)

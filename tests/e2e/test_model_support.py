@@ -15,5 +15,5 @@ def test_unsupported_architecture_one_line(tiny_assets, tmp_path, dry_run):
     transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1).save_pretrained(tmp_path / "m")
     args = grpo_args(tiny_assets, tmp_path / "o", **{"model.path": tmp_path / "m"})
     line = _error_line(run_script("train_grpo.py", (["--dry-run"] if dry_run else []) + args))
-    assert line == ("error: model.path: rollout sampler: mamba's layers keep convolution / recurrent state (linear_attention "
-                    "layers); the generic sampler holds only the paged K/V cache per slot")
+    assert line == ("error: model.path: rollout sampler: mamba's layers keep convolution / recurrent state "
+                    "(linear_attention layers); the generic sampler holds only the paged K/V cache per slot")

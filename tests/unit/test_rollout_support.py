@@ -49,6 +49,7 @@ def test_generic_path_refuses_rollout_tp(tmp_path):
 
 
 def test_supported_models_pass(tmp_path):
-    assert check_rollout_support(_dir(tmp_path / "q", transformers.Qwen2Config(**SMALL)), max_seq_len=4096).path == "fast"
+    where = check_rollout_support(_dir(tmp_path / "q", transformers.Qwen2Config(**SMALL)), max_seq_len=4096)
+    assert where.path == "fast"
     # sliding windows shorter than the sequence are supported (rlhf.models.arch)
     check_rollout_support(_dir(tmp_path / "m", transformers.MistralConfig(**SMALL, sliding_window=16)), max_seq_len=64)
