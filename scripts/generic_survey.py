@@ -34,9 +34,17 @@ def one(model_type: str) -> str:
     from rlhf.rollout.sampling import SamplingParams
 
     base = transformers.AutoConfig.for_model(model_type)
+    towers = [k for k in ("vision_config", "audio_config", "vq_config", "vision_tower_config", "depth_decoder_config")
+              if getattr(base, k, None) is not None]
+    if towers:  # default-size vision / audio towers take GBs on CPU: the survey runs text LMs only
+        return f"skipped: multimodal ({', '.join(towers)})"
     kw = {k: v for k, v in SMALL.items() if hasattr(base, k) or k in getattr(base, "attribute_map", {})}
     config = transformers.AutoConfig.for_model(model_type, **kw)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager"  # the reference every family has
+    with torch.device("meta"):  # a config the shrinking missed (a nested text_config) would take GBs
+        size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    if size > 20_000_000:
+        return f"skipped: its config did not shrink ({size / 1e6:.0f}M parameters)"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rlhf.models.family_checks import DIFFERS, EQUAL, UNCHECKED
+from rlhf.models.family_checks import EQUAL, REFUSED, UNCHECKED
 
 FAST, GENERIC = "fast", "generic"
 # attention layer types whose mask the generic path builds itself (causal, with the layer's window)
@@ -130,8 +130,8 @@ def generic_refusal(config: Any) -> str | None:
         return f"{model_type} uses chunked attention (attention_chunk_size), whose mask the generic path does not build"
     if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
         return f"{model_type} is configured with bidirectional attention: not a causal LM"
-    if model_type in DIFFERS:
-        return f"on a tiny config the generic path differed from HF: {DIFFERS[model_type]} (scripts/generic_survey.py)"
+    if model_type in REFUSED:
+        return f"{model_type}: {REFUSED[model_type]} (scripts/generic_survey.py)"
     return None
 
 

@@ -23,6 +23,8 @@ SAMPLE = [
     ("mamba", "refused", "convolution / recurrent state"),
     ("deepseek_v32", "refused", "indexed_attention layers"), ("llama4_text", "refused", "chunked_attention"),
     ("bart", "refused", "encoder-decoder"), ("bloom", "refused", "AttentionInterface"),
+    # refused from the survey's findings (rlhf.models.family_checks): positions counted from padding_idx + 1
+    ("roberta", "refused", "differed from HF on a tiny config"),
 ]
 
 
