@@ -61,7 +61,6 @@ class _Forward:
     masks: Any = None
     # chunk
     slots: Tensor | None = None
-    positions: Tensor | None = None
     window: int = 0
     # decode
     plan: Any = None
@@ -80,8 +79,7 @@ class GenericSpec:
     vocab_size: int
     reason: str  # why not the fast path (the start-up line)
     arch: Any = None  # no ArchSpec: no MoE routes, no fused weights
-    ep: Any = None
-    generic: bool = True
+    ep: Any = None  # no expert-parallel rollout
 
     def check_seq_len(self, max_seq_len: int) -> None:
         pass
