@@ -109,3 +109,19 @@ def test_load_weights_in_place_matches_a_fresh_sampler():
     fresh = sampler(config, other).generate(PROMPTS, params)
     assert torch.equal(after.response_ids, fresh.response_ids) and not torch.equal(after.response_ids,
                                                                                      before.response_ids)
+
+
+def test_multi_turn_generic_equals_fast():
+    """Tool turns: an observation is prefilled onto a parked sequence's cached K/V (chunk mode) and decoding
+    resumes; the generic path gives the fast path's trajectories, masks and log-probs."""
+    from tests.unit.test_sampler import _model
+    from tests.unit.test_sampler_turns import PARAMS, PROMPTS as TURN_PROMPTS, FakeTool
+
+    m = _model()
+    fast = Sampler(m.config, m.state_dict(), pad_token_id=0).generate(TURN_PROMPTS, PARAMS, turns=FakeTool())
+    gen = Sampler(m.config, m.state_dict(), pad_token_id=0, generic_path=True).generate(TURN_PROMPTS, PARAMS,
+                                                                                         turns=FakeTool())
+    assert gen.stats["turns"] >= 4
+    for f in ("response_ids", "response_mask", "response_lengths", "truncated"):
+        assert torch.equal(getattr(gen, f), getattr(fast, f)), f
+    torch.testing.assert_close(gen.log_probs, fast.log_probs, atol=1e-5, rtol=0)
