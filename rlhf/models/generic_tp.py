@@ -66,7 +66,8 @@ def apply_hf_tp(model: nn.Module, tp_mesh: DeviceMesh, blocks: list[nn.Module]) 
     raises ValueError (one line) when it has none that applies."""
     plan, why = layer_plan(model)
     if plan is None:
-        raise ValueError(f"tensor parallel: {why}; set parallel.tp=1 for this model")
+        raise ValueError(f"tensor parallel: {type(model).__name__}: {why} (and it is not one of the fast families' "
+                         f"hand-written plans); set parallel.tp=1 for this model")
     tp = tp_mesh.size()
     for block in blocks:
         present = {k: v for k, v in plan.items() if _has(block, k)}  # a family's dense / MoE blocks differ
