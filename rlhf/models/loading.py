@@ -11,7 +11,6 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTr
 
 from rlhf.models.checkpoint_reader import (CheckpointIndex, checkpoint_dtype, checkpoint_sources,
                                              deferred_whole_loads, parameters_on_meta)
-from rlhf.models.decoder import check_supported
 from rlhf.models.mrope import is_vlm_config
 from rlhf.schema.config import ConfigError
 
@@ -183,19 +182,29 @@ def language_config(config):
 
 
 def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_len: int | None = None,
-                          key: str = "model.path", *, rollout_tp: int = 1) -> None:
+                          key: str = "model.path", *, rollout_tp: int = 1, announce: bool = False):
     """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
-    traceback from the sampler after the model has loaded)."""
+    traceback from the sampler after the model has loaded). Returns the model's
+    ``rlhf.models.generic.RolloutPath`` (fast functional decoder or generic HF modules); ``announce``:
+    print its one start-up line."""
+    from rlhf.models.generic import GENERIC, GENERIC_SLOWDOWN, rollout_path
+
     config = model_config(path, trust_remote_code, key)
     try:
-        check_supported(config, max_seq_len)
+        where = rollout_path(config, max_seq_len)
     except NotImplementedError as e:
         raise ConfigError(f"{key}: {e}") from None
+    if where.path == GENERIC and rollout_tp > 1:
+        raise ConfigError(f"rollout.tp: {rollout_tp} > 1 is not supported on the generic rollout path "
+                          f"({config.model_type}: {where.reason}); set rollout.tp=1")
+    if announce:
+        print(f"[rlhf] {where.startup_line(config.model_type, GENERIC_SLOWDOWN)}", flush=True)
     limit = getattr(language_config(config), "max_position_embeddings", None)
     if max_seq_len is not None and isinstance(limit, int) and max_seq_len > limit:
         raise ConfigError(f"data.max_response_length: prompt + response = {max_seq_len} tokens exceeds the "
                           f"model's max_position_embeddings ({limit}, {key}); lower data.max_prompt_length + "
                           f"data.max_response_length")
+    return where
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -212,6 +221,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if nxt is None or nxt is m:
             break
         m, seen = nxt, seen + 1
+    from rlhf.models.generic import decoder_blocks  # any other HF layout (GPT-2's transformer.h, ...)
+
+    blocks = decoder_blocks(model)
+    if blocks:
+        return blocks
     raise ConfigError(f"cannot find decoder layers in {type(model).__name__} (expected .model.layers)")
 
 

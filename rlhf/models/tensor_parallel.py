@@ -324,6 +324,12 @@ def apply_tp(
         ValueError: unsupported architecture or a size tp does not divide.
     """
     tp = tp_mesh.size()
+    if tp > 1 and not tp_plan_supported(model) and not sequence_parallel:  # other families: their HF plan
+        from rlhf.models.generic_tp import apply_hf_tp
+        from rlhf.models.loading import decoder_layers
+
+        apply_hf_tp(model, tp_mesh, decoder_layers(model))
+        return
     validate_tp(model, tp)
     _, inner, model_type = _language_model(model)
     if sequence_parallel and model_type not in _SEQUENCE_PARALLEL_TYPES:

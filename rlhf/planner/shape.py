@@ -22,6 +22,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1024 ** 3
 
 
+def _causal_lm_classes() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
 def _shared_expert_size(d: dict) -> int:
     """The shared expert's width: Qwen2-MoE's own field, or DeepSeek's ``n_shared_experts`` experts."""
     return int(d.get("shared_expert_intermediate_size") or 0) or \
@@ -77,7 +83,9 @@ class ModelShape:
         d = vl_language_config_dict(d)  # a Qwen-VL: its language model (the vision tower is not counted)
         archs = d.get("architectures") or []
         arch = archs[0] if archs else f"model_type {d.get('model_type')!r}"
-        if arch not in SUPPORTED_ARCHITECTURES:
+        # a causal LM of the generic rollout path (rlhf.models.generic) is planned as the Llama-shaped decoder
+        # of its sizes: approximate where its blocks differ (extra norms, experts, MLA)
+        if arch not in SUPPORTED_ARCHITECTURES and arch not in _causal_lm_classes():
             raise ConfigError(f"{source}: the memory planner does not know architecture {arch}; "
                               f"known: {', '.join(SUPPORTED_ARCHITECTURES)}")
         try:

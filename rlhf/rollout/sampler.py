@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhf.models import arch, attention_backend, decoder, moe
-from rlhf.rollout import cascade_attention as cascade, paged_attention
+from rlhf.models.generic import GENERIC, RolloutPath, rollout_path
+from rlhf.rollout import cascade_attention as cascade, generic, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
 from rlhf.rollout.scheduler import GenerateRun
@@ -150,6 +151,8 @@ class Sampler:
         record_routes: a MoE model's sampler records each token's top-k expert ids per sparse layer
             (``RolloutOutput.routes``: rollout routing replay, ``actor.router_replay=R3``); ignored for
             a dense model.
+        generic_path: run the model's own HF modules (``rlhf.rollout.generic``) even where the fast functional
+            decoder has its family (benchmarks and tests that compare the two paths on one model).
     """
 
     def __init__(
@@ -180,6 +183,7 @@ class Sampler:
         speculative: Any = None,
         record_routes: bool = False,
         ep_group: Any = None,
+        generic_path: bool = False,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -196,7 +200,19 @@ class Sampler:
             ids = [getattr(self.vlm_config, k, None) for k in ("image_token_id", "video_token_id")]
             self.banned_ids = torch.tensor([i for i in ids if i is not None], dtype=torch.int64, device=self.device)
         self.config = model_config
-        self.spec = decoder.DecoderSpec.from_config(model_config)
+        # the seam: the functional decoder (fast families) or the model's own HF modules (rlhf.rollout.generic);
+        # both offer prefill / prefill_chunk / decode with one signature, which the scheduler calls
+        self.backend: Any = decoder
+        self.path = rollout_path(model_config, max_seq_len) if self.vlm_config is None else None
+        if generic_path and self.path is not None:
+            self.path = RolloutPath(GENERIC, "generic_path=True")
+        if self.path is not None and self.path.path == GENERIC:
+            self.backend = generic
+            use_cuda_graph, speculative = self._generic_limits(tp_group, ep_group, use_cuda_graph, speculative)
+            tp_group = ep_group = None
+            self.spec: Any = None
+        else:
+            self.spec = decoder.DecoderSpec.from_config(model_config)
         tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         if tp_size > 1:  # weights hold this rank's heads / MLP columns (rlhf.rollout.reshard layout)
             self.spec = self.spec.shard(tp_size)
@@ -206,12 +222,18 @@ class Sampler:
             use_cuda_graph = self._expert_parallel(ep_group, tp_size, use_cuda_graph)
         self.pad_token_id = int(pad_token_id)
         self.dtype = dtype or next(iter(weights.values())).dtype
+        if self.backend is generic:  # the HF module is the weights; its spec comes from a probe forward
+            self.weights, self.spec = generic.build(model_config, weights, device=self.device, dtype=self.dtype,
+                                                    consume=consume_weights, reason=self.path.reason)
         self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
         self.kv_cache_bytes = kv_cache_bytes
+        # a generic-path model has no ArchSpec: its config says whether any layer soft-caps
+        softcap = (any(p.softcap is not None for p in self.spec.arch.layers) if self.spec.arch is not None
+                   else getattr(model_config, "attn_logit_softcapping", None) is not None)
         self.decode_attention = decode_attention or paged_attention.decode_attention(
-            self.device, self.dtype, softcap=any(p.softcap is not None for p in self.spec.arch.layers))
-        if use_cuda_graph:
+            self.device, self.dtype, softcap=softcap)
+        if use_cuda_graph and self.backend is decoder:
             blocker = graph_blocker(self.spec, self.dtype, "cuda", torch.cuda.get_device_capability(self.device))
             if blocker is not None:
                 warnings.warn(blocker, stacklevel=2)
@@ -240,13 +262,15 @@ class Sampler:
         self.inference_mode = True
         self.speculative = speculative  # rollout.speculative (rlhf.rollout.speculative); None = off
         self.tp_group = tp_group
-        m = self.spec.arch.moe
+        m = self.spec.arch.moe if self.backend is decoder else None
         # (sparse layers, top-k) of the recorded routes; step_routes: the last decode step's [live, S, k]
         self.route_shape = (sum(m.sparse), m.top_k) if record_routes and m is not None else None
         self.step_routes: Tensor | None = None
-        self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
-        self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype,
-                                               consume=consume_weights, copy=self.reload_in_place)
+        self._inv_freq = self._rope_scale = None  # generic: the HF module rotates q / k itself
+        if self.backend is decoder:
+            self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
+            self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype,
+                                                   consume=consume_weights, copy=self.reload_in_place)
         self.cache: PagedKVCache | None = None
         self.max_seq_len = 0
         # graph_key (the kernel's real inputs: the gather kernel's window and cache mode, none of
@@ -272,6 +296,20 @@ class Sampler:
         self.spec = dataclasses.replace(self.spec, ep=RolloutEP(ep_group, m.num_experts, sum(m.sparse), self.device))
         return False
 
+    @staticmethod
+    def _generic_limits(tp_group: Any, ep_group: Any, use_cuda_graph: bool, speculative: Any) -> tuple[bool, Any]:
+        """What the generic path does not do: tp / ep rollouts refused, CUDA graphs and speculation off."""
+        for name, group in (("rollout.tp", tp_group), ("rollout.ep", ep_group)):
+            if group is not None and dist.get_world_size(group) > 1:
+                raise NotImplementedError(f"{name} > 1 is not supported on the generic rollout path "
+                                          f"(rlhf.rollout.generic); set {name}=1 for this model")
+        if use_cuda_graph:
+            warnings.warn("the generic rollout path decodes eagerly (no CUDA graphs)", stacklevel=3)
+        if speculative is not None and getattr(speculative, "enable", False):
+            warnings.warn("rollout.speculative is off on the generic rollout path", stacklevel=3)
+            speculative = None
+        return False, speculative
+
     def ep_drain(self) -> None:
         """rollout.ep: serve the ep peers' rows until every peer has finished generating (a no-op otherwise)."""
         if self.spec.ep is not None:
@@ -290,6 +328,9 @@ class Sampler:
         kw = dict(device=self.device, dtype=self.dtype, consume=consume)
         if self.vlm_config is not None:
             weights = self._split_vlm(weights, self.dtype, consume)
+        if self.backend is generic:  # copied into the HF module's tensors in place
+            generic.load(self.weights, weights, consume=consume)
+            return
         if self.reload_in_place:
             decoder.prepare_weights(self.spec, weights, into=self.weights, **kw)
             return
@@ -328,7 +369,10 @@ class Sampler:
                                   max_seq_len, self.spec.head_dim, block_size=bs, dtype=self.dtype, device=self.device,
                                   attention=self.decode_attention)
         self.max_seq_len = max_seq_len
-        self.cos, self.sin = decoder.rope_tables(self._inv_freq, self._rope_scale, max_seq_len, self.dtype, self.device)
+        self.cos = self.sin = None
+        if self._inv_freq is not None:
+            self.cos, self.sin = decoder.rope_tables(self._inv_freq, self._rope_scale, max_seq_len, self.dtype,
+                                                     self.device)
         # decode inputs live at fixed addresses (CUDA graphs read them in place)
         self.token_buf = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
         self.pos_buf = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
@@ -411,16 +455,16 @@ class Sampler:
         routes = [] if self.route_shape is not None else None
         if not self.static_shapes:
             with self.lean():
-                out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
-                                     window, self.cos, self.sin, self.tp_group, None if rope is None else rope[:live],
-                                     routes)
+                out = self.backend.decode(self.spec, self.weights, self.cache, self.token_buf[:live],
+                                          self.pos_buf[:live], window, self.cos, self.sin, self.tp_group,
+                                          None if rope is None else rope[:live], routes)
             self._keep_routes(routes, live)
             return out
         window = min(self.max_seq_len, max(64, 1 << (window - 1).bit_length()))
         if not self.use_cuda_graph:
             with self.lean():
-                out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
-                                     window, self.cos, self.sin, self.tp_group, rope, routes)[:live]
+                out = self.backend.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
+                                          window, self.cos, self.sin, self.tp_group, rope, routes)[:live]
             self._keep_routes(routes, live)
             return out
         key = graph_key(self.decode_attention, window, self.cache.contiguous)

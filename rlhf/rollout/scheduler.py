@@ -356,13 +356,13 @@ class GenerateRun(TurnSteps):
         if mm is not None:  # the prompts' own rope rows (M-RoPE) and embeddings (image features placed)
             cos, sin = torch.cat([u.cos for u in mm])[None], torch.cat([u.sin for u in mm])[None]
             deep = None if mm[0].deepstack is None else torch.cat([u.deepstack for u in mm], dim=1)
-            out = decoder.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
+            out = s.backend.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
                                   width, ends - 1, slot_ids, rows_t, cos, sin, s.tp_group,
                                   torch.cat([u.embeds for u in mm]), deep, routes=routes)
         else:
             # slot regions: each prompt's K/V copied into its samples' regions per run of slots (no per-row index)
             runs = self.cache.prefill_runs(slots, rows, width)
-            out = decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
+            out = s.backend.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
                                   slot_ids, rows_t, s.cos, s.sin, s.tp_group, routes=routes, runs=runs)
         if routes is not None:  # each slot's unit: its tokens' routes from the packed forward
             r, first = stack_routes(routes), [0] + list(itertools.accumulate(lens))  # (host: no sync)
@@ -383,7 +383,7 @@ class GenerateRun(TurnSteps):
         cos, sin = (s.cos, s.sin) if mm is None else (mm.cos[None], mm.sin[None])
         for i in range(0, len(tokens), c):
             routes = [] if self.routes is not None else None
-            out = decoder.prefill_chunk(s.spec, s.weights, self.cache, ids[i:i + c], start + i, slot_ids,
+            out = s.backend.prefill_chunk(s.spec, s.weights, self.cache, ids[i:i + c], start + i, slot_ids,
                                         cos, sin, s.tp_group, None if mm is None else mm.embeds[i:i + c],
                                         None if mm is None or mm.deepstack is None else mm.deepstack[:, i:i + c],
                                         routes=routes, rope_shift=rope_shift)

@@ -56,8 +56,15 @@ def test_shipped_configs_match_published_sizes():
 
 
 def test_unknown_architecture_is_one_line():
-    with pytest.raises(ConfigError, match=r"does not know architecture GPT2LMHeadModel; known: LlamaForCausalLM"):
-        ModelShape.from_config_dict({**TINY, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ConfigError, match=r"does not know architecture BertModel; known: LlamaForCausalLM"):
+        ModelShape.from_config_dict({**TINY, "architectures": ["BertModel"]})
+
+
+def test_generic_path_family_is_planned_llama_shaped():
+    """A causal LM of the generic rollout path is planned from its sizes (as the Llama-shaped decoder)."""
+    granite = ModelShape.from_config_dict({**TINY, "architectures": ["GraniteForCausalLM"]})
+    llama = ModelShape.from_config_dict({**TINY, "architectures": ["LlamaForCausalLM"]})
+    assert granite.num_params() == llama.num_params() > 0
 
 
 def test_hand_computed_bytes_dp2_cpu():

@@ -323,8 +323,8 @@ def test_sampling_frequencies_follow_probabilities():
 
 
 def test_errors_name_the_problem():
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
-    with pytest.raises(NotImplementedError, match="gpt2"):
+    cfg = transformers.MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64)  # gpt2: the generic path
+    with pytest.raises(NotImplementedError, match="mamba's layers keep convolution / recurrent state"):
         Sampler(cfg, {}, pad_token_id=0)
     m = _model()
     with pytest.raises(KeyError, match="model.norm.weight"):

@@ -3,6 +3,8 @@ greedy decoding against HF ``generate`` is in test_sampler.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -52,23 +54,29 @@ def _longrope_phi3() -> torch.nn.Module:
     return tiny_model("phi3", rope_scaling=rope, max_position_embeddings=256, original_max_position_embeddings=64)
 
 
-def test_phi3_longrope_short_factors_match_hf_and_long_is_refused():
+def test_phi3_longrope_short_factors_match_hf_and_long_runs_generic():
     model = _longrope_phi3()
     out = Sampler(model.config, model.state_dict(), pad_token_id=PAD).generate(
         PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
     for i, p in enumerate(PROMPTS):
         r = out.response_ids[i].tolist()
         torch.testing.assert_close(out.log_probs[i], _teacher_forced(model, p, r, 1.0), atol=1e-4, rtol=0)
-    with pytest.raises(NotImplementedError, match="longrope.*original_max_position_embeddings=64.*max_seq_len=128"):
-        Sampler(model.config, model.state_dict(), pad_token_id=PAD, max_seq_len=128)
+    # past the short factors the fast decoder refuses; the HF module (generic path) applies the long ones
+    s = Sampler(model.config, model.state_dict(), pad_token_id=PAD, max_seq_len=128)
+    assert s.path.path == "generic"
+    assert re.search("longrope.*original_max_position_embeddings=64.*max_seq_len=128", s.path.reason)
 
 
-def test_unsupported_model_type_is_one_line():
+def test_multimodal_gemma3_is_not_fast():
+    """Gemma 3's multimodal config is outside the fast families (their text model is gemma3_text): the generic
+    path runs it (rlhf.models.generic)."""
+    from rlhf.models.generic import rollout_path
+
     cfg = transformers.Gemma3Config(text_config=dict(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                                      intermediate_size=64))
-    with pytest.raises(NotImplementedError, match="model_type 'gemma3' is not supported.*only the text model"):
-        Sampler(cfg, {}, pad_token_id=PAD)
+    where = rollout_path(cfg)
+    assert where.path == "generic" and "not one of the hand-ported fast families" in where.reason
 
 
 @pytest.mark.parametrize("slot_regions", [False, True])
