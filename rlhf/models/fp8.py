@@ -156,9 +156,12 @@ def _scaled_mm(x: Tensor, w: Fp8Weight) -> Tensor:
     from torch.nn.functional import ScalingType, scaled_mm
 
     q, sx = _quantize_rows(x, BLOCK)
-    # cuBLAS' layouts: the activation scales outer-dim-major, the weight scales transposed (ScaledBlas.cpp)
+    # torch's layouts (its meta check): the activation scales [M, K/128] outer-dim-major; the weight's
+    # [N/128, K/128] transposed, its K/128 padded to a multiple of 4 (the pad multiplies no data)
     sx = sx.t().contiguous().t()
-    return scaled_mm(q, w.data.t(), sx, ScalingType.BlockWise1x128, w.scale.t(), ScalingType.BlockWise128x128,
+    kb = w.scale.shape[-1]
+    sw = F.pad(w.scale, (0, -kb % 4), value=1.0) if kb % 4 else w.scale
+    return scaled_mm(q, w.data.t(), sx, ScalingType.BlockWise1x128, sw.t(), ScalingType.BlockWise128x128,
                      output_dtype=w.out_dtype)
 
 
