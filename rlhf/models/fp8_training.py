@@ -22,7 +22,7 @@ from torch import nn
 from rlhf.models.fp8 import supports_fp8
 from rlhf.schema.config import ConfigError
 
-PIP = "pip install torchao  (or: pip install -e '.[fp8]')"
+PIP = "pip install 'torchao>=0.12' (or: pip install -e '.[fp8]')"
 _LAYER_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.(.+\.)?\w*proj$")
 
 
@@ -56,7 +56,13 @@ def apply_fp8_training(model: nn.Module, device: torch.device, *, all_gather: bo
     chosen = {n for n, m in linear.items() if fp8_layer(n, m)}
     if not chosen:
         raise ConfigError("actor.fp8: no decoder linear layer has dims that are multiples of 16; set actor.fp8=false")
+    # a deferred load's weights carry their checkpoint sources (rlhf.models.shard_init); FP8 all-gather wraps
+    # each weight in a new Parameter, which must carry them on
+    marks = {n: {k: v for k, v in vars(linear[n].weight).items() if k.startswith("_rlhf_")} for n in chosen}
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+    for n, attrs in marks.items():
+        for k, v in attrs.items():
+            setattr(model.get_submodule(n).weight, k, v)
     total = sum(m.weight.numel() for m in linear.values())
     return sum(linear[n].weight.numel() for n in chosen) / max(total, 1)

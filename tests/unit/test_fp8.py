@@ -189,7 +189,7 @@ def test_fp8_training_is_refused_in_one_line_without_fp8_or_torchao(monkeypatch)
     real = builtins.__import__
     monkeypatch.setattr(builtins, "__import__", lambda n, *a, **k: (_ for _ in ()).throw(ImportError(n))
                         if n.startswith("torchao") else real(n, *a, **k))
-    with pytest.raises(ConfigError, match=r"pip install torchao"):
+    with pytest.raises(ConfigError, match=r"pip install 'torchao>=0.12'"):
         check_fp8_training(torch.device("cuda"))
     model = _qwen2()
     chosen = {n for n, m in model.named_modules() if fp8_layer(n, m)}
