@@ -196,3 +196,25 @@ def test_fp8_training_is_refused_in_one_line_without_fp8_or_torchao(monkeypatch)
     assert chosen == {f"model.layers.0.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
                                                        "mlp.down_proj")}
+
+
+def test_planner_counts_the_fp8_rollout_copy():
+    from pathlib import Path
+
+    from rlhf.config.load import load_config
+    from rlhf.planner.plan import plan_memory
+    from rlhf.planner.shape import ModelShape
+
+    shape = ModelShape.from_model_dir(str(Path(__file__).resolve().parents[2] / "configs" / "models" / "Qwen2.5-7B"))
+    base = ["model.path=x", "data.train_files=x", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+
+    def weights(device, *extra):
+        return plan_memory(shape, load_config(None, base + list(extra)), world_size=8,
+                           device=device).components["rollout weights"]
+
+    bf16 = weights("cuda", "rollout.dtype=bfloat16")
+    dense = shape.fp8_kernel_params()  # 6.5B of the 7.6B parameters: the rest (embeddings, head) stays bf16
+    for scheme, per in (("block", 1 + 4 / 128**2), ("channel", 1 + 4 / shape.hidden_size)):
+        fp8w = weights("cuda", "rollout.dtype=bfloat16", "rollout.quantization=fp8", f"rollout.quantization_scale={scheme}")
+        assert abs(fp8w - (bf16 - dense * (2 - per))) < 1.0
+    assert weights("cpu", "rollout.quantization=fp8") == weights("cpu")  # dequantized in the sampler
