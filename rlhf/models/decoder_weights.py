@@ -120,7 +120,7 @@ def prepare_weights(
                 missing.append(fp8.scale_name(name))
                 return None
             w = fp8.Fp8Weight(t.detach().to(device=device, copy=copy), s.detach().to(device=device, copy=copy), dtype)
-            if kernel and fp8.kernel_ok(torch.device(device), w.scheme) and fp8.runs_kernel(w):
+            if kernel and fp8.kernel_ok(torch.device(device), w.scheme, dtype) and fp8.runs_kernel(w):
                 return w
             return w.dequantize().to(as_dtype or dtype)
         return t.detach().to(device=device, dtype=as_dtype or dtype, copy=copy)

@@ -168,10 +168,13 @@ def _scaled_mm(x: Tensor, w: Fp8Weight) -> Tensor:
 _KERNEL_OK: dict[tuple[str, int, str], bool] = {}
 
 
-def kernel_ok(device: torch.device, scheme: Scheme) -> bool:
-    """Whether ``torch._scaled_mm`` runs this scheme on ``device`` and matches the dequantized product
-    (checked once per device and scheme on a small product; False off FP8 hardware). A torch or cuBLAS
+def kernel_ok(device: torch.device, scheme: Scheme, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``torch._scaled_mm`` runs this scheme on ``device`` with ``dtype`` activations and matches the
+    dequantized product (checked once per device and scheme on a small product; False off FP8 hardware and
+    for other activation dtypes than bf16, the one cuBLAS' scaled kernels all output). A torch or cuBLAS
     without the block-scaled kernel then decodes from dequantized weights rather than failing."""
+    if dtype != torch.bfloat16:
+        return False
     key = (device.type, device.index or 0, scheme)
     if key not in _KERNEL_OK:
         _KERNEL_OK[key] = supports_fp8(device) and _check_kernel(device, scheme)

@@ -141,14 +141,14 @@ def test_kernel_path_runs_scaled_mm_and_reloads_in_place(monkeypatch):
     monkeypatch.setitem(fp8._KERNEL_OK, ("cpu", 0, "channel"), True)
     model = _qwen2(hidden=128, inter=256, layers=2)
     q, _ = gather_rollout_weights(model, quantization="fp8", quantization_scale="channel")
-    s, got = _generate(model, q, reload_in_place=True)
+    s, got = _generate(model, q, reload_in_place=True, dtype=torch.bfloat16)  # the kernels' activation dtype
     lw = s.weights.layers[0]
     assert all(isinstance(w, fp8.Fp8Weight) for w in (lw.qkv_w, lw.o_w, lw.gate_up_w, lw.down_w))
     ptr = lw.qkv_w.data.data_ptr()
     s.load_weights(dict(q))
     assert s.weights.layers[0].qkv_w.data.data_ptr() == ptr
     monkeypatch.setitem(fp8._KERNEL_OK, ("cpu", 0, "channel"), False)
-    _, want = _generate(model, q)
+    _, want = _generate(model, q, dtype=torch.bfloat16)
     # the first token (same prompt, same draw): activations rounded to e4m3 per token move its log-prob a little;
     # a wrong scale layout would move it by nats
     same = got.response_ids[:, 0] == want.response_ids[:, 0]  # (a near tie may draw another token)
