@@ -218,3 +218,17 @@ def test_planner_counts_the_fp8_rollout_copy():
         fp8w = weights("cuda", "rollout.dtype=bfloat16", "rollout.quantization=fp8", f"rollout.quantization_scale={scheme}")
         assert abs(fp8w - (bf16 - dense * (2 - per))) < 1.0
     assert weights("cpu", "rollout.quantization=fp8") == weights("cpu")  # dequantized in the sampler
+
+
+def test_quantize_rollout_weights_after_a_lora_merge_is_the_reshards_quantization():
+    from rlhf.rollout.reshard import quantize_rollout_weights
+
+    model = _qwen2()
+    plain, _ = gather_rollout_weights(model)  # e.g. LoRA's merged copy: built unquantized, quantized after
+    want, _ = gather_rollout_weights(model, quantization="fp8", quantization_scale="channel")
+    got = quantize_rollout_weights(dict(plain), "fp8", "channel")
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name].view(torch.uint8) if t.dtype == fp8.FP8 else got[name],
+                           t.view(torch.uint8) if t.dtype == fp8.FP8 else t), name
+    assert quantize_rollout_weights(dict(plain), None) == plain  # rollout.quantization off: untouched
