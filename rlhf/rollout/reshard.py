@@ -91,14 +91,14 @@ def quantized_name(name: str) -> bool:
 
 
 def quantize_rollout_weights(weights: dict[str, torch.Tensor], quantization: Optional[str],
-                             scheme: fp8.Scheme = "block") -> dict[str, torch.Tensor]:
+                             quantization_scale: fp8.Scheme = "block") -> dict[str, torch.Tensor]:
     """``weights`` with each :func:`quantized_name` tensor replaced by its FP8 form and scales (in place;
     a no-op without ``quantization``). For rollout weights built outside :func:`gather_rollout_weights`
     (LoRA's merged copy, the pp receivers)."""
     if quantization is None:
         return weights
     for name in [n for n in weights if quantized_name(n) and weights[n].dtype != fp8.FP8]:
-        weights[name], weights[fp8.scale_name(name)] = fp8.quantize(weights[name], scheme)
+        weights[name], weights[fp8.scale_name(name)] = fp8.quantize(weights[name], quantization_scale)
     return weights
 
 
