@@ -1,7 +1,7 @@
 """Benchmark: FP8 against bf16 on one GPU at the Qwen2.5-7B shape: rollout decode and the training update.
 
     python bench/fp8_step.py                      # both parts, the whole 7B shape (an H100 / H200)
-    python bench/fp8_step.py --part decode --layers 8 --new-tokens 64   # a quicker look
+    python bench/fp8_step.py --part decode --layers 8 --new-tokens 64   # a quicker look (decode: 8 of 28 layers)
 
 1. ``decode``: the project's sampler (``rlhf.rollout.Sampler``, CUDA graphs as ``rollout.compile``) at
    ``--batch`` sequences (256), once from the bf16 weights and once from the FP8 rollout weights that
@@ -9,7 +9,7 @@
    default, ``--scale channel`` for per-row). Reports decode tokens/s of each and the ratio, whether the
    FP8 matmul (``torch._scaled_mm``) ran or the weights were dequantized (``fp8_kernel``), and the rollout
    weight bytes of each. A random model rarely samples EOS, so every sequence decodes ``--new-tokens``.
-2. ``update``: ``--layers`` decoder layers of the 7B shape (HF ``Qwen2DecoderLayer``), forward + backward
+2. ``update``: ``--update-layers`` decoder layers (8) of the 7B shape (HF ``Qwen2DecoderLayer``), forward + backward
    + AdamW on ``--tokens`` tokens, in bf16 and with torchao's float8 training on the same layers
    (``rlhf.models.fp8_training.apply_fp8_training``, what ``actor.fp8`` applies), both under
    ``torch.compile`` (torchao's casts are fused by it; ``--no-compile`` to compare eager). Reports the
@@ -99,11 +99,12 @@ def bench_update(args, device: torch.device) -> dict:
 
     from rlhf.models.fp8_training import apply_fp8_training
 
-    cfg = _config(args.layers)
+    cfg = _config(args.update_layers)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
-        base = torch.nn.ModuleDict({"layers": torch.nn.ModuleList(Qwen2DecoderLayer(cfg, i) for i in range(args.layers))})
+        base = torch.nn.ModuleDict({"layers": torch.nn.ModuleList(Qwen2DecoderLayer(cfg, i)
+                                                                  for i in range(args.update_layers))})
         base = base.to(torch.bfloat16)
         rope = Qwen2RotaryEmbedding(cfg)
     state = {k: v.clone() for k, v in base.state_dict().items()}
@@ -140,6 +141,7 @@ def bench_update(args, device: torch.device) -> dict:
                 norm = float(g)
             if step >= 2:
                 times.append(time.perf_counter() - t)
+        del opt  # the next run's optimizer state replaces this one's
         out[f"update_s_{name}"] = statistics.median(times)
         out[f"grad_norm_{name}"] = norm
         print(f"[fp8_step] update {name}: {out[f'update_s_{name}'] * 1e3:.1f} ms per step (median of {args.repeats}), "
@@ -168,6 +170,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256, help="decode: tokens generated per sequence")
     ap.add_argument("--scale", choices=("block", "channel"), default="block", help="FP8 rollout scales")
     ap.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
+    ap.add_argument("--update-layers", type=int, default=8, help="update: decoder layers of the 7B shape trained")
     ap.add_argument("--tokens", type=int, default=16384, help="update: tokens per step")
     ap.add_argument("--no-compile", action="store_true", help="update: eager (no torch.compile)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -180,7 +183,7 @@ def main() -> None:
         what = torch.cuda.get_device_name(device) if device.type == "cuda" else "no CUDA device"
         sys.exit(f"bench/fp8_step.py: needs a CUDA GPU with FP8 matmuls (sm89+: Ada, Hopper, Blackwell); found {what}")
     result: dict = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(device),
-                    "torch": torch.__version__, "layers": args.layers}
+                    "torch": torch.__version__, "decode_layers": args.layers, "update_layers": args.update_layers}
     if args.part in ("decode", "both"):
         result.update(bench_decode(args, device))
     if args.part in ("update", "both"):
