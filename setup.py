@@ -29,6 +29,9 @@ setup(
         "test": ["pytest", "pytest-xdist", "matplotlib", "math-verify", "tensorboard", "mlflow-skinny", "sqlalchemy", "alembic", "wandb",
                  "import-linter", "pillow"],
         "gpu": ["flash-attn"],
+        # actor.fp8: torchao's float8 training (convert_to_float8_training, FP8 all-gather under FSDP2); FP8
+        # rollout (rollout.quantization: fp8) needs nothing beyond torch.
+        "fp8": ["torchao>=0.12"],
         # Vision-language models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL): images are decoded with Pillow.
         "vlm": ["pillow"],
         "log": ["tensorboard", "mlflow"],

@@ -196,7 +196,9 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda", fl
                 with counter.category("rollout weights"), _stage_exchange(actor, build, layout, rdt):
                     weights, _ = gather_rollout_weights(actor.model, dtype=rdt, pp_group=actor.pp_group,
                                                         tp_rank=layout.tp_rank, tp_size=layout.tp,
-                                                        tp_group=layout.tp_group)
+                                                        tp_group=layout.tp_group,
+                                                        quantization=cfg.rollout.quantization or None,
+                                                        quantization_scale=cfg.rollout.quantization_scale)
                 sampler = simulate_sampler(cfg, hf, weights, layout, rdt, counter, world=world, device=device,
                                            flash_attn=flash_attn)
                 decode_reads = decoder_weight_bytes(sampler.weights)

@@ -3,7 +3,10 @@ need only the config, not the world size or the data: those are in rlhf/models/p
 
 from __future__ import annotations
 
+import os
+
 from rlhf.algos.rollout_corr import LEGACY_RS_OPTIONS, parse_rollout_rs, parse_rs_thresholds
+from rlhf.config.low_precision import check_low_precision, resolve_low_precision
 from rlhf.schema.config import ActorConfig, Config, ConfigError
 
 
@@ -75,6 +78,10 @@ def validate(cfg: Config) -> None:
     need(a.policy_loss != "sapo" or (a.tau_pos > 0 and a.tau_neg > 0), "actor.tau_pos",
          "sapo needs actor.tau_pos > 0 and actor.tau_neg > 0")
     need(a.rollout_is_threshold > 0, "actor.rollout_is_threshold", "must be > 0")
+    for note in resolve_low_precision(cfg):  # FP8 rollout turns its correction on before it is checked
+        if os.environ.get("RANK", "0") == "0":
+            print(note)
+    check_low_precision(cfg)
     _check_rollout_correction(a, need)
     need(cfg.actor.lr >= 0, "actor.lr", "must be >= 0")
     need(cfg.actor.clip_ratio > 0, "actor.clip_ratio", "must be > 0")

@@ -92,6 +92,15 @@ def _reward_manager(v: Any) -> dict:
     return {"reward.reward_manager": v}
 
 
+def _quantization(v: Any) -> dict:
+    """verl's ``rollout.quantization``: null or fp8 (its vLLM / SGLang FP8 rollout; int8 / fp4 are not built here)."""
+    if v in (None, "", False):
+        return {}
+    if v != "fp8":
+        raise ConfigError(f"verl key 'actor_rollout_ref.rollout.quantization={v}': only fp8 (or null) is supported")
+    return {"rollout.quantization": "fp8"}
+
+
 # verl's algorithm.rollout_correction (docs/algo/rollout_corr.md), its older loss_type included.
 _ROLLOUT_CORRECTION_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
                             "rollout_rs_threshold", "rollout_rs_threshold_lower", "rollout_token_veto_threshold",
@@ -274,6 +283,8 @@ RULES: dict[str, Rule] = {
     _R + "name": ignored(_SAMPLER),
     _R + "mode": ignored(_SAMPLER),
     _R + "dtype": to("rollout.dtype"),
+    _R + "quantization": to("rollout.quantization", "FP8 rollout (128 x 128 block scales, as verl's)",
+                            convert=lambda v: _quantization(v)),
     _R + "free_cache_engine": to("rollout.free_cache_engine"),
     _R + "load_format": ignored("rollout weights come from the actor's shards every step"),
     _R + "layered_summon": ignored("rollout weights come from the actor's shards every step"),

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.models import arch, mla, moe, moe_archs
+from rlhf.models import arch, fp8, mla, moe, moe_archs
 from rlhf.models.arch import SUPPORTED_MODEL_TYPES, ArchSpec
 from rlhf.models.decoder_weights import DecoderWeights, LayerWeights, expert_weights, prepare_weights
 
@@ -189,9 +189,9 @@ def _residual_linear(x: Tensor, a: Tensor, w: Tensor, b: Tensor | None, tp_group
                      out_norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
     """``x + a @ w.T (+ b)`` for 2-D ``x`` ``[M, C]``; the partial product is all-reduced under TP.
     With ``out_norm`` (Gemma's sandwich norms): ``x + RMSNorm(a @ w.T (+ b))``."""
-    if tp_group is None and b is None and out_norm is None:
+    if tp_group is None and b is None and out_norm is None and not isinstance(w, fp8.Fp8Weight):
         return torch.addmm(x, a, w.t())  # residual fused into the matmul
-    return _residual_add(x, F.linear(a, w), b, tp_group, out_norm, eps)
+    return _residual_add(x, fp8.linear(a, w), b, tp_group, out_norm, eps)
 
 
 def _residual_add(x: Tensor, out: Tensor, b: Tensor | None, tp_group: Any, out_norm: Tensor | None,
@@ -219,7 +219,7 @@ def _qkv(spec: DecoderSpec, lw: LayerWeights, x: Tensor, lead: tuple[int, ...], 
                       rms_norm).view(*lead, -1, spec.head_dim)
         apply_rope_(qkv[..., :2 * spec.num_heads, :], cos, sin)
         return qkv
-    qkv = F.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw.qkv_w, lw.qkv_b)
+    qkv = fp8.linear(rms_norm(x, lw.input_norm, spec.rms_norm_eps), lw.qkv_w, lw.qkv_b)
     if lw.q_norm_full is not None:  # OLMoE: before the heads are split (rlhf.models.moe_archs)
         d = spec.head_dim
         qkv = moe_archs.full_qk_norm(qkv, lw.q_norm_full, lw.k_norm_full, spec.num_heads * d, spec.num_kv_heads * d,
@@ -267,7 +267,7 @@ def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, tp_group: Any, routes: 
             out = out + moe_archs.shared_expert(g, lw.shared_gate_up, lw.shared_down, lw.shared_gate,
                                                 lambda u, v: arch.gated_act(a, u, v))
         return _residual_add(x, out, None, tp_group, lw.mlp_out_norm, eps)
-    gu = F.linear(g, lw.gate_up_w, lw.gate_up_b)
+    gu = fp8.linear(g, lw.gate_up_w, lw.gate_up_b)
     i = spec.intermediate_size
     # gu is this call's own tensor: outside autograd the activation overwrites its gate half in place
     act = arch.gated_act(a, gu[:, :i], gu[:, i:], inplace=not torch.is_grad_enabled())

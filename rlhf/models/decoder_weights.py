@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.models import arch, mla
+from rlhf.models import arch, fp8, mla
 from rlhf.models.gpt_oss import expert_layout
 
 
@@ -98,22 +98,46 @@ def prepare_weights(
     ones are built (peak ~1x + one layer instead of 1x + every fused copy). ``into``: copy the
     result into these weights' tensors layer by layer (their storage kept: captured CUDA graphs
     read it) instead of returning new ones; peak + one layer.
+
+    FP8 rollout weights (float8 tensors with their ``fp8.scale_name`` scales, rollout.quantization):
+    the dense projections (q|k|v, o, gate|up, down) stay :class:`rlhf.models.fp8.Fp8Weight` where
+    ``fp8.kernel_ok`` says the device runs the FP8 matmul; every other quantized weight, and all of
+    them elsewhere (CPU, GPUs before sm89), is dequantized here into ``dtype``: the same numbers.
     """
     missing: list[str] = []
     take = weights.pop if consume else weights.get  # type: ignore[attr-defined]
 
-    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> Tensor | None:
+    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None,
+            kernel: bool = False) -> Tensor | fp8.Fp8Weight | None:
         t = take(name, None)
         if t is None:
             if required:
                 missing.append(name)
             return None
+        if t.dtype == fp8.FP8:
+            s = take(fp8.scale_name(name), None)
+            if s is None:
+                missing.append(fp8.scale_name(name))
+                return None
+            w = fp8.Fp8Weight(t.detach().to(device=device, copy=copy), s.detach().to(device=device, copy=copy), dtype)
+            if kernel and fp8.kernel_ok(torch.device(device), w.scheme, dtype) and fp8.runs_kernel(w):
+                return w
+            return w.dequantize().to(as_dtype or dtype)
         return t.detach().to(device=device, dtype=as_dtype or dtype, copy=copy)
 
-    def cat(*ts: Tensor | None) -> Tensor | None:
+    def cat(*ts: Tensor | fp8.Fp8Weight | None) -> Tensor | fp8.Fp8Weight | None:
         if any(t is None for t in ts):
             return None
+        if all(isinstance(t, fp8.Fp8Weight) for t in ts):
+            fused = fp8.Fp8Weight.cat(list(ts))  # type: ignore[arg-type]
+            if fused is not None and fp8.runs_kernel(fused):
+                return fused
+        ts = tuple(t.dequantize() if isinstance(t, fp8.Fp8Weight) else t for t in ts)
         return torch.cat(ts, dim=0).contiguous()  # type: ignore[arg-type]
+
+    def kget(name: str) -> Tensor | fp8.Fp8Weight | None:
+        """A dense projection: kept in FP8 for the kernel where it runs."""
+        return get(name, kernel=True)
 
     def norm_w(name: str) -> Tensor | None:
         t = get(name)
@@ -134,19 +158,19 @@ def prepare_weights(
         layers.append(
             LayerWeights(
                 input_norm=norm_w(p + "input_layernorm.weight"),
-                qkv_w=None if latent else get(a + "qkv_proj.weight") if fused
-                else cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+                qkv_w=None if latent else kget(a + "qkv_proj.weight") if fused
+                else cat(kget(a + "q_proj.weight"), kget(a + "k_proj.weight"), kget(a + "v_proj.weight")),
                 qkv_b=None if q_b is None else cat(q_b, get(a + "k_proj.bias"), get(a + "v_proj.bias")),
                 qk_norm=_qk_norm_table(spec, norm_w(a + "q_norm.weight"), norm_w(a + "k_norm.weight"))
                 if spec.qk_norm
                 else None,
-                o_w=get(a + "o_proj.weight"),
+                o_w=kget(a + "o_proj.weight") if not latent else get(a + "o_proj.weight"),
                 o_b=get(a + "o_proj.bias", required=False),
                 post_norm=norm_w(p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"),
-                gate_up_w=get(m + "gate_up_proj.weight") if fused
-                else cat(get(m + "gate_proj.weight"), get(m + "up_proj.weight")) if dense else None,
+                gate_up_w=kget(m + "gate_up_proj.weight") if fused
+                else cat(kget(m + "gate_proj.weight"), kget(m + "up_proj.weight")) if dense else None,
                 gate_up_b=cat(get(m + "gate_proj.bias", False), get(m + "up_proj.bias", False)) if dense else None,
-                down_w=None if sparse else get(m + "down_proj.weight"),
+                down_w=None if sparse else kget(m + "down_proj.weight"),
                 down_b=get(m + "down_proj.bias", required=False) if dense else None,
                 attn_out_norm=norm_w(p + "post_attention_layernorm.weight") if gemma else None,
                 mlp_out_norm=norm_w(p + "post_feedforward_layernorm.weight") if gemma else None,

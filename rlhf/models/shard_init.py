@@ -180,6 +180,18 @@ def materialize_shards(model: nn.Module, host: dict[str, Source], device: torch.
     return placed
 
 
+def _rewrap(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in the tensor subclass that wraps ``p``'s (local) data, if any: torchao's float8 weights
+    (actor.fp8_all_gather: FSDP2 all-gathers them through the subclass's hooks) stay that subclass."""
+    inner = p._local_tensor if isinstance(p, DTensor) else p.data
+    if type(inner) is torch.Tensor or not hasattr(inner, "__tensor_flatten__"):
+        return local
+    names, ctx = inner.__tensor_flatten__()
+    if len(names) != 1:
+        raise TypeError(f"cannot place a {type(inner).__name__} parameter (inner tensors {names})")
+    return type(inner).__tensor_unflatten__({names[0]: local}, ctx, local.shape, local.stride())
+
+
 def _materialize(model: nn.Module, host: dict[str, Source], device: torch.device) -> int:
     placed = 0
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -197,6 +209,7 @@ def _materialize(model: nn.Module, host: dict[str, Source], device: torch.device
         local = place(piece, device, p.dtype)
         del piece
         placed += local.numel() * local.element_size()
+        local = _rewrap(p, local)
         if isinstance(p, DTensor):
             if local.device.type != p.device_mesh.device_type:
                 # CPU offload on a GPU mesh: from_local would move the shard to the GPU, and FSDP2's lazy

@@ -127,6 +127,27 @@ def replica_sequences(cfg: Any, world: int, rollout_tp: int) -> tuple[int, int]:
     return prompts, prompts * cfg.rollout.n
 
 
+@contextmanager
+def _fp8_decode(device: str, r: Any) -> Iterator[None]:
+    """rollout.quantization fp8 on a simulated cuda device: the sampler keeps the dense projections in FP8 for
+    the ``_scaled_mm`` decode, as on an sm89+ GPU (the fake tensors live on the host, where it would not)."""
+    from rlhf.models import fp8
+
+    key = ("cpu", 0, r.quantization_scale)
+    if device != "cuda" or r.quantization != "fp8":
+        yield
+        return
+    before = fp8._KERNEL_OK.get(key)
+    fp8._KERNEL_OK[key] = True
+    try:
+        yield
+    finally:
+        if before is None:
+            fp8._KERNEL_OK.pop(key, None)
+        else:
+            fp8._KERNEL_OK[key] = before
+
+
 def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch.dtype, counter: Any, *,
                      world: int, device: str, flash_attn: bool = True) -> Any:
     """Build this rank's sampler from the rollout ``weights`` (handed over: emptied) and run one
@@ -146,7 +167,7 @@ def simulate_sampler(cfg: Any, hf: Any, weights: dict, layout: Any, dtype: torch
     engine = RolloutEngine(r, _NoTokenizer(hf), max_prompt_length=P, max_response_length=R,
                            device=torch.device("cpu"), dtype=dtype, layout=layout,
                            record_routes=cfg.actor.router_replay != "R2")  # as the trainer's engine
-    with value_free_scheduler(counter, device, flash_attn):
+    with value_free_scheduler(counter, device, flash_attn), _fp8_decode(device, r):
         with counter.category("rollout weights"):
             sampler = engine._sampler(hf, weights, consume=True)
         params = engine.sampling_params(n=r.n, temperature=r.temperature, seed=r.seed)
@@ -168,5 +189,7 @@ def decoder_weight_bytes(weights: Any) -> int:
     tensors = {id(t): t for t in (weights.embed, weights.norm, weights.lm_head)}
     for lw in weights.layers:
         tensors.update({id(t): t for t in vars(lw).values() if isinstance(t, torch.Tensor)})
+        # FP8 rollout (rlhf.models.fp8.Fp8Weight): the e4m3 data and its scales
+        tensors.update({id(t): t for w in vars(lw).values() if hasattr(w, "scale") for t in (w.data, w.scale)})
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -221,6 +221,14 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     # tensors (freed as they are fused), all layers' when pp hands them out as views of one
     # flat buffer per stage, which no single fusion can free.
     fused_layer = (s.q_dim + 2 * s.kv_dim + 2 * s.intermediate_size) * s.hidden_size / r.tp * rb
+    if r.quantization == "fp8" and cuda:  # the dense projections stay e4m3 + float32 scales (rlhf.models.fp8)
+        per = 1 + 4 / (128 * 128 if r.quantization_scale == "block" else s.hidden_size)
+        comp["rollout weights"] = rollout_copy = rollout_copy - s.fp8_kernel_params() / r.tp * (rb - per)
+        fused_layer *= per / rb
+        notes.append("rollout.quantization fp8: the dense projections are held in e4m3 for the FP8 decode "
+                     "(sm89+); experts, MLA projections, embeddings, norms and the LM head in rollout.dtype")
+    elif r.quantization == "fp8":
+        notes.append("rollout.quantization fp8 on cpu: the sampler holds the quantized weights dequantized")
     comp["rollout fusing (q|k|v, gate|up)"] = fused_layer * (s.num_layers if pp > 1 and not one_step_off else 1)
     # rollout.compile on CUDA: the sampler (its weights and KV cache) lives for the whole run.
     kept = cuda and r.compile

@@ -198,6 +198,13 @@ class ModelShape:
             return self.intermediate_size
         return self.experts_per_tok * self.moe_intermediate_size + self.shared_expert_size
 
+    def fp8_kernel_params(self) -> int:
+        """Weights an FP8 rollout keeps in e4m3 for the ``_scaled_mm`` decode (rlhf.models.decoder_weights): the
+        dense attention projections (not MLA's) and the dense MLPs; experts and the rest are dequantized."""
+        attn = 0 if self.mla else sum(i * o for i, o in self.linears(dense_mlp=False).values())
+        return self.num_layers * attn + (self.num_layers - self.sparse_layers) * 3 * self.hidden_size * \
+            self.intermediate_size
+
     def embed_params(self) -> int:
         return self.vocab_size * self.hidden_size
 

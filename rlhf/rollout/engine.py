@@ -24,7 +24,7 @@ import torch.distributed as dist
 from rlhf.models.lora import merged_weights_for_rollout
 from rlhf.rollout.abort import EarlyStop
 from rlhf.rollout.exchange import exchange_rows
-from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights
+from rlhf.rollout.reshard import ReshardStats, RolloutLayout, gather_rollout_weights, quantize_rollout_weights
 from rlhf.rollout.routes import batch_routes
 from rlhf.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 from rlhf.rollout.speculative import SPEC_STATS, derived_stats
@@ -154,8 +154,9 @@ class RolloutEngine:
         lay = self.layout
         kw = dict(dtype=self.dtype, pp_group=pp_group, tp_rank=lay.tp_rank, tp_size=lay.tp, tp_group=lay.tp_group,
                   ep_rank=lay.ep_rank, ep_size=lay.ep, ep_group=lay.ep_group)
+        quant = dict(quantization=self.cfg.quantization or None, quantization_scale=self.cfg.quantization_scale)
         if self.lora is None:
-            return gather_rollout_weights(model, **kw)
+            return gather_rollout_weights(model, **kw, **quant)
         if self._lora_base is None:
             self._lora_base, _ = gather_rollout_weights(model, name_filter=lambda n: ".lora_" not in n, **kw)
         # The adapters whole (small); under a TP rollout B @ A is cut like the base weight it adds to.
@@ -170,7 +171,8 @@ class RolloutEngine:
                            if hasattr(getattr(m, "config", None), "model_type")), None)
             slicer = lambda full, name: rollout_slice(full, name, lay.tp_rank, lay.tp, config,  # noqa: E731
                                                       lay.ep_rank, lay.ep)
-        return merged_weights_for_rollout(self._lora_base, adapters, alpha, rank, slice_delta=slicer), rs
+        merged = merged_weights_for_rollout(self._lora_base, adapters, alpha, rank, slice_delta=slicer)
+        return quantize_rollout_weights(merged, **quant), rs  # W + BA quantized, as the base alone would be
 
     def _sampler(self, hf_config, weights: dict[str, torch.Tensor], consume: bool) -> Sampler:
         """A sampler holding ``weights`` (``consume``: the dict is handed over and emptied). With

@@ -36,6 +36,12 @@ most one gathered full parameter exists at a time next to the rollout copy:
 4. with pp: each stage packs its results into one flat buffer per dtype and broadcasts it
    over the pp group; receivers keep views of it (one broadcast per stage and dtype).
 
+With ``quantization="fp8"`` (rollout.quantization) each linear weight of the decoder layers
+(:func:`quantized_name`) leaves the pass as float8_e4m3fn next to its float32 scales under
+:func:`rlhf.models.fp8.scale_name` (DeepSeek-V3's ``weight_scale_inv``), quantized right after its
+gather (step 3), so one full-precision parameter at a time exists beside the FP8 copy. Embeddings,
+norms, the MoE router, biases, the LM head and a VLM's vision tower stay in the rollout dtype.
+
 Nothing is kept after the rollout window: the caller drops the dict after generation.
 """
 
@@ -51,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from rlhf.models import fp8
 from rlhf.models.parallel import to_mesh_device
 
 # Prefixes/infixes that wrappers add to parameter names; rollout wants plain HF names.
@@ -63,6 +70,8 @@ _SINKS = re.compile(r"\.self_attn\.sinks$")  # GPT-OSS: one logit per query head
 # DeepSeek-V3's router weight and selection bias stay in the master dtype (HF keeps them in fp32; the
 # bias is a buffer, sent too): a bf16 bias would pick other experts than the trainer
 _ROUTER = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
+# the decoder layers' linear weights (dense, fused, MLA, shared and routed experts): what FP8 rollout quantizes
+_LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(.+_proj\.weight|experts\.(gate_up_proj|down_proj))$")
 _FUSED = re.compile(r"\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
@@ -73,6 +82,24 @@ def hf_name(name: str) -> str:
     if name.startswith("base_model.model."):
         name = name[len("base_model.model."):]
     return name.replace(".base_layer.", ".")
+
+
+def quantized_name(name: str) -> bool:
+    """Whether FP8 rollout quantizes the HF parameter ``name``: a decoder layer's linear weight (not a
+    bias, norm, router gate, embedding, LM head, LoRA adapter or vision-tower weight)."""
+    return _LINEAR.search(name) is not None and ".visual." not in f".{name}" and ".lora_" not in name
+
+
+def quantize_rollout_weights(weights: dict[str, torch.Tensor], quantization: Optional[str],
+                             quantization_scale: fp8.Scheme = "block") -> dict[str, torch.Tensor]:
+    """``weights`` with each :func:`quantized_name` tensor replaced by its FP8 form and scales (in place;
+    a no-op without ``quantization``). For rollout weights built outside :func:`gather_rollout_weights`
+    (LoRA's merged copy, the pp receivers)."""
+    if quantization is None:
+        return weights
+    for name in [n for n in weights if quantized_name(n) and weights[n].dtype != fp8.FP8]:
+        weights[name], weights[fp8.scale_name(name)] = fp8.quantize(weights[name], quantization_scale)
+    return weights
 
 
 def rollout_shard_dim(name: str) -> Optional[int]:
@@ -344,7 +371,8 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
                            name_filter: Optional[Callable[[str], bool]] = None,
                            pp_group: Optional[dist.ProcessGroup] = None, tp_rank: int = 0, tp_size: int = 1,
                            tp_group: Optional[dist.ProcessGroup] = None, ep_rank: int = 0, ep_size: int = 1,
-                           ep_group: Optional[dist.ProcessGroup] = None,
+                           ep_group: Optional[dist.ProcessGroup] = None, quantization: Optional[str] = None,
+                           quantization_scale: fp8.Scheme = "block",
                            ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
     """This rank's rollout weights, keyed by HF name (see module docstring).
 
@@ -359,6 +387,8 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
             ``[E, ...]`` are cut into ``ep x tp`` blocks of whole experts, block ``ep_rank x tp + tp_rank``.
             ``ep_group`` (the rollout's): where the training experts are already ``Shard(0)`` over the same
             ranks (``parallel.ep == rollout.ep``), only their FSDP shards are gathered, never all experts.
+        quantization: "fp8" (rollout.quantization): linear weights as FP8 + scales (module docstring),
+            with ``quantization_scale`` "block" (128 x 128 tiles) or "channel"; None keeps ``dtype``.
 
     Returns:
         ``(weights, stats)``; ``weights`` holds full tensors, or rollout-TP slices of the
@@ -386,6 +416,8 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
                                         ep_group=ep_group)
             device = t.device
             weights[name] = t
+            if quantization is not None and pp == 1 and quantized_name(name):
+                weights[name], weights[fp8.scale_name(name)] = fp8.quantize(t, quantization_scale)
             received += nbytes
         for name, b in model.named_buffers():
             name = hf_name(name)
@@ -398,5 +430,6 @@ def gather_rollout_weights(model: torch.nn.Module, *, dtype: Optional[torch.dtyp
                 weights = {n: rollout_slice(t, n, tp_rank, tp_size, config, ep_rank, ep_size).clone()
                            if rollout_shard_dim(n) is not None
                            else t for n, t in weights.items()}
+            quantize_rollout_weights(weights, quantization, quantization_scale)
     numel = sum(t.numel() for t in weights.values())
     return weights, ReshardStats(time.perf_counter() - t0, received, numel)

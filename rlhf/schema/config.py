@@ -141,6 +141,15 @@ class RolloutConfig:
         "auto", "Dtype of the rollout weights and KV cache (verl rollout.dtype); auto = bfloat16 on CUDA, "
                 "model.dtype on CPU. A rollout dtype other than the trainer's makes the sampler's log-probs "
                 "differ from the trainer's: correct with actor.tis_imp_ratio_cap.")
+    quantization: Literal["", "fp8"] = _f(
+        "", "FP8 rollout (verl rollout.quantization): 'fp8' quantizes each linear weight of the decoder layers "
+            "to e4m3 at the reshard (scales: rollout.quantization_scale; embeddings, norms, routers, LM head "
+            "stay in rollout.dtype); decode runs FP8 matmuls on sm89+, the same weights dequantized elsewhere. "
+            "Turns on token TIS (actor.rollout_is_decoupled, cap actor.rollout_is_threshold) unless another "
+            "correction is set or actor.rollout_is is ''. '' = off.")
+    quantization_scale: Literal["block", "channel"] = _f(
+        "block", "rollout.quantization fp8 scales: block = one per 128 x 128 tile (DeepSeek-V3's), channel = one "
+                 "per output row.")
     compile: bool = _f(False, "On CUDA: capture decode steps as CUDA graphs (static shapes); ignored on CPU. "
                               "The sampler, its KV cache and graphs then stay allocated for the whole run.")
     free_cache_engine: bool = _f(True, "Free the sampler (KV cache, rollout weights) after each rollout (verl name). "
@@ -201,6 +210,12 @@ class ActorConfig:
     kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss: kl(k1), abs, mse(k2), low_var_kl(k3).")
     tis_imp_ratio_cap: float = _f(-1.0, "Truncated importance sampling cap between sampler and trainer; -1 off.")
     grad_clip: float = _f(1.0, "Max global gradient norm.")
+    fp8: bool = _f(False, "FP8 training of the actor's linear layers with torchao float8 "
+                          "(convert_to_float8_training, dynamic scales; the LM head, routers and layers whose "
+                          "dims are not multiples of 16 stay in bf16); needs a GPU with FP8 (sm89+) and "
+                          "pip install torchao. Logged as perf/fp8.")
+    fp8_all_gather: bool = _f(False, "actor.fp8: FSDP2 all-gathers the FP8-trained weights in FP8 (torchao's "
+                                     "enable_fsdp_float8_all_gather): half the bytes of a bf16 all-gather.")
     # loss-specific settings (verl actor.policy_loss.* / algorithm.rollout_correction.*)
     clip_cov_ratio: float = _f(0.0002, "clip_cov: share of tokens dropped from the loss.")
     clip_cov_lb: float = _f(1.0, "clip_cov: lower covariance bound of the candidates.")

@@ -33,6 +33,7 @@ from rlhf.algos.policy_loss import PolicyLossParams, get_policy_loss
 from rlhf.algos.policy_loss_cov import COV_LOSSES, select_cov_tokens
 from rlhf.data.batching import micro_batches_for_rank
 from rlhf.data.multimodal import collate_multi_modal
+from rlhf.models.fp8_training import apply_fp8_training
 from rlhf.models.fsdp import grad_scale, keep_unsharded
 from rlhf.models.loading import load_causal_lm, vision_tower
 from rlhf.models.logprobs import position_ids_from_mask, token_log_probs
@@ -191,6 +192,9 @@ class PolicyWorker:
             # Only the adapters are trainable (and so sharded with gradients / optimizer state).
             model = apply_lora(model, lora_rank=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha,
                                target_modules=model_cfg.target_modules)
+        # actor.fp8: torchao float8 layers, converted before FSDP2 wraps them (rlhf/models/fp8_training.py)
+        self.fp8_share = apply_fp8_training(model, device, all_gather=actor_cfg.fp8_all_gather) \
+            if trainable and actor_cfg is not None and actor_cfg.fp8 else None
         self.parallel: ParallelModel = parallelize_model(
             model, mesh, parallel_cfg or ParallelConfig(), device, mixed_precision=model_cfg.mixed_precision,
             param_offload=model_cfg.param_offload, load_ranks_per_node=model_cfg.load_ranks_per_node,
@@ -407,6 +411,8 @@ class PolicyWorker:
             self.router_replay.reference = None
             out.update(self.router_replay.mismatch(self.device, self.mesh_group))
         out["actor/entropy_coeff"] = self.entropy_coeff
+        if self.fp8_share is not None:
+            out["perf/fp8"] = self.fp8_share
         covs = [covariance_from_sums(row) for row in torch.stack(cov_sums).tolist()] if cov_sums else []
         out["actor/cov_logp_adv"] = sum(covs) / max(len(covs), 1)
         return out
