@@ -103,7 +103,8 @@ def print_memory_plan(cfg, args) -> bool:
     # What the sampler cannot run is said first: the plan of such a run would be moot.
     check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
                           cfg.data.max_prompt_length + cfg.data.max_response_length,
-                          rollout_tp=cfg.rollout.tp, announce=int(os.environ.get("RANK", "0")) == 0)
+                          rollout_tp=cfg.rollout.tp, quantization=cfg.rollout.quantization,
+                          announce=int(os.environ.get("RANK", "0")) == 0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan_world = args.world_size or world
     device = args.plan_device or ("cuda" if cfg.trainer.device == "cuda" or

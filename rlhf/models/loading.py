@@ -182,7 +182,8 @@ def language_config(config):
 
 
 def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_len: int | None = None,
-                          key: str = "model.path", *, rollout_tp: int = 1, announce: bool = False):
+                          key: str = "model.path", *, rollout_tp: int = 1, quantization: str = "",
+                          announce: bool = False):
     """One ConfigError line, before any work, for a model the rollout sampler cannot run (instead of a
     traceback from the sampler after the model has loaded). Returns the model's
     ``rlhf.models.generic.RolloutPath`` (fast functional decoder or generic HF modules); ``announce``:
@@ -197,6 +198,10 @@ def check_rollout_support(path: str, trust_remote_code: bool = False, max_seq_le
     if where.path == GENERIC and rollout_tp > 1:
         raise ConfigError(f"rollout.tp: {rollout_tp} > 1 is not supported on the generic rollout path "
                           f"({config.model_type}: {where.reason}); set rollout.tp=1")
+    if where.path == GENERIC and quantization:
+        raise ConfigError(f"rollout.quantization: {quantization} is not supported on the generic rollout path "
+                          f"({config.model_type}: {where.reason}; its HF modules hold unquantized weights); "
+                          f"set rollout.quantization=''")
     if announce:
         print(f"[rlhf] {where.startup_line(config.model_type, GENERIC_SLOWDOWN)}", flush=True)
     limit = getattr(language_config(config), "max_position_embeddings", None)

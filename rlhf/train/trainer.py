@@ -77,7 +77,8 @@ class RLTrainer:
         check_output_dir(cfg.trainer.output_dir)
         check_rollout_support(cfg.model.path, cfg.model.trust_remote_code,
                               cfg.data.max_prompt_length + cfg.data.max_response_length,
-                              rollout_tp=cfg.rollout.tp, announce=self.env.rank == 0)
+                              rollout_tp=cfg.rollout.tp, quantization=cfg.rollout.quantization,
+                              announce=self.env.rank == 0)
         check_startup(cfg)  # the same checks a one-process --dry-run makes (rlhf/config/checks.py)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code,
                                         key="model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")

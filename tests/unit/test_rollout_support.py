@@ -48,6 +48,12 @@ def test_generic_path_refuses_rollout_tp(tmp_path):
         check_rollout_support(_dir(tmp_path, transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4)), rollout_tp=2)
 
 
+def test_generic_path_refuses_fp8_rollout(tmp_path):
+    with pytest.raises(ConfigError, match="^rollout.quantization: fp8 is not supported on the generic rollout path"):
+        check_rollout_support(_dir(tmp_path, transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4)),
+                              quantization="fp8")
+
+
 def test_supported_models_pass(tmp_path):
     where = check_rollout_support(_dir(tmp_path / "q", transformers.Qwen2Config(**SMALL)), max_seq_len=4096)
     assert where.path == "fast"
