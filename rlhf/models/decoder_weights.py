@@ -85,6 +85,98 @@ def _qk_norm_table(spec: Any, q: Tensor | None, k: Tensor | None) -> Tensor | No
     return torch.cat((q.expand(spec.num_heads, -1), k.expand(spec.num_kv_heads, -1))).contiguous()
 
 
+def _readers(spec: Any, weights: Mapping[str, Tensor], missing: list[str], *, device: torch.device | None,
+             dtype: torch.dtype | None, consume: bool = False, copy: bool = False, keep_grad: bool = False):
+    """``get(name, required, as_dtype)``, ``cat(*ts)`` and ``norm_w(name)`` over ``weights``: the reads
+    :func:`prepare_weights` makes (missing required names go to ``missing``). ``keep_grad``: the tensors
+    stay in the autograd graph (a trainer's live parameters; no move or cast)."""
+    take = weights.pop if consume else weights.get  # type: ignore[attr-defined]
+
+    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> Tensor | None:
+        t = take(name, None)
+        if t is None:
+            if required:
+                missing.append(name)
+            return None
+        if keep_grad:
+            return t if as_dtype is None else t.to(as_dtype)
+        return t.detach().to(device=device, dtype=as_dtype or dtype, copy=copy)
+
+    def cat(*ts: Tensor | None) -> Tensor | None:
+        if any(t is None for t in ts):
+            return None
+        return torch.cat(ts, dim=0).contiguous()  # type: ignore[arg-type]
+
+    def norm_w(name: str) -> Tensor | None:
+        t = get(name)
+        return None if t is None else arch.norm_weight(spec.arch, t)
+
+    return get, cat, norm_w
+
+
+def _layer(spec: Any, i: int, get, cat, norm_w) -> LayerWeights:
+    """Layer ``i``'s fused weights read through ``_readers``."""
+    fused, moe_spec, gemma = spec.arch.fused_qkv, spec.arch.moe, spec.arch.sandwich_norms
+    p = f"model.layers.{i}."
+    a, m = p + "self_attn.", p + "mlp."
+    q_b = get(a + "q_proj.bias", required=False)
+    sparse = moe_spec is not None and moe_spec.sparse[i]
+    shared = sparse and moe_spec.shared_intermediate_size > 0
+    oss = sparse and spec.arch.swiglu is not None  # GPT-OSS: mlp.router, expert biases
+    dense = not sparse and not fused
+    latent = {} if spec.mla is None else mla.layer_weights(get, a, spec.mla, spec.arch.rope_interleave)
+    sx = "shared_experts." if spec.mla is not None else "shared_expert."  # DeepSeek-V3: ungated, plural
+    return LayerWeights(
+        input_norm=norm_w(p + "input_layernorm.weight"),
+        qkv_w=None if latent else get(a + "qkv_proj.weight") if fused
+        else cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+        qkv_b=None if q_b is None else cat(q_b, get(a + "k_proj.bias"), get(a + "v_proj.bias")),
+        qk_norm=_qk_norm_table(spec, norm_w(a + "q_norm.weight"), norm_w(a + "k_norm.weight"))
+        if spec.qk_norm
+        else None,
+        o_w=get(a + "o_proj.weight"),
+        o_b=get(a + "o_proj.bias", required=False),
+        post_norm=norm_w(p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"),
+        gate_up_w=get(m + "gate_up_proj.weight") if fused
+        else cat(get(m + "gate_proj.weight"), get(m + "up_proj.weight")) if dense else None,
+        gate_up_b=cat(get(m + "gate_proj.bias", False), get(m + "up_proj.bias", False)) if dense else None,
+        down_w=None if sparse else get(m + "down_proj.weight"),
+        down_b=get(m + "down_proj.bias", required=False) if dense else None,
+        attn_out_norm=norm_w(p + "post_attention_layernorm.weight") if gemma else None,
+        mlp_out_norm=norm_w(p + "post_feedforward_layernorm.weight") if gemma else None,
+        router_w=get(m + ("router" if oss else "gate") + ".weight", as_dtype=torch.float32 if latent else None)
+        if sparse else None,
+        experts_gate_up=get(m + "experts.gate_up_proj") if sparse else None,
+        experts_down=get(m + "experts.down_proj") if sparse else None,
+        shared_gate_up=cat(get(m + sx + "gate_proj.weight"), get(m + sx + "up_proj.weight"))
+        if shared else None,
+        shared_down=get(m + sx + "down_proj.weight") if shared else None,
+        shared_gate=get(m + "shared_expert_gate.weight") if shared and not latent else None,
+        q_norm_full=get(a + "q_norm.weight") if spec.arch.full_qk_norm else None,
+        k_norm_full=get(a + "k_norm.weight") if spec.arch.full_qk_norm else None,
+        sinks=get(a + "sinks") if spec.arch.norm_fp32 else None,
+        router_b=get(m + "router.bias") if oss else None,
+        experts_gate_up_b=get(m + "experts.gate_up_proj_bias") if oss else None,
+        experts_down_b=get(m + "experts.down_proj_bias") if oss else None,
+        select_bias=get(m + "gate.e_score_correction_bias", True, torch.float32) if sparse and latent else None,
+        **latent,
+    )
+
+
+def layer_weights(spec: Any, i: int, params: Mapping[str, Tensor]) -> LayerWeights:
+    """Layer ``i``'s :class:`LayerWeights` from its live parameters ``params`` (names relative to the layer,
+    e.g. ``self_attn.q_proj.weight``), kept in the autograd graph: the fused q|k|v and gate|up are
+    differentiable concatenations (rlhf.models.batch_invariant runs the trainer's forward through them)."""
+    missing: list[str] = []
+    prefix = f"model.layers.{i}."
+    named = {prefix + k: v for k, v in params.items()}
+    get, cat, norm_w = _readers(spec, named, missing, device=None, dtype=None, keep_grad=True)
+    out = _layer(spec, i, get, cat, norm_w)
+    if missing:
+        raise KeyError(f"layer {i} of {spec.model_type}: missing {', '.join(missing[:8])}; got {', '.join(params)}")
+    return out
+
+
 def prepare_weights(
     spec: Any, weights: Mapping[str, Tensor], *, device: torch.device, dtype: torch.dtype,
     consume: bool = False, copy: bool = False, into: DecoderWeights | None = None,
@@ -100,74 +192,10 @@ def prepare_weights(
     read it) instead of returning new ones; peak + one layer.
     """
     missing: list[str] = []
-    take = weights.pop if consume else weights.get  # type: ignore[attr-defined]
-
-    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> Tensor | None:
-        t = take(name, None)
-        if t is None:
-            if required:
-                missing.append(name)
-            return None
-        return t.detach().to(device=device, dtype=as_dtype or dtype, copy=copy)
-
-    def cat(*ts: Tensor | None) -> Tensor | None:
-        if any(t is None for t in ts):
-            return None
-        return torch.cat(ts, dim=0).contiguous()  # type: ignore[arg-type]
-
-    def norm_w(name: str) -> Tensor | None:
-        t = get(name)
-        return None if t is None else arch.norm_weight(spec.arch, t)
-
-    fused, moe_spec, gemma = spec.arch.fused_qkv, spec.arch.moe, spec.arch.sandwich_norms
+    get, cat, norm_w = _readers(spec, weights, missing, device=device, dtype=dtype, consume=consume, copy=copy)
     layers: list[LayerWeights] = []
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        q_b = get(a + "q_proj.bias", required=False)
-        sparse = moe_spec is not None and moe_spec.sparse[i]
-        shared = sparse and moe_spec.shared_intermediate_size > 0
-        oss = sparse and spec.arch.swiglu is not None  # GPT-OSS: mlp.router, expert biases
-        dense = not sparse and not fused
-        latent = {} if spec.mla is None else mla.layer_weights(get, a, spec.mla, spec.arch.rope_interleave)
-        sx = "shared_experts." if spec.mla is not None else "shared_expert."  # DeepSeek-V3: ungated, plural
-        layers.append(
-            LayerWeights(
-                input_norm=norm_w(p + "input_layernorm.weight"),
-                qkv_w=None if latent else get(a + "qkv_proj.weight") if fused
-                else cat(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-                qkv_b=None if q_b is None else cat(q_b, get(a + "k_proj.bias"), get(a + "v_proj.bias")),
-                qk_norm=_qk_norm_table(spec, norm_w(a + "q_norm.weight"), norm_w(a + "k_norm.weight"))
-                if spec.qk_norm
-                else None,
-                o_w=get(a + "o_proj.weight"),
-                o_b=get(a + "o_proj.bias", required=False),
-                post_norm=norm_w(p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"),
-                gate_up_w=get(m + "gate_up_proj.weight") if fused
-                else cat(get(m + "gate_proj.weight"), get(m + "up_proj.weight")) if dense else None,
-                gate_up_b=cat(get(m + "gate_proj.bias", False), get(m + "up_proj.bias", False)) if dense else None,
-                down_w=None if sparse else get(m + "down_proj.weight"),
-                down_b=get(m + "down_proj.bias", required=False) if dense else None,
-                attn_out_norm=norm_w(p + "post_attention_layernorm.weight") if gemma else None,
-                mlp_out_norm=norm_w(p + "post_feedforward_layernorm.weight") if gemma else None,
-                router_w=get(m + ("router" if oss else "gate") + ".weight", as_dtype=torch.float32 if latent else None)
-                if sparse else None,
-                experts_gate_up=get(m + "experts.gate_up_proj") if sparse else None,
-                experts_down=get(m + "experts.down_proj") if sparse else None,
-                shared_gate_up=cat(get(m + sx + "gate_proj.weight"), get(m + sx + "up_proj.weight"))
-                if shared else None,
-                shared_down=get(m + sx + "down_proj.weight") if shared else None,
-                shared_gate=get(m + "shared_expert_gate.weight") if shared and not latent else None,
-                q_norm_full=get(a + "q_norm.weight") if spec.arch.full_qk_norm else None,
-                k_norm_full=get(a + "k_norm.weight") if spec.arch.full_qk_norm else None,
-                sinks=get(a + "sinks") if spec.arch.norm_fp32 else None,
-                router_b=get(m + "router.bias") if oss else None,
-                experts_gate_up_b=get(m + "experts.gate_up_proj_bias") if oss else None,
-                experts_down_b=get(m + "experts.down_proj_bias") if oss else None,
-                select_bias=get(m + "gate.e_score_correction_bias", True, torch.float32) if sparse and latent else None,
-                **latent,
-            )
-        )
+        layers.append(_layer(spec, i, get, cat, norm_w))
         if into is not None and not missing:  # this layer goes into the old buffers; the new copy dies
             layers[-1] = _copy_into(into.layers[i], layers[-1])
     embed = get("model.embed_tokens.weight")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.models import arch, decoder, moe
+from rlhf.models import arch, batch_invariant as invariant, decoder, moe
 from rlhf.rollout import cascade_attention as cascade, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
 from rlhf.rollout.sampling import SamplingParams
@@ -178,6 +178,7 @@ class Sampler:
         speculative: Any = None,
         record_routes: bool = False,
         ep_group: Any = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -203,6 +204,14 @@ class Sampler:
         if ep_group is not None and dist.get_world_size(ep_group) > 1:
             use_cuda_graph = self._expert_parallel(ep_group, tp_size, use_cuda_graph)
         self.pad_token_id = int(pad_token_id)
+        # rollout.batch_invariant: the forward (and the reported log-probs) of rlhf.models.batch_invariant, which
+        # reads the cache positions as columns (paged blocks, no cascade) and needs no CUDA graph
+        self.batch_invariant = batch_invariant
+        self.forward: Any = decoder
+        if batch_invariant:
+            self.forward = invariant.checked(self.spec, tp_size=tp_size, cuda_graph=use_cuda_graph,
+                                             speculative=getattr(speculative, "enable", False), ep=self.spec.ep, vlm=self.vlm_config)
+            slot_regions = cascade_attention = False
         self.dtype = dtype or next(iter(weights.values())).dtype
         self.max_num_seqs = max_num_seqs
         self.kv_cache_tokens = kv_cache_tokens
@@ -324,7 +333,7 @@ class Sampler:
                                   max_seq_len, self.spec.head_dim, block_size=bs, dtype=self.dtype, device=self.device,
                                   attention=self.decode_attention)
         self.max_seq_len = max_seq_len
-        self.cos, self.sin = decoder.rope_tables(self._inv_freq, self._rope_scale, max_seq_len, self.dtype, self.device)
+        self.cos, self.sin = self.forward.rope_tables(self._inv_freq, self._rope_scale, max_seq_len, self.dtype, self.device)
         # decode inputs live at fixed addresses (CUDA graphs read them in place)
         self.token_buf = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
         self.pos_buf = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
@@ -402,7 +411,7 @@ class Sampler:
         routes = [] if self.route_shape is not None else None
         if not self.static_shapes:
             with self.lean():
-                out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
+                out = self.forward.decode(self.spec, self.weights, self.cache, self.token_buf[:live], self.pos_buf[:live],
                                      window, self.cos, self.sin, self.tp_group, None if rope is None else rope[:live],
                                      routes)
             self._keep_routes(routes, live)
@@ -410,7 +419,7 @@ class Sampler:
         window = min(self.max_seq_len, max(64, 1 << (window - 1).bit_length()))
         if not self.use_cuda_graph:
             with self.lean():
-                out = decoder.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
+                out = self.forward.decode(self.spec, self.weights, self.cache, self.token_buf, self.pos_buf,
                                      window, self.cos, self.sin, self.tp_group, rope, routes)[:live]
             self._keep_routes(routes, live)
             return out

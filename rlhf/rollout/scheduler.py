@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from rlhf.models import decoder
+from rlhf.models.batch_invariant import row_log_probs
 from rlhf.rollout import speculative
 from rlhf.rollout.kv_cache import PagedKVCache
 from rlhf.rollout.routes import RouteBook, stack_routes
@@ -186,7 +186,7 @@ class GenerateRun(TurnSteps):
         bf16 / fp16 the split prompt / response sum of the attention output adds a rounding step."""
         s = self.s
         if (n < 2 or not self.aligns_prompts or not getattr(self.cache.attention, "aligns", False)
-                or s.dtype != torch.float32
+                or s.dtype != torch.float32 or s.batch_invariant
                 or vision is not None or s.static_shapes or getattr(s.speculative, "enable", False)
                 or max(self.prompt_lens) > s.prefill_tokens):
             return 0
@@ -346,13 +346,13 @@ class GenerateRun(TurnSteps):
         if mm is not None:  # the prompts' own rope rows (M-RoPE) and embeddings (image features placed)
             cos, sin = torch.cat([u.cos for u in mm])[None], torch.cat([u.sin for u in mm])[None]
             deep = None if mm[0].deepstack is None else torch.cat([u.deepstack for u in mm], dim=1)
-            out = decoder.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
+            out = s.forward.prefill(s.spec, s.weights, self.cache, ids, torch.arange(total, device=dev), grid_index,
                                   width, ends - 1, slot_ids, rows_t, cos, sin, s.tp_group,
                                   torch.cat([u.embeds for u in mm]), deep, routes=routes)
         else:
             # slot regions: each prompt's K/V copied into its samples' regions per run of slots (no per-row index)
             runs = self.cache.prefill_runs(slots, rows, width)
-            out = decoder.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
+            out = s.forward.prefill(s.spec, s.weights, self.cache, ids, positions, grid_index, width, ends - 1,
                                   slot_ids, rows_t, s.cos, s.sin, s.tp_group, routes=routes, runs=runs)
         if routes is not None:  # each slot's unit: its tokens' routes from the packed forward
             r, first = stack_routes(routes), [0] + list(itertools.accumulate(lens))  # (host: no sync)
@@ -373,7 +373,7 @@ class GenerateRun(TurnSteps):
         cos, sin = (s.cos, s.sin) if mm is None else (mm.cos[None], mm.sin[None])
         for i in range(0, len(tokens), c):
             routes = [] if self.routes is not None else None
-            out = decoder.prefill_chunk(s.spec, s.weights, self.cache, ids[i:i + c], start + i, slot_ids,
+            out = s.forward.prefill_chunk(s.spec, s.weights, self.cache, ids[i:i + c], start + i, slot_ids,
                                         cos, sin, s.tp_group, None if mm is None else mm.embeds[i:i + c],
                                         None if mm is None or mm.deepstack is None else mm.deepstack[:, i:i + c],
                                         routes=routes, rope_shift=rope_shift)
@@ -458,7 +458,10 @@ class GenerateRun(TurnSteps):
         with self.s.lean():  # writes only into state made outside it; its own results are only read later
             u = None if sl.u is None else sl.u[a:b].gather(1, gen[:, None]).squeeze(1)
             banned = self.s.banned_ids
-            if banned is None or not banned.numel():
+            if self.s.batch_invariant:  # the trainer's log-prob function, row-tiled (rlhf.models.batch_invariant)
+                tok, _ = sample_next(logits, p, u)
+                logp = row_log_probs(logits, tok, 1.0 if p.greedy else p.temperature)[0]
+            elif banned is None or not banned.numel():
                 tok, logp = sample_next(logits, p, u)
             else:  # never draw an image / video placeholder; the log-prob stays the untruncated policy's
                 tok, _ = sample_next(logits.index_fill(1, banned, float("-inf")), p, u)
