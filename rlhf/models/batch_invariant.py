@@ -54,7 +54,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 __all__ = ["ROWS", "FAMILIES", "check_model", "checked", "rope_tables", "by_tiles", "row_log_probs", "attend_by_length",
            "layer_forward", "prefill", "prefill_chunk", "decode", "install", "invariant_log_probs",
-           "MismatchWarning"]
+           "MismatchWarning", "step_metrics", "install_or_refuse"]
 
 
 # --------------------------------------------------------------------------- scope
@@ -355,6 +355,17 @@ def install(model: torch.nn.Module, hf_config: Any) -> DecoderSpec:
     return spec
 
 
+def install_or_refuse(model: torch.nn.Module, hf_config: Any) -> bool:
+    """``install``, with the reason it cannot as a one-line ConfigError (the model family is known only here)."""
+    from rlhf.schema.config import ConfigError
+
+    try:
+        install(model, hf_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return True
+
+
 def _layer_module_forward(spec: DecoderSpec, i: int) -> Callable[..., Tensor]:
     def forward(self: torch.nn.Module, x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         lw = layer_weights(spec, i, dict(self.named_parameters()))
@@ -403,10 +414,12 @@ def invariant_log_probs(model: torch.nn.Module, input_ids: Tensor, attention_mas
 _WARNED: dict[str, bool] = {}
 
 
-def report_mismatch(diff: float, spec_name: str, device: str) -> None:
-    """The one-line warning, once per process, of a step whose sampler and trainer log-probs differ."""
+def step_metrics(diff: float, model_type: str, device: str) -> dict[str, float]:
+    """``mismatch/max_abs_logprob_diff`` of a step's old-log-prob pass (``diff``: the global max over response
+    tokens of |trainer - sampler|), and the one-line warning, once per process, of the first nonzero one."""
     if diff != 0.0 and not _WARNED.get("diff"):
         _WARNED["diff"] = True
-        warnings.warn(f"rollout.batch_invariant: max |sampler - trainer| log-prob = {diff:.3g} on {spec_name} "
-                      f"({device}): the row-tiled matmul / attention-by-length kernels were not batch-invariant "
-                      "on this device and dtype", MismatchWarning, stacklevel=2)
+        warnings.warn(f"rollout.batch_invariant: max |trainer - sampler| log-prob = {diff:.3g} on {model_type} "
+                      f"({device}): the row-tiled matmuls or the attention by key length were not batch-invariant "
+                      "on this device and dtype (see docs/howto/batch-invariant.md)", MismatchWarning, stacklevel=2)
+    return {"mismatch/max_abs_logprob_diff": diff}
