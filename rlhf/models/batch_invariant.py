@@ -164,11 +164,13 @@ def attend_by_length(q: Tensor, lengths: Tensor, kv: Callable[[Tensor, int], tup
     return torch.cat(outs).index_select(0, inverse)
 
 
-def _experts(spec: DecoderSpec, lw: LayerWeights, g: Tensor) -> Tensor:
+def _experts(spec: DecoderSpec, lw: LayerWeights, g: Tensor, routes: list | None) -> Tensor:
     """Routed experts of one tile ``g [ROWS, hidden]``: each expert's rows padded to a tile, the top-k
-    contributions summed in top-k order."""
+    contributions summed in top-k order; the tile's expert ids ``[ROWS, k]`` go to ``routes``."""
     a = spec.arch
     top_w, top_i = moe.route(a.moe, g, lw.router_w)
+    if routes is not None:
+        routes.append(top_i)
     k = top_i.shape[1]
     ys = g.new_zeros((g.shape[0] * k, g.shape[1]))
     flat = top_i.reshape(-1)
@@ -187,11 +189,11 @@ def _experts(spec: DecoderSpec, lw: LayerWeights, g: Tensor) -> Tensor:
     return out
 
 
-def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor) -> Tensor:
+def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor, routes: list | None) -> Tensor:
     """``x + MLP(RMSNorm(x))`` of one tile (the activation never in place: one kernel path with or without grad)."""
     g = decoder.rms_norm(x, lw.post_norm, spec.rms_norm_eps)
     if lw.router_w is not None:
-        return x + _experts(spec, lw, g)
+        return x + _experts(spec, lw, g, routes)
     gu = F.linear(g, lw.gate_up_w, lw.gate_up_b)
     i = gu.shape[1] // 2
     act = arch.gated_act(spec.arch, gu[:, :i], gu[:, i:])
@@ -199,13 +201,17 @@ def _mlp(spec: DecoderSpec, lw: LayerWeights, x: Tensor) -> Tensor:
 
 
 def layer_forward(spec: DecoderSpec, lw: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor,
-                  attend: Callable[[Tensor], Tensor]) -> Tensor:
+                  attend: Callable[[Tensor], Tensor], routes: list | None = None) -> Tensor:
     """One decoder layer over rows ``x [M, hidden]`` (``cos, sin [M, 1, R]``: each row's rope rows).
     ``attend(qkv [M, H + 2Hkv, D]) -> [M, H * D]``: the side's attention (cache write and read, or the
-    trainer's own sequences), itself batch-invariant."""
+    trainer's own sequences), itself batch-invariant. ``routes``: a sparse layer's expert ids ``[M, k]``."""
     qkv = by_tiles(lambda t, c, s: decoder._qkv(spec, lw, t, (t.shape[0],), c, s), x, cos, sin)
     a = attend(qkv)
-    return by_tiles(lambda t, at: _mlp(spec, lw, decoder._residual_linear(t, at, lw.o_w, lw.o_b, None)), x, a)
+    part: list | None = [] if routes is not None else None
+    out = by_tiles(lambda t, at: _mlp(spec, lw, decoder._residual_linear(t, at, lw.o_w, lw.o_b, None), part), x, a)
+    if part:
+        routes.append(torch.cat(part)[:x.shape[0]])
+    return out
 
 
 def _logits(spec: DecoderSpec, w: DecoderWeights, x: Tensor) -> Tensor:
@@ -241,7 +247,7 @@ def prefill(spec: DecoderSpec, w: DecoderWeights, cache: Any, input_ids: Tensor,
             sin: Tensor, tp_group: Any = None, embeds: Tensor | None = None, deepstack: Tensor | None = None,
             routes: list | None = None, runs: list | None = None) -> Tensor:
     """``decoder.prefill`` in the batch-invariant scheme (no VLM inputs, no route recording, one TP rank)."""
-    assert tp_group is None and embeds is None and deepstack is None and routes is None, "batch_invariant scope"
+    assert tp_group is None and embeds is None and deepstack is None, "batch_invariant scope"
     p, total = last_index.shape[0], input_ids.shape[0]
     h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     index = None if runs is not None else cache.prefill_index(slots, 0, width)
@@ -259,7 +265,7 @@ def prefill(spec: DecoderSpec, w: DecoderWeights, cache: Any, input_ids: Tensor,
                 cache.write(layer, index, grid[:, h:].index_select(0, rows))
             return _sequence_attend(spec, qkv, positions, la.scale)
 
-        x = layer_forward(spec, lw, x, cos[la.rope, positions, None], sin[la.rope, positions, None], attend)
+        x = layer_forward(spec, lw, x, cos[la.rope, positions, None], sin[la.rope, positions, None], attend, routes)
     return _logits(spec, w, x.index_select(0, last_index))
 
 
@@ -278,7 +284,7 @@ def prefill_chunk(spec: DecoderSpec, w: DecoderWeights, cache: Any, input_ids: T
                   cos: Tensor, sin: Tensor, tp_group: Any = None, embeds: Tensor | None = None,
                   deepstack: Tensor | None = None, routes: list | None = None, rope_shift: int = 0) -> Tensor:
     """``decoder.prefill_chunk`` in the batch-invariant scheme (a long prompt's tokens [start, start + c))."""
-    assert tp_group is None and embeds is None and deepstack is None and routes is None, "batch_invariant scope"
+    assert tp_group is None and embeds is None and deepstack is None, "batch_invariant scope"
     n = input_ids.shape[0]
     positions = torch.arange(start, start + n, device=input_ids.device)
     index = cache.prefill_index(slots, start, n)
@@ -293,14 +299,14 @@ def prefill_chunk(spec: DecoderSpec, w: DecoderWeights, cache: Any, input_ids: T
             return _cache_attend(spec, cache, layer, _heads(spec, qkv), positions + 1, own, start + n, la.scale)
 
         rp = positions + rope_shift
-        x = layer_forward(spec, lw, x, cos[la.rope, rp, None], sin[la.rope, rp, None], attend)
+        x = layer_forward(spec, lw, x, cos[la.rope, rp, None], sin[la.rope, rp, None], attend, routes)
     return _logits(spec, w, x[-1:])
 
 
 def decode(spec: DecoderSpec, w: DecoderWeights, cache: Any, tokens: Tensor, pos: Tensor, window: int, cos: Tensor,
            sin: Tensor, tp_group: Any = None, rope_pos: Tensor | None = None, routes: list | None = None) -> Tensor:
     """``decoder.decode`` in the batch-invariant scheme: slot b's token at ``pos[b]`` sees columns [0, pos[b]]."""
-    assert tp_group is None and routes is None, "batch_invariant scope"
+    assert tp_group is None, "batch_invariant scope"
     b = tokens.shape[0]
     rp = pos if rope_pos is None else rope_pos
     index = cache.decode_index(pos)
@@ -313,7 +319,7 @@ def decode(spec: DecoderSpec, w: DecoderWeights, cache: Any, tokens: Tensor, pos
             cache.write(layer, index, qkv[:, spec.num_heads:])
             return _cache_attend(spec, cache, layer, _heads(spec, qkv), pos + 1, slots, window, la.scale)
 
-        x = layer_forward(spec, lw, x, cos[la.rope, rp, None], sin[la.rope, rp, None], attend)
+        x = layer_forward(spec, lw, x, cos[la.rope, rp, None], sin[la.rope, rp, None], attend, routes)
     return _logits(spec, w, x)
 
 
