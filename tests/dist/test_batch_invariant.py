@@ -51,8 +51,8 @@ def _run(workdir: Path, model: str, use_rollout_lp: bool, world: int) -> dict:
     path = workdir / "model" if model == "qwen2" else workdir / model
     overrides = [
         f"model.path={path}", f"data.train_files={workdir / 'data' / 'train.parquet'}", f"data.val_files={workdir / 'data' / 'val.parquet'}", "trainer.test_freq=-1",
-        "data.max_response_length=10", "data.train_batch_size=8", "rollout.n=4", "rollout.batch_invariant=true",
-        f"actor.use_rollout_log_probs={str(use_rollout_lp).lower()}", "actor.ppo_mini_batch_size=4",
+        "data.max_response_length=8", "data.train_batch_size=4", "rollout.n=4", "rollout.batch_invariant=true",
+        f"actor.use_rollout_log_probs={str(use_rollout_lp).lower()}", "actor.ppo_mini_batch_size=2",
         "actor.ppo_micro_batch_size_per_gpu=8", "actor.log_prob_micro_batch_size_per_gpu=8", "trainer.logger=[]",
         f"trainer.total_training_steps={STEPS}", f"trainer.output_dir={workdir / f'{model}_{use_rollout_lp}_{world}'}",
         "checkpoint.export_hf=false",
