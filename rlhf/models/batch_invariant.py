@@ -45,9 +45,11 @@ from rlhf.models import arch, decoder, moe
 from rlhf.models.decoder import DecoderSpec, DecoderWeights, LayerWeights
 from rlhf.models.decoder_weights import layer_weights
 
-# Rows per tile: every row-wise matmul of the mode is [ROWS, in] x [in, out]. 16 is the smallest row count
-# whose CPU sgemm path a row's bits did not depend on in the measurements (M = 1 takes gemv).
-ROWS = 16
+# Rows per tile: every row-wise matmul of the mode is [ROWS, in] x [in, out] (never the M = 1 gemv path). Any
+# fixed count keeps a row's bits (tests/unit/test_batch_invariant.py); 64 keeps the trainer's tile loop short
+# (a 1.5k-token micro-batch: 24 tiles per layer) and costs a decode step of few live slots little: its
+# matmuls read the same weights whether they carry 1 or 64 rows.
+ROWS = 64
 # Rope table positions per block (each block the same shape, so its cos / sin bits do not depend on the length)
 ROPE_BLOCK = 64
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -119,7 +121,8 @@ def by_tiles(fn: Callable[..., Tensor], *rows: Tensor) -> Tensor:
     pad = (-m) % ROWS
     if pad:
         rows = tuple(torch.cat((r, r.new_zeros((pad, *r.shape[1:])))) for r in rows)
-    outs = [fn(*(r[i:i + ROWS] for r in rows)) for i in range(0, m + pad, ROWS)]
+    # split, not slices: the backward of a split is one concatenation (of slices, a zero-filled copy each)
+    outs = [fn(*parts) for parts in zip(*(r.split(ROWS) for r in rows))]
     out = torch.cat(outs) if len(outs) != 1 else outs[0]
     return out[:m] if pad else out
 

@@ -97,7 +97,7 @@ def test_sampler_log_probs_equal_the_trainer_forward(kind):
 
     cfg, model = _model(kind)
     weights = {k: t.detach().clone() for k, t in model.state_dict().items()}
-    prompts = [[2, 3, 4, 5, 6], [7, 8], list(range(10, 29))]  # the last one longer than a row tile
+    prompts = [[2, 3, 4, 5, 6], [7, 8], list(range(10, 29))]
     sampler = Sampler(cfg, weights, pad_token_id=0, batch_invariant=True)
     out = sampler.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=3))
     ids, mask = _rows(prompts, out, 2)
