@@ -148,6 +148,21 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return torch.matmul(torch.softmax(s.float(), dim=-1).to(v.dtype), v)
 
 
+def _attend_rows(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """``_attend`` of m query rows of one key length. On CPU one batched call (a batched matmul there computes
+    each matrix alone: tests/unit/test_batch_invariant.py); elsewhere (untested: cuBLAS may pick its kernel
+    by the batch count) in calls of exactly ``ROWS`` rows, the last padded with zeros."""
+    if q.device.type == "cpu":
+        return _attend(q, k, v, scale)
+    outs = []
+    for qc, kc, vc in zip(q.split(ROWS), k.split(ROWS), v.split(ROWS)):
+        m, pad = qc.shape[0], ROWS - qc.shape[0]
+        if pad:
+            qc, kc, vc = (torch.cat((t, t.new_zeros((pad, *t.shape[1:])))) for t in (qc, kc, vc))
+        outs.append(_attend(qc, kc, vc, scale)[:m])
+    return torch.cat(outs)
+
+
 def attend_by_length(q: Tensor, lengths: Tensor, kv: Callable[[Tensor, int], tuple[Tensor, Tensor]],
                      scale: float) -> Tensor:
     """Attention of query rows ``q [M, Hkv, G, D]`` over their ``lengths [M]`` visible keys, one batched call per
@@ -157,7 +172,7 @@ def attend_by_length(q: Tensor, lengths: Tensor, kv: Callable[[Tensor, int], tup
     for n in sorted(set(lengths.tolist())):
         rows = (lengths == n).nonzero().squeeze(1)
         k, v = kv(rows, n)
-        outs.append(_attend(q.index_select(0, rows).contiguous(), k.contiguous(), v.contiguous(), scale))
+        outs.append(_attend_rows(q.index_select(0, rows).contiguous(), k.contiguous(), v.contiguous(), scale))
         order.append(rows)
     if len(outs) == 1:
         return outs[0]
