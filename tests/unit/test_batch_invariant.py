@@ -98,8 +98,10 @@ def test_sampler_log_probs_equal_the_trainer_forward(kind):
     cfg, model = _model(kind)
     weights = {k: t.detach().clone() for k, t in model.state_dict().items()}
     prompts = [[2, 3, 4, 5, 6], [7, 8], list(range(10, 29))]
-    sampler = Sampler(cfg, weights, pad_token_id=0, batch_invariant=True)
-    out = sampler.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=3))
+    # qwen2: the 19-token prompt prefilled in chunks of 8 (prefill_chunk), with top-p
+    sampler = Sampler(cfg, weights, pad_token_id=0, batch_invariant=True, prefill_tokens=8 if kind == "qwen2" else 8192)
+    out = sampler.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=3,
+                                                   top_p=0.9 if kind == "qwen2" else 1.0))
     ids, mask = _rows(prompts, out, 2)
     r = out.response_ids.shape[1]
     with torch.no_grad():  # HF's own forward: the invariant one is the same function to fp32 rounding
