@@ -3,6 +3,7 @@ need only the config, not the world size or the data: those are in rlhf/models/p
 
 from __future__ import annotations
 
+from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
 from rlhf.algos.rollout_corr import LEGACY_RS_OPTIONS, parse_rollout_rs, parse_rs_thresholds
 from rlhf.schema.config import ActorConfig, Config, ConfigError
 
@@ -232,5 +233,7 @@ def _check_batch_invariant(cfg: Config, need) -> None:
          "is not built for rollout.speculative, rollout.compile (CUDA graphs) or rollout.multi_turn")
     need(cfg.model.lora_rank == 0, key, "needs full fine-tuning (model.lora_rank = 0)")
     need(cfg.actor.router_replay == "none", key, "routes are recomputed bit for bit: set actor.router_replay=none")
+    need(cfg.algorithm.adv_estimator not in TOKEN_BASELINE_ESTIMATORS, key, f"has no full-vocabulary forward for "
+         f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (its sum of pi^2 pass)")
     need(r.dtype in ("auto", cfg.model.dtype), key, f"needs rollout.dtype auto or model.dtype ({cfg.model.dtype}), "
          f"got {r.dtype}")
