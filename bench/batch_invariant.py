@@ -15,7 +15,8 @@ Per configuration: the median over steps (the first, warm-up, dropped) of ``timi
 phases (generate, logprobs, update), and the ratio of each to the default; plus the largest
 ``mismatch/max_abs_logprob_diff`` the audit saw (0 when the mode holds).
 
-Usage: ``python bench/batch_invariant.py [--steps 6] [--batch 16] [--n 8]``; the last line is one JSON object.
+Usage: ``OMP_NUM_THREADS=1 python bench/batch_invariant.py [--steps 6] [--batch 16] [--n 8]`` (one thread per
+process, as launch/quickstart.sh runs); the last line is one JSON object.
 """
 
 from __future__ import annotations
