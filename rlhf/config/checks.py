@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from rlhf.algos.optimal_token_baseline import TOKEN_BASELINE_ESTIMATORS
 from rlhf.algos.rollout_corr import LEGACY_RS_OPTIONS, parse_rollout_rs, parse_rs_thresholds
 from rlhf.config.low_precision import check_low_precision, resolve_low_precision
 from rlhf.schema.config import ActorConfig, Config, ConfigError
@@ -50,6 +51,7 @@ def validate(cfg: Config) -> None:
          f"must be in [1, ngram_max={sp.ngram_max}], got {sp.ngram_min}")
     need(bool(sp.sources) and set(sp.sources) <= {"siblings", "self"}, "rollout.speculative.sources",
          f"must be a non-empty list of 'siblings', 'self', got {sp.sources}")
+    _check_batch_invariant(cfg, need)
     need(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
     need(cfg.actor.ppo_mini_batch_size > 0, "actor.ppo_mini_batch_size", "must be > 0")
     need(cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
@@ -221,3 +223,29 @@ def _check_rollout_correction(a: ActorConfig, need) -> None:
          "already weights by pi_old / pi_rollout: turn off actor.rollout_is_decoupled and actor.tis_imp_ratio_cap")
     need(not (a.rollout_is_decoupled and a.tis_imp_ratio_cap > 0), "actor.rollout_is_decoupled",
          "and actor.tis_imp_ratio_cap both weight by pi_old / pi_rollout: keep one")
+
+
+def _check_batch_invariant(cfg: Config, need) -> None:
+    """The layouts and features ``rollout.batch_invariant`` holds for (rlhf.models.batch_invariant); the rest
+    is refused in one line. The model family is checked when the actor is built."""
+    if not cfg.rollout.batch_invariant:
+        need(not cfg.actor.use_rollout_log_probs, "actor.use_rollout_log_probs",
+             "needs rollout.batch_invariant=true (the sampler's log-probs are the trainer's only then); under "
+             "trainer.mode fully_async use async_training.use_rollout_log_probs")
+        return
+    key, p, r = "rollout.batch_invariant", cfg.parallel, cfg.rollout
+    need(p.tp == 1 and r.tp == 1, key, f"needs parallel.tp = rollout.tp = 1 in this version (got {p.tp} / {r.tp}): "
+         "the tensor-parallel partial sums are not in the invariant forward")
+    need(p.pp == 1 and p.sp == 1 and r.ep == 1, key, f"needs parallel.pp = parallel.sp = rollout.ep = 1 (got "
+         f"{p.pp} / {p.sp} / {r.ep})")
+    need(cfg.trainer.mode == "colocated", key, f"needs trainer.mode colocated (got {cfg.trainer.mode})")
+    need(not r.speculative.enable and not r.compile and not r.multi_turn.enable, key,
+         "is not built for rollout.speculative, rollout.compile (CUDA graphs) or rollout.multi_turn")
+    need(cfg.model.lora_rank == 0, key, "needs full fine-tuning (model.lora_rank = 0)")
+    need(cfg.actor.router_replay == "none", key, "routes are recomputed bit for bit: set actor.router_replay=none")
+    need(cfg.algorithm.adv_estimator not in TOKEN_BASELINE_ESTIMATORS, key, f"has no full-vocabulary forward for "
+         f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (its sum of pi^2 pass)")
+    need(r.dtype in ("auto", cfg.model.dtype), key, f"needs rollout.dtype auto or model.dtype ({cfg.model.dtype}), "
+         f"got {r.dtype}")
+    need(not r.quantization, key, f"needs the trainer's weights in the rollout: rollout.quantization="
+         f"{r.quantization} rounds them (set rollout.quantization='')")

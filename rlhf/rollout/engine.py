@@ -192,7 +192,8 @@ class RolloutEngine:
                           prefill_tokens=self.cfg.prefill_tokens, tp_group=self.layout.tp_group,
                           use_cuda_graph=graphs, gpu_memory_utilization=self.cfg.gpu_memory_utilization,
                           reload_in_place=keep, consume_weights=consume, speculative=self.cfg.speculative,
-                          record_routes=self.record_routes, ep_group=self.layout.ep_group)
+                          record_routes=self.record_routes, ep_group=self.layout.ep_group,
+                          batch_invariant=self.cfg.batch_invariant)
         if keep:
             self._kept = sampler
         return sampler

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.models import arch, attention_backend, decoder, moe
+from rlhf.models import arch, attention_backend, batch_invariant as invariant, decoder, moe
 from rlhf.models.generic import GENERIC, RolloutPath, rollout_path
 from rlhf.rollout import cascade_attention as cascade, generic, paged_attention
 from rlhf.rollout.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache, kv_bytes_per_token, kv_tokens_for_memory
@@ -184,6 +184,7 @@ class Sampler:
         record_routes: bool = False,
         ep_group: Any = None,
         generic_path: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         self.device = torch.device(device)
         if use_cuda_graph and self.device.type != "cuda":
@@ -221,6 +222,16 @@ class Sampler:
         if ep_group is not None and dist.get_world_size(ep_group) > 1:
             use_cuda_graph = self._expert_parallel(ep_group, tp_size, use_cuda_graph)
         self.pad_token_id = int(pad_token_id)
+        # rollout.batch_invariant: the forward (and the reported log-probs) of rlhf.models.batch_invariant, which
+        # reads the cache positions as columns (paged blocks, no cascade) and needs no CUDA graph
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            if self.backend is generic:
+                raise ValueError(f"rollout.batch_invariant: {model_config.model_type} runs on the generic path "
+                                 f"({self.path.reason}), outside the mode")
+            self.backend = invariant.checked(self.spec, tp_size=tp_size, cuda_graph=use_cuda_graph,
+                                             speculative=getattr(speculative, "enable", False), ep=self.spec.ep, vlm=self.vlm_config)
+            slot_regions = cascade_attention = False
         self.dtype = dtype or next(iter(weights.values())).dtype
         if self.backend is generic:  # the HF module is the weights; its spec comes from a probe forward
             self.weights, self.spec = generic.build(model_config, weights, device=self.device, dtype=self.dtype,
@@ -233,7 +244,7 @@ class Sampler:
                    else getattr(model_config, "attn_logit_softcapping", None) is not None)
         self.decode_attention = decode_attention or paged_attention.decode_attention(
             self.device, self.dtype, softcap=softcap)
-        if use_cuda_graph and self.backend is decoder:
+        if use_cuda_graph and self.backend is not generic:
             blocker = graph_blocker(self.spec, self.dtype, "cuda", torch.cuda.get_device_capability(self.device))
             if blocker is not None:
                 warnings.warn(blocker, stacklevel=2)
@@ -262,12 +273,12 @@ class Sampler:
         self.inference_mode = True
         self.speculative = speculative  # rollout.speculative (rlhf.rollout.speculative); None = off
         self.tp_group = tp_group
-        m = self.spec.arch.moe if self.backend is decoder else None
+        m = self.spec.arch.moe if self.backend is not generic else None
         # (sparse layers, top-k) of the recorded routes; step_routes: the last decode step's [live, S, k]
         self.route_shape = (sum(m.sparse), m.top_k) if record_routes and m is not None else None
         self.step_routes: Tensor | None = None
         self._inv_freq = self._rope_scale = None  # generic: the HF module rotates q / k itself
-        if self.backend is decoder:
+        if self.backend is not generic:  # the functional decoder's weights (the invariant forward reads the same)
             self._inv_freq, self._rope_scale = decoder.rope_inv_freq(model_config, self.spec.head_dim)
             self.weights = decoder.prepare_weights(self.spec, weights, device=self.device, dtype=self.dtype,
                                                    consume=consume_weights, copy=self.reload_in_place)
@@ -371,8 +382,8 @@ class Sampler:
         self.max_seq_len = max_seq_len
         self.cos = self.sin = None
         if self._inv_freq is not None:
-            self.cos, self.sin = decoder.rope_tables(self._inv_freq, self._rope_scale, max_seq_len, self.dtype,
-                                                     self.device)
+            self.cos, self.sin = self.backend.rope_tables(self._inv_freq, self._rope_scale, max_seq_len, self.dtype,
+                                                          self.device)
         # decode inputs live at fixed addresses (CUDA graphs read them in place)
         self.token_buf = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)
         self.pos_buf = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=self.device)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from rlhf.models import decoder
+from rlhf.models.batch_invariant import row_log_probs
 from rlhf.rollout import speculative
 from rlhf.rollout.abort import EarlyStop
 from rlhf.rollout.kv_cache import PagedKVCache
@@ -196,7 +196,7 @@ class GenerateRun(TurnSteps):
         bf16 / fp16 the split prompt / response sum of the attention output adds a rounding step."""
         s = self.s
         if (n < 2 or not self.aligns_prompts or not getattr(self.cache.attention, "aligns", False)
-                or s.dtype != torch.float32
+                or s.dtype != torch.float32 or s.batch_invariant
                 or vision is not None or s.static_shapes or getattr(s.speculative, "enable", False)
                 or max(self.prompt_lens) > s.prefill_tokens):
             return 0
@@ -468,7 +468,10 @@ class GenerateRun(TurnSteps):
         with self.s.lean():  # writes only into state made outside it; its own results are only read later
             u = None if sl.u is None else sl.u[a:b].gather(1, gen[:, None]).squeeze(1)
             banned = self.s.banned_ids
-            if banned is None or not banned.numel():
+            if self.s.batch_invariant:  # the trainer's log-prob function, row-tiled (rlhf.models.batch_invariant)
+                tok, _ = sample_next(logits, p, u)
+                logp = row_log_probs(logits, tok, 1.0 if p.greedy else p.temperature)[0]
+            elif banned is None or not banned.numel():
                 tok, logp = sample_next(logits, p, u)
             else:  # never draw an image / video placeholder; the log-prob stays the untruncated policy's
                 tok, _ = sample_next(logits.index_fill(1, banned, float("-inf")), p, u)

@@ -167,11 +167,18 @@ class RolloutConfig:
         "doc": "Tool-using multi-turn rollouts (verl's rollout.multi_turn names)."})
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig, metadata={
         "doc": "Speculative decoding with n-gram drafts (no draft model); exact: same tokens and log-probs."})
+    batch_invariant: bool = _f(False, "The sampler and the trainer run one batch-invariant forward (row-tiled "
+                                      "matmuls, attention grouped by key length): the sampler's log-probs equal "
+                                      "the trainer's bit for bit (mismatch/max_abs_logprob_diff = 0). Dense "
+                                      "Llama-block families and Qwen3-MoE, tp = pp = sp = 1, colocated.")
 
 
 @dataclass
 class ActorConfig:
     lr: float = _f(1e-6, "Peak learning rate (verl actor.optim.lr).")
+    use_rollout_log_probs: bool = _f(False, "With rollout.batch_invariant: skip the old-log-prob forward; the "
+                                            "sampler's log-probs (bitwise the trainer's) are the old log-probs "
+                                            "(verl's name). Costs the actor/entropy metric.")
     router_replay: Literal["none", "R2", "R3"] = _f(
         "none", "MoE routing replay (verl router_replay.mode): R2 = every update forward uses the experts the "
         "old-log-prob pass chose (gate weights from the live router); R3 = every trainer forward (old / ref "

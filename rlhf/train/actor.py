@@ -33,6 +33,7 @@ from rlhf.algos.policy_loss import PolicyLossParams, get_policy_loss
 from rlhf.algos.policy_loss_cov import COV_LOSSES, select_cov_tokens
 from rlhf.data.batching import micro_batches_for_rank
 from rlhf.data.multimodal import collate_multi_modal
+from rlhf.models import batch_invariant as invariant
 from rlhf.models.fp8_training import apply_fp8_training
 from rlhf.models.fsdp import grad_scale, keep_unsharded
 from rlhf.models.loading import load_causal_lm, vision_tower
@@ -161,8 +162,10 @@ class PolicyWorker:
                  path: Optional[str] = None, trainable: bool = True,
                  actor_cfg: Optional[ActorConfig] = None, total_steps: int = 1,
                  build_model: Optional[Callable[[], torch.nn.Module]] = None,
-                 parallel_cfg: Optional[ParallelConfig] = None, lora: Optional[bool] = None):
-        """`lora`: wrap the model with PEFT LoRA adapters (default: trainable and model.lora_rank > 0)."""
+                 parallel_cfg: Optional[ParallelConfig] = None, lora: Optional[bool] = None,
+                 batch_invariant: bool = False):
+        """`lora`: wrap the model with PEFT LoRA adapters (default: trainable and model.lora_rank > 0).
+        `batch_invariant` (rollout.batch_invariant): every forward through rlhf.models.batch_invariant."""
         self.cfg = model_cfg
         self.actor_cfg = actor_cfg
         self.mesh = mesh
@@ -202,8 +205,10 @@ class PolicyWorker:
             fsdp_unit=model_cfg.fsdp_unit)
         del model  # with pp, the other stages' layers are freed here
         adopt_layout(self, self.parallel, mesh)
+        self.batch_invariant = batch_invariant and invariant.install_or_refuse(self.model, self.hf_config)
         # (not under pp: the schedule splits rows into micro-batches the padding mask cannot follow)
-        self.router_stats = _router_stats(self.model, self.hf_config) if trainable and self.pipeline is None else None
+        self.router_stats = _router_stats(self.model, self.hf_config) \
+            if trainable and self.pipeline is None and not self.batch_invariant else None  # (no HF router calls)
         self.router_replay = _router_replay(self.model, self.hf_config, actor_cfg, self.sp_group, trainable,
                                             self.pipeline is not None)
         self.optimizer = self.scheduler = None
@@ -244,6 +249,9 @@ class PolicyWorker:
         return self._forward_log_probs(input_ids, attention_mask, R, temperature, compute_entropy, mm)
 
     def _forward_log_probs(self, input_ids, attention_mask, R, temperature, compute_entropy, mm):
+        if self.batch_invariant:
+            return invariant.invariant_log_probs(self.model, input_ids, attention_mask, response_length=R,
+                                                 temperature=temperature, compute_entropy=compute_entropy)
         if self.cfg.use_remove_padding:
             return packed_forward_log_probs(self.model, input_ids, attention_mask, response_length=R,
                                             temperature=temperature, compute_entropy=compute_entropy,

@@ -46,6 +46,7 @@ from rlhf.schema.config import Config, ConfigError
 from rlhf.train.evaluation import flat_metrics, generation_rows, rollout_rows, score_batch, summarize, val_sampling
 from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch, vlm_processor
 from rlhf.train.async_rl import training_side
+from rlhf.models.batch_invariant import step_metrics as invariant_step_metrics
 from rlhf.train.async_rl.staleness import skips_old_log_prob_pass, uses_rollout_log_probs as rollout_lp
 from rlhf.train.over_sampling import over_sampling_for, with_row_lists
 from rlhf.train.regroup import regroup_rows
@@ -101,7 +102,8 @@ class RLTrainer:
         # Watchdog, phase memory, profiler, MFU: started before the models load, which can hang too.
         self.ops = StepOps(cfg, self.env, lm_config, self.out_dir)  # MFU: the language model's FLOPs
         self.actor = PolicyWorker(cfg.model, self.mesh, self.device, trainable=True, actor_cfg=cfg.actor,
-                                  total_steps=self.total_steps, parallel_cfg=cfg.parallel)
+                                  total_steps=self.total_steps, parallel_cfg=cfg.parallel,
+                                  batch_invariant=cfg.rollout.batch_invariant)
         self.actor.nonfinite.max_consecutive = cfg.trainer.max_nan_steps
         self.need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # With LoRA the reference is the actor with its adapters disabled: no second base copy.
@@ -326,6 +328,8 @@ class RLTrainer:
             if dist.get_world_size(self.dp_group) > 1:
                 dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=self.dp_group)
             metrics = {"actor/entropy": self._global_masked_mean(entropy, mask), "rollout/logprob_diff_max": float(diff)}
+            if self.cfg.rollout.batch_invariant:  # exactly 0 unless a kernel broke the mode (then a warning)
+                metrics.update(invariant_step_metrics(float(diff), self.actor.hf_config.model_type, self.device.type))
         if self.cfg.algorithm.adv_estimator in TOKEN_BASELINE_ESTIMATORS:
             batch.sum_pi_squared = self.actor.compute_sum_pi_squared(
                 batch, temperature=T, micro_batch_size=a.log_prob_micro_batch_size_per_gpu)

@@ -71,5 +71,8 @@ def uses_rollout_log_probs(cfg) -> bool:
 def skips_old_log_prob_pass(cfg, actor) -> bool:
     """Whether the trainer can skip its old-log-prob forward: under :func:`uses_rollout_log_probs`,
     unless that pass also records a MoE actor's routes (router replay). The pass is a third of the
-    training rank's step, the fully_async bottleneck; the cost is the ``actor/entropy`` metric."""
+    training rank's step, the fully_async bottleneck; the cost is the ``actor/entropy`` metric. Also under
+    ``rollout.batch_invariant`` with ``actor.use_rollout_log_probs``, in any mode."""
+    if cfg.rollout.batch_invariant and cfg.actor.use_rollout_log_probs:  # bitwise the trainer's (actor.py)
+        return True
     return uses_rollout_log_probs(cfg) and getattr(actor, "router_replay", None) is None
