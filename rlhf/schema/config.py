@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from rlhf.schema.distill import DistillConfig
+
 
 class ConfigError(ValueError):
     """A configuration problem the user can fix; the message names the dotted key."""
@@ -441,6 +443,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
