@@ -79,6 +79,7 @@ def one_run(method: str, seed: int, args, out: Path) -> dict:
         for p in sorted(run_dir.rglob("*"), reverse=True):
             p.unlink() if p.is_file() else p.rmdir()
     config = "configs/quickstart.yaml" if method == "grpo" else "configs/quickstart_distill.yaml"
+    unmapped = 0.0
     n = args.grpo_n if method == "grpo" else args.opd_n
     overrides = [f"model.path={args.sft_model}", f"trainer.output_dir={run_dir}", f"trainer.seed={seed}",
                  f"rollout.seed={seed}", f"data.seed={seed + 1}", "trainer.test_freq=1",
@@ -88,11 +89,21 @@ def one_run(method: str, seed: int, args, out: Path) -> dict:
                  *([f"data.max_response_length={args.max_response_length}"] if args.max_response_length else [])]
     if method == "opd":
         overrides.append(f"distill.teachers.teacher.path={args.teacher}")
+    if method == "opd_cross_tokenizer":
+        overrides += [f"distill.teachers.teacher.path={args.cross_teacher}", "algorithm.adv_estimator=opd",
+                      "distill.enabled=true"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "train_grpo.py", "--config", config, *overrides]
     seconds = run_until(cmd, run_dir / "metrics.jsonl", out / f"{method}_{seed}.log", args.target, args.timeout_s)
-    tokens, step, reached = tokens_to_target(read_metrics(run_dir / "metrics.jsonl"), args.batch * n, args.target)
-    return {"method": method, "seed": seed, "tokens": tokens, "step": step, "reached": reached, "seconds": seconds}
+    records = read_metrics(run_dir / "metrics.jsonl")
+    tokens, step, reached = tokens_to_target(records, args.batch * n, args.target)
+    row = {"method": method, "seed": seed, "tokens": tokens, "step": step, "reached": reached, "seconds": seconds,
+           "val_acc_start": next((r["val/acc"] for r in records if r.get("step") == 0 and "val/acc" in r), None),
+           "val_acc_last": [r["val/acc"] for r in records if "val/acc" in r][-1]}
+    if method != "grpo":
+        row["unmapped_tokens"] = sum(r.get("distill/unmapped_tokens", 0.0) for r in records)
+        row["scored_tokens"] = sum(r.get("distill/scored_tokens", 0.0) for r in records)
+    return row
 
 
 def main() -> None:
@@ -110,23 +121,37 @@ def main() -> None:
     ap.add_argument("--teacher", default="outputs/quickstart/grpo/hf_export")
     ap.add_argument("--timeout-s", type=float, default=3600)
     ap.add_argument("--out", default="outputs/distill_tokens")
+    ap.add_argument("--cross-tokenizer", action="store_true",
+                    help="also distil from the teacher under another (permuted-id) character tokenizer")
     args = ap.parse_args()
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    methods = ["grpo", "opd"]
+    if args.cross_tokenizer:
+        from rlhf.models.tiny import write_permuted_vocab_copy
+
+        args.cross_teacher = str(write_permuted_vocab_copy(args.teacher, str(out / "cross_tokenizer_teacher")))
+        methods.append("opd_cross_tokenizer")
     rows = []
     for seed in range(args.seeds):
-        for method in ("grpo", "opd"):
+        for method in methods:
             rows.append(one_run(method, seed, args, out))
             r = rows[-1]
             print(f"seed {seed} {method}: {r['tokens']:.0f} sampled tokens to val/acc >= {args.target} at step "
                   f"{r['step']}{'' if r['reached'] else ' (NOT reached: lower bound)'} ({r['seconds']:.0f} s)",
                   flush=True)
-    mean = {m: statistics.fmean(r["tokens"] for r in rows if r["method"] == m) for m in ("grpo", "opd")}
+    mean = {m: statistics.fmean(r["tokens"] for r in rows if r["method"] == m) for m in methods}
     ratio = mean["opd"] / mean["grpo"] if mean["grpo"] else float("nan")
     print(f"mean sampled tokens to {args.target}: GRPO {mean['grpo']:.0f}, OPD {mean['opd']:.0f}; "
           f"OPD / GRPO = {ratio:.3f} (target <= 0.25)")
+    if args.cross_tokenizer:
+        cross = [r for r in rows if r["method"] == "opd_cross_tokenizer"]
+        print(f"cross-tokenizer teacher: {mean['opd_cross_tokenizer']:.0f} tokens; val acc "
+              f"{statistics.fmean(r['val_acc_start'] for r in cross):.3f} -> "
+              f"{statistics.fmean(r['val_acc_last'] for r in cross):.3f}; unmapped tokens "
+              f"{sum(r['unmapped_tokens'] for r in cross):.0f} of {sum(r['scored_tokens'] for r in cross):.0f} scored")
     print(json.dumps({"bench": "distill_tokens", "target": args.target, "data": args.data, "nproc": args.nproc,
-                      "grpo_tokens_mean": mean["grpo"], "opd_tokens_mean": mean["opd"], "ratio_opd_over_grpo": ratio,
+                      "tokens_mean": mean, "ratio_opd_over_grpo": ratio,
                       "all_reached": all(r["reached"] for r in rows), "runs": rows,
                       "load_avg_1m": os.getloadavg()[0]}))
 

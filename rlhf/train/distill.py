@@ -204,4 +204,7 @@ def build_distiller(cfg: Config, mesh, device: torch.device, student_tokenizer, 
     """The run's :class:`Distiller`, or None without ``distill.enabled``."""
     if not cfg.distill.enabled:
         return None
+    if any(e.multi_modal is not None for e in train_data.examples):
+        raise ConfigError("distill.enabled: vision-language rows are not supported yet (the teacher runs text only); "
+                          "distil on text data or set distill.enabled=false")
     return Distiller(cfg, mesh, device, student_tokenizer, {e.data_source for e in train_data.examples})

@@ -97,21 +97,12 @@ def test_cross_tokenizer_map_sums_covering_teacher_tokens_and_masks_crossings():
 def test_cross_tokenizer_retokenize_round_trip_with_tokenizers_library():
     """A second tokenizer built with `tokenizers` (digit pairs merged): the student's rows re-tokenized
     for it, and a teacher that scores every teacher token -1 maps back to -(teacher tokens per student token)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from rlhf.data.char_tokenizer import SPECIAL_TOKENS, build_char_tokenizer
+    from rlhf.data.char_tokenizer import build_char_tokenizer
     from rlhf.schema.batch import RolloutBatch
     from rlhf.train.distill import map_back, retokenize
+    from tests._assets import digit_pair_tokenizer
 
-    student = build_char_tokenizer()
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for piece in ["#", " ", "+", "="] + [str(i) for i in range(10)] + [f"{a}{b}" for a in range(10) for b in range(10)]:
-        vocab.setdefault(piece, len(vocab))
-    tk = Tokenizer(models.WordPiece(vocab, unk_token="<unk>", continuing_subword_prefix="", max_input_chars_per_word=100))
-    tk.pre_tokenizer = pre_tokenizers.Split(" ", "isolated")
-    teacher = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                      additional_special_tokens=list(SPECIAL_TOKENS[3:]))
+    student, teacher = build_char_tokenizer(), digit_pair_tokenizer()
     assert teacher.get_vocab() != student.get_vocab()
     prompt, response = "<|user|>12+3=", "#### 15<eos>"
     p_ids = student(prompt, add_special_tokens=False)["input_ids"]
