@@ -126,3 +126,25 @@ def test_cross_tokenizer_retokenize_round_trip_with_tokenizers_library():
     assert got == [("#", True, -1.0)] * 4 + [(" ", True, -1.0), ("1", False, 0.0), ("5", False, 0.0),
                                              ("<eos>", True, -1.0)]
     assert not valid[0, len(r_ids):].any()  # padding
+
+
+def test_memory_plan_counts_teachers_sharded_like_the_reference():
+    from rlhf.config.load import load_config
+    from rlhf.planner import ModelShape, plan_memory
+
+    tiny = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 10, "hidden_size": 4,
+            "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "tie_word_embeddings": True, "max_position_embeddings": 64, "rms_norm_eps": 1e-6}
+    student, big = ModelShape.from_config_dict(tiny), ModelShape.from_config_dict({**tiny, "num_hidden_layers": 6})
+    base = ["model.path=x", "data.train_files=x", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+            "algorithm.adv_estimator=opd", "distill.enabled=true", "distill.teachers.big.path=y",
+            "distill.teachers.small.path=z", "distill.teachers.small.dtype=bfloat16"]
+    p = plan_memory(student, load_config(None, base), world_size=2, device="cpu",
+                    teacher_shapes={"big": big, "small": student})
+    # fp32 big teacher + bf16 copy of the student's shape, each sharded over dp=2
+    assert p.components["distill teachers"] == big.num_params() / 2 * 4 + student.num_params() / 2 * 2
+    assert p.phases["update"]["distill teachers"] == p.components["distill teachers"]
+    off = plan_memory(student, load_config(None, base + ["distill.teachers.big.param_offload=true"]), world_size=2,
+                      device="cpu", teacher_shapes={"big": big, "small": student})
+    assert off.components["distill teachers"] == student.num_params() / 2 * 2
+    assert off.host["distill teachers (offloaded)"] == big.num_params() / 2 * 4
