@@ -87,6 +87,8 @@ def one_run(method: str, seed: int, args, out: Path) -> dict:
                  "trainer.logger=[jsonl]", f"rollout.n={n}", f"data.train_batch_size={args.batch}",
                  f"data.train_files={args.data}/train.parquet", f"data.val_files={args.data}/val.parquet",
                  *([f"data.max_response_length={args.max_response_length}"] if args.max_response_length else [])]
+    if method != "grpo":
+        overrides += args.opd_override
     if method == "opd":
         overrides.append(f"distill.teachers.teacher.path={args.teacher}")
     if method == "opd_cross_tokenizer":
@@ -121,19 +123,22 @@ def main() -> None:
     ap.add_argument("--teacher", default="outputs/quickstart/grpo/hf_export")
     ap.add_argument("--timeout-s", type=float, default=3600)
     ap.add_argument("--out", default="outputs/distill_tokens")
+    ap.add_argument("--opd-override", nargs="*", default=[], help="extra overrides of the distillation runs")
+    ap.add_argument("--methods", nargs="*", default=["grpo", "opd"], help="grpo and/or opd")
+    ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--cross-tokenizer", action="store_true",
                     help="also distil from the teacher under another (permuted-id) character tokenizer")
     args = ap.parse_args()
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    methods = ["grpo", "opd"]
+    methods = list(args.methods)
     if args.cross_tokenizer:
         from rlhf.models.tiny import write_permuted_vocab_copy
 
         args.cross_teacher = str(write_permuted_vocab_copy(args.teacher, str(out / "cross_tokenizer_teacher")))
         methods.append("opd_cross_tokenizer")
     rows = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for method in methods:
             rows.append(one_run(method, seed, args, out))
             r = rows[-1]
@@ -141,9 +146,9 @@ def main() -> None:
                   f"{r['step']}{'' if r['reached'] else ' (NOT reached: lower bound)'} ({r['seconds']:.0f} s)",
                   flush=True)
     mean = {m: statistics.fmean(r["tokens"] for r in rows if r["method"] == m) for m in methods}
-    ratio = mean["opd"] / mean["grpo"] if mean["grpo"] else float("nan")
-    print(f"mean sampled tokens to {args.target}: GRPO {mean['grpo']:.0f}, OPD {mean['opd']:.0f}; "
-          f"OPD / GRPO = {ratio:.3f} (target <= 0.25)")
+    ratio = mean["opd"] / mean["grpo"] if mean.get("grpo") and "opd" in mean else float("nan")
+    print(f"mean sampled tokens to {args.target}: " + ", ".join(f"{m} {v:.0f}" for m, v in mean.items())
+          + f"; OPD / GRPO = {ratio:.3f} (target <= 0.25)")
     if args.cross_tokenizer:
         cross = [r for r in rows if r["method"] == "opd_cross_tokenizer"]
         print(f"cross-tokenizer teacher: {mean['opd_cross_tokenizer']:.0f} tokens; val acc "
@@ -151,6 +156,7 @@ def main() -> None:
               f"{statistics.fmean(r['val_acc_last'] for r in cross):.3f}; unmapped tokens "
               f"{sum(r['unmapped_tokens'] for r in cross):.0f} of {sum(r['scored_tokens'] for r in cross):.0f} scored")
     print(json.dumps({"bench": "distill_tokens", "target": args.target, "data": args.data, "nproc": args.nproc,
+                      "opd_override": args.opd_override,
                       "tokens_mean": mean, "ratio_opd_over_grpo": ratio,
                       "all_reached": all(r["reached"] for r in rows), "runs": rows,
                       "load_avg_1m": os.getloadavg()[0]}))
