@@ -47,11 +47,3 @@ class DistillConfig:
     distillation_loss_coef: float = _f(1.0, "Additive form (any adv_estimator but opd): A_t - coef * KL_t with "
                                             "KL_t = log pi_student - log pi_teacher (verl: "
                                             "distillation_loss_coef; slime: --opd-kl-coef); 0 logs the metrics only.")
-    loss_mode: Literal["k1"] = _f("k1", "Per-token KL estimate used as the signal: k1 = log pi_student - "
-                                        "log pi_teacher on the sampled token (verl: loss_mode k1 with "
-                                        "use_policy_gradient).")
-
-
-def teacher_names(cfg: DistillConfig) -> list[str]:
-    """The teachers in config order (the first is the default of a single-teacher run)."""
-    return list(cfg.teachers)
