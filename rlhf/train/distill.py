@@ -42,8 +42,9 @@ class Teacher:
                                         lora_rank=0, enable_gradient_checkpointing=False)
         self.name = name
         self.micro_batch_size = t.log_prob_micro_batch_size_per_gpu or cfg.actor.log_prob_micro_batch_size_per_gpu
+        # the actor's micro-batching settings, never its MoE routes (another model's experts)
         self.worker = PolicyWorker(model_cfg, mesh, device, trainable=False, lora=False, parallel_cfg=cfg.parallel,
-                                   actor_cfg=cfg.actor)
+                                   actor_cfg=dataclasses.replace(cfg.actor, router_replay="none"))
         if self.worker.is_vlm:
             raise ConfigError(f"{key}.path: vision-language teachers are not supported yet; use a text model")
         self.tokenizer = load_tokenizer(t.tokenizer_path or t.path, cfg.model.trust_remote_code,
