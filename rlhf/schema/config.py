@@ -457,8 +457,12 @@ def describe(cls: type = Config, prefix: str = "") -> list[str]:
     lines = []
     for f in dataclasses.fields(cls):
         tp = typing.get_type_hints(cls)[f.name]
+        args = typing.get_args(tp)
         if dataclasses.is_dataclass(tp):
             lines += describe(tp, prefix + f.name + ".")
+        elif typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+            lines.append(f"{prefix}{f.name}: {{}}  # {f.metadata.get('doc', '')}")  # named sections
+            lines += describe(args[1], f"{prefix}{f.name}.<name>.")
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             lines.append(f"{prefix}{f.name}: {default!r}  # {f.metadata.get('doc', '')}")

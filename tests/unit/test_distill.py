@@ -148,3 +148,29 @@ def test_memory_plan_counts_teachers_sharded_like_the_reference():
                       device="cpu", teacher_shapes={"big": big, "small": student})
     assert off.components["distill teachers"] == student.num_params() / 2 * 2
     assert off.host["distill teachers (offloaded)"] == big.num_params() / 2 * 4
+
+
+def test_config_teachers_by_name_and_start_up_errors():
+    from rlhf.config.load import load_config
+    from rlhf.schema.config import ConfigError
+    from rlhf.train.distill import check_routing
+
+    base = ["model.path=x", "data.train_files=x"]
+    cfg = load_config(None, base + ["algorithm.adv_estimator=opd", "distill.enabled=true",
+                                    "distill.teachers.big.path=/t", "distill.teachers.big.dtype=bfloat16",
+                                    "distill.data_source_teacher={a/b: big}"])
+    assert cfg.distill.teachers["big"].path == "/t" and cfg.distill.teachers["big"].dtype == "bfloat16"
+    assert cfg.distill.data_source_teacher == {"a/b": "big"}
+    with pytest.raises(ConfigError, match=r"distill.teachers.big.pth.*did you mean distill.teachers.big.path"):
+        load_config(None, base + ["distill.teachers.big.pth=/t"])
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator.*distill.enabled=true"):
+        load_config(None, base + ["algorithm.adv_estimator=opd"])
+    with pytest.raises(ConfigError, match="distill.teachers.*needs a teacher"):
+        load_config(None, base + ["distill.enabled=true"])
+    with pytest.raises(ConfigError, match="distill.teachers.big.path.*required"):
+        load_config(None, base + ["distill.teachers.big.dtype=float32"])
+    with pytest.raises(ConfigError, match="no teacher named 'small'"):
+        check_routing({"a": "small"}, ["big"], {"a"})
+    with pytest.raises(ConfigError, match="data_source.*c of data.train_files have no teacher"):
+        check_routing({"a": "big"}, ["big", "small"], {"a", "c"})
+    check_routing({}, ["big"], {"a", "c"})  # one teacher: every row goes to it
