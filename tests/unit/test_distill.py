@@ -174,3 +174,14 @@ def test_config_teachers_by_name_and_start_up_errors():
     with pytest.raises(ConfigError, match="data_source.*c of data.train_files have no teacher"):
         check_routing({"a": "big"}, ["big", "small"], {"a", "c"})
     check_routing({}, ["big"], {"a", "c"})  # one teacher: every row goes to it
+
+
+def test_quickstart_distill_config_loads():
+    from pathlib import Path
+
+    from rlhf.config.load import load_config
+
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "quickstart_distill.yaml"))
+    assert cfg.algorithm.adv_estimator == "opd" and cfg.rollout.n == 1 and cfg.distill.enabled
+    assert cfg.distill.teachers["teacher"].path == "outputs/quickstart/grpo/hf_export"
+    assert cfg.trainer.output_dir == "outputs/quickstart/distill"
