@@ -8,11 +8,13 @@ sampled response token (``response_length/generated_mean`` x samples per step, t
 own tokens). A run stops as soon as it first reaches ``--target``; a run that never does
 within ``--max-steps`` counts as "not reached" (its tokens so far are a lower bound).
 
-GRPO: ``configs/quickstart.yaml`` (32 prompts x n=8). OPD: ``configs/quickstart_distill.yaml``
-(32 prompts x n=1, teacher = ``--teacher``, the GRPO quickstart's final model). ``--task
-three_digit`` runs both on the harder three-digit variant (``--data`` / ``--sft-model`` /
-``--teacher`` must then point at that task's files and models; launch/quickstart_distill.sh
-does not build them).
+GRPO: ``configs/quickstart.yaml`` (32 prompts x n=8; ``--methods grpo@2`` adds a run with n=2, a
+baseline that samples fewer tokens per step). OPD: ``configs/quickstart_distill.yaml`` (32 prompts
+x n=1, teacher = ``--teacher``, the GRPO quickstart's final model). ``--cross-tokenizer`` adds OPD
+from that teacher under another tokenizer (``rlhf.models.tiny.write_permuted_vocab_copy``). The
+harder 3-digit variant (``rlhf.data.addition3``) runs with ``--data data/addition3
+--max-response-length 40`` and that task's own ``--sft-model`` and ``--teacher``
+(docs/howto/distillation.md has the commands that build them).
 
 Usage: ``python bench/distill_tokens.py --seeds 3 --sft-model outputs/quickstart/sft/hf_export
 --teacher outputs/quickstart/grpo/hf_export``. The last printed line is one JSON object.
@@ -78,16 +80,17 @@ def one_run(method: str, seed: int, args, out: Path) -> dict:
     if run_dir.exists():
         for p in sorted(run_dir.rglob("*"), reverse=True):
             p.unlink() if p.is_file() else p.rmdir()
-    config = "configs/quickstart.yaml" if method == "grpo" else "configs/quickstart_distill.yaml"
+    grpo = method.startswith("grpo")  # "grpo" (n = --grpo-n) or "grpo@N"
+    config = "configs/quickstart.yaml" if grpo else "configs/quickstart_distill.yaml"
     unmapped = 0.0
-    n = args.grpo_n if method == "grpo" else args.opd_n
+    n = (int(method.split("@")[1]) if "@" in method else args.grpo_n) if grpo else args.opd_n
     overrides = [f"model.path={args.sft_model}", f"trainer.output_dir={run_dir}", f"trainer.seed={seed}",
                  f"rollout.seed={seed}", f"data.seed={seed + 1}", "trainer.test_freq=1",
                  f"trainer.total_training_steps={args.max_steps}", "checkpoint.export_hf=false",
                  "trainer.logger=[jsonl]", f"rollout.n={n}", f"data.train_batch_size={args.batch}",
                  f"data.train_files={args.data}/train.parquet", f"data.val_files={args.data}/val.parquet",
                  *([f"data.max_response_length={args.max_response_length}"] if args.max_response_length else [])]
-    if method != "grpo":
+    if not grpo:
         overrides += args.opd_override
     if method == "opd":
         overrides.append(f"distill.teachers.teacher.path={args.teacher}")
@@ -102,7 +105,7 @@ def one_run(method: str, seed: int, args, out: Path) -> dict:
     row = {"method": method, "seed": seed, "tokens": tokens, "step": step, "reached": reached, "seconds": seconds,
            "val_acc_start": next((r["val/acc"] for r in records if r.get("step") == 0 and "val/acc" in r), None),
            "val_acc_last": [r["val/acc"] for r in records if "val/acc" in r][-1]}
-    if method != "grpo":
+    if not grpo:
         row["unmapped_tokens"] = sum(r.get("distill/unmapped_tokens", 0.0) for r in records)
         row["scored_tokens"] = sum(r.get("distill/scored_tokens", 0.0) for r in records)
     return row
@@ -124,7 +127,7 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=3600)
     ap.add_argument("--out", default="outputs/distill_tokens")
     ap.add_argument("--opd-override", nargs="*", default=[], help="extra overrides of the distillation runs")
-    ap.add_argument("--methods", nargs="*", default=["grpo", "opd"], help="grpo and/or opd")
+    ap.add_argument("--methods", nargs="*", default=["grpo", "opd"], help="grpo (n = --grpo-n), grpo@N (n = N), opd")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--cross-tokenizer", action="store_true",
                     help="also distil from the teacher under another (permuted-id) character tokenizer")
@@ -147,8 +150,10 @@ def main() -> None:
                   flush=True)
     mean = {m: statistics.fmean(r["tokens"] for r in rows if r["method"] == m) for m in methods}
     ratio = mean["opd"] / mean["grpo"] if mean.get("grpo") and "opd" in mean else float("nan")
+    ratios = {f"opd/{m}": mean["opd"] / v for m, v in mean.items() if m.startswith("grpo") and v and "opd" in mean}
     print(f"mean sampled tokens to {args.target}: " + ", ".join(f"{m} {v:.0f}" for m, v in mean.items())
-          + f"; OPD / GRPO = {ratio:.3f} (target <= 0.25)")
+          + f"; OPD / GRPO = {ratio:.3f} (target <= 0.25)"
+          + "".join(f"; {k} = {v:.3f}" for k, v in ratios.items() if k != "opd/grpo"))
     if args.cross_tokenizer:
         cross = [r for r in rows if r["method"] == "opd_cross_tokenizer"]
         print(f"cross-tokenizer teacher: {mean['opd_cross_tokenizer']:.0f} tokens; val acc "
@@ -157,7 +162,7 @@ def main() -> None:
               f"{sum(r['unmapped_tokens'] for r in cross):.0f} of {sum(r['scored_tokens'] for r in cross):.0f} scored")
     print(json.dumps({"bench": "distill_tokens", "target": args.target, "data": args.data, "nproc": args.nproc,
                       "opd_override": args.opd_override,
-                      "tokens_mean": mean, "ratio_opd_over_grpo": ratio,
+                      "tokens_mean": mean, "ratio_opd_over_grpo": ratio, "ratios": ratios,
                       "all_reached": all(r["reached"] for r in rows), "runs": rows,
                       "load_avg_1m": os.getloadavg()[0]}))
 
