@@ -90,6 +90,7 @@ def one_run(method: str, seed: int, args, out: Path) -> dict:
                  "trainer.logger=[jsonl]", f"rollout.n={n}", f"data.train_batch_size={args.batch}",
                  f"data.train_files={args.data}/train.parquet", f"data.val_files={args.data}/val.parquet",
                  *([f"data.max_response_length={args.max_response_length}"] if args.max_response_length else [])]
+    overrides += args.override
     if not grpo:
         overrides += args.opd_override
     if method == "opd":
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--teacher", default="outputs/quickstart/grpo/hf_export")
     ap.add_argument("--timeout-s", type=float, default=3600)
     ap.add_argument("--out", default="outputs/distill_tokens")
+    ap.add_argument("--override", nargs="*", default=[], help="extra overrides of every run")
     ap.add_argument("--opd-override", nargs="*", default=[], help="extra overrides of the distillation runs")
     ap.add_argument("--methods", nargs="*", default=["grpo", "opd"], help="grpo (n = --grpo-n), grpo@N (n = N), opd")
     ap.add_argument("--first-seed", type=int, default=0)
@@ -161,7 +163,7 @@ def main() -> None:
               f"{statistics.fmean(r['val_acc_last'] for r in cross):.3f}; unmapped tokens "
               f"{sum(r['unmapped_tokens'] for r in cross):.0f} of {sum(r['scored_tokens'] for r in cross):.0f} scored")
     print(json.dumps({"bench": "distill_tokens", "target": args.target, "data": args.data, "nproc": args.nproc,
-                      "opd_override": args.opd_override,
+                      "override": args.override, "opd_override": args.opd_override, "batch": args.batch,
                       "tokens_mean": mean, "ratio_opd_over_grpo": ratio, "ratios": ratios,
                       "all_reached": all(r["reached"] for r in rows), "runs": rows,
                       "load_avg_1m": os.getloadavg()[0]}))
