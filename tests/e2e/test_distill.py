@@ -5,7 +5,8 @@
   mapped): the same teacher log-probs, so the reverse KL is ~0 and nothing is unmapped;
 * opd, a character-pair tokenizer teacher (built with `tokenizers`): two-character tokens cover two
   student tokens, so those spans are masked and counted;
-* grpo with the additive term from another teacher: the KL moves the advantages.
+* grpo with the additive term from another teacher: the KL moves the advantages;
+* a LoRA student, and trainer.mode one_step_off on 2 ranks (the teacher runs on the training rank).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from rlhf.ops.metrics import read_metrics
 from tests._assets import write_digit_pair_teacher
-from tests.e2e.conftest import grpo_args, run_script_many
+from tests.e2e.conftest import grpo_args, run_script, run_script_many
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,7 @@ def runs(tiny_assets, tmp_path_factory):
         "permuted": {**opd, "distill.teachers.t.path": permuted},
         "pairs": {**opd, "distill.teachers.t.path": pairs},
         "additive": {"distill.enabled": True, "distill.teachers.t.path": other, "distill.distillation_loss_coef": 0.5},
+        "lora": {**opd, "distill.teachers.t.path": other, "model.lora_rank": 8},
     }
     args = [grpo_args(tiny_assets, d / name, **{"data.val_files": "", **over}) for name, over in cases.items()]
     return d, dict(zip(cases, run_script_many("train_grpo.py", args, timeout=900)))
@@ -70,4 +72,25 @@ def test_cross_tokenizer_masks_and_counts_unmapped_spans(runs):
 
 def test_additive_term_on_grpo(runs):
     for m in _rows(runs, "additive"):
-        assert m["distill/reverse_kl"] > 0 and m["distill/coef"] == 0.5 and m["actor/grad_norm"] > 0
+        assert m["distill/reverse_kl"] != 0 and m["distill/coef"] == 0.5 and m["actor/grad_norm"] > 0
+
+
+def test_lora_student(runs):
+    rows = _rows(runs, "lora")  # the teacher is a separate full model, never the adapter-free actor
+    # the k1 estimate of one sample per token can be negative; it is 0 only where the teacher is the student
+    assert all(m["distill/reverse_kl"] != 0 and m["actor/grad_norm"] > 0 for m in rows)
+
+
+def test_one_step_off_teacher_on_the_training_rank(tiny_assets, tmp_path):
+    from rlhf.models.tiny import write_tiny_model
+
+    other = write_tiny_model(str(tmp_path / "other"), seed=5, hidden_size=32, num_layers=2, num_heads=4,
+                             num_kv_heads=2, intermediate_size=64)
+    out = tmp_path / "one_step_off"
+    r = run_script("train_grpo.py", grpo_args(tiny_assets, out, **{
+        "trainer.mode": "one_step_off", "actor.tis_imp_ratio_cap": 2.0, "data.val_files": "", "algorithm.adv_estimator": "opd", "rollout.n": 1,
+        "distill.enabled": True, "distill.teachers.t.path": other}), nproc=2, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [m for m in read_metrics(out / "metrics.jsonl") if "actor/loss" in m]
+    assert [m["step"] for m in rows] == [1, 2]
+    assert all(m["distill/reverse_kl"] != 0 and m["distill/scored_tokens"] > 0 for m in rows)
