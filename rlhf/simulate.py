@@ -171,6 +171,9 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda", fl
             need_ref = (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and cfg.model.lora_rank == 0
             ref = PolicyWorker(cfg.model, mesh, meta, trainable=False, parallel_cfg=cfg.parallel, lora=False,
                                build_model=build) if need_ref else None
+            teachers = _teachers(cfg, mesh, meta, PolicyWorker)
+        if teachers:
+            notes.append("distill.teachers: their parameters are counted; their log-prob passes are not simulated")
         layout = RolloutLayout.build(cfg.rollout.tp, device)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         counter = LiveBytes(ranks_per_node=8)
@@ -183,13 +186,15 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda", fl
         ctx = _Ctx(cfg, hf, dims, actor, counter, hidden_dtype, state)
         with fake, packed_layout_on_host(), moe_on_host(), flash_attention_shapes(), \
                 fsdp_storage_resizes(counter), fsdp_offload_on_host(counter):
-            for w in (actor, ref):
+            for w in (actor, ref, *teachers):
                 if w is not None:
                     w.model.to_empty(device="cpu")
             with counter:
                 counter.adopt(actor.model.parameters(), state.get("parameters", "parameters"))
                 if ref is not None:
                     counter.adopt(ref.model.parameters(), state.get("parameters", "parameters"))
+                for t in teachers:
+                    counter.adopt(t.model.parameters(), HOST if t.cfg.param_offload else "parameters")
                 _warm_optimizer(actor, counter, state.get("optimizer", "optimizer"))
                 counter.phase("rollout")
                 rdt = rollout_dtype(cfg.rollout.dtype, device, cfg.model.dtype)
@@ -231,6 +236,23 @@ def simulate(cfg: Config, *, world: int, rank: int = 0, device: str = "cuda", fl
     finally:
         dist.destroy_process_group()
         _forget_meshes()
+
+
+def _teachers(cfg: Config, mesh, meta, worker_cls) -> list:
+    """The ``distill.teachers`` as the trainer builds them (rlhf/train/distill.py), from config.json alone."""
+    import dataclasses
+
+    from rlhf.models.loading import DTYPES, model_config, training_attn_implementation
+
+    out = []
+    for t in (cfg.distill.teachers.values() if cfg.distill.enabled else ()):
+        full = model_config(t.path, cfg.model.trust_remote_code)
+        model_cfg = dataclasses.replace(cfg.model, path=t.path, dtype=t.dtype or cfg.model.dtype,
+                                        param_offload=t.param_offload, lora_rank=0)
+        build = _meta_builder(full, DTYPES[model_cfg.dtype], training_attn_implementation(full, "sdpa"))
+        out.append(worker_cls(model_cfg, mesh, meta, trainable=False, parallel_cfg=cfg.parallel, lora=False,
+                              build_model=build))
+    return out
 
 
 def _forget_meshes() -> None:

@@ -109,3 +109,38 @@ def write_tool_vlm_assets(d: Path, *, steps: int = 60, n_rows: int = 8, seed: in
     model.save_pretrained(d / "tool_vlm")
     proc.save_pretrained(d / "tool_vlm")
     return d
+
+
+def digit_pair_tokenizer(pairs_of: str = "0123456789"):
+    """A second tokenizer for the addition task, built with the `tokenizers` library: every two-character
+    string of ``pairs_of`` (default: two digits) is one token (greedy longest match), other characters and
+    the special tokens as the project's char tokenizer has them; its vocabulary differs from the student's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rlhf.data.char_tokenizer import DEFAULT_CHARS, SPECIAL_TOKENS
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for piece in list(DEFAULT_CHARS) + [a + b for a in pairs_of for b in pairs_of]:
+        vocab.setdefault(piece, len(vocab))
+    tk = Tokenizer(models.WordPiece(vocab, unk_token="<unk>", continuing_subword_prefix="", max_input_chars_per_word=100))
+    tk.pre_tokenizer = pre_tokenizers.Split(" ", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                  additional_special_tokens=list(SPECIAL_TOKENS[3:]))
+
+
+def write_digit_pair_teacher(d: Path, *, seed: int = 3, pairs_of: str = "0123456789") -> Path:
+    """A random tiny model with :func:`digit_pair_tokenizer` (a teacher for the cross-tokenizer path)."""
+    from transformers import Qwen2ForCausalLM
+
+    import torch
+
+    from rlhf.models.tiny import tiny_qwen2_config
+
+    tok = digit_pair_tokenizer(pairs_of)
+    torch.manual_seed(seed)
+    cfg = tiny_qwen2_config(len(tok), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    tok.save_pretrained(d)
+    return d

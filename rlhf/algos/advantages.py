@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from rlhf.algos.distill import opd_advantages
 from rlhf.algos.masked import masked_sum, masked_whiten
 from rlhf.algos.reward_shaping import place_reward_on_last_token
 
@@ -44,6 +45,7 @@ __all__ = [
     "compute_grpo_passk_outcome_advantage",
     "compute_gpg_outcome_advantage",
     "compute_gdpo_outcome_advantage",
+    "compute_opd_advantage",
     "group_ids",
     "sequence_scores",
 ]
@@ -73,6 +75,7 @@ class AdvantageEstimatorFn(Protocol):
         old_log_probs: torch.Tensor | None = None,
         sum_pi_squared: torch.Tensor | None = None,
         rollout_is_weights: torch.Tensor | None = None,
+        teacher_log_probs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``whiten(values, mask)`` normalises over "the batch"; the trainer passes one whose
         statistics are all-reduced over data-parallel ranks, so whitening estimators (gae,
@@ -80,7 +83,8 @@ class AdvantageEstimatorFn(Protocol):
         ``global_sum(t)`` sums a tensor over those ranks (identity by default), for estimators
         whose scale depends on batch-wide counts (gpg).  ``reward_components [B, K]`` and
         ``reward_weights [K]`` feed gdpo; ``old_log_probs``, ``sum_pi_squared`` and
-        ``rollout_is_weights`` (all ``[B, T]``) feed the optimal token baselines.  Estimators
+        ``rollout_is_weights`` (all ``[B, T]``) feed the optimal token baselines; ``teacher_log_probs``
+        ``[B, T]`` (with ``old_log_probs``) feeds opd.  Estimators
         accept and ignore the arguments they do not use."""
 
 
@@ -486,3 +490,23 @@ def compute_gdpo_outcome_advantage(
         combined = combined + weights[k] * adv_k
     adv = whiten(combined, response_mask) * response_mask
     return adv, adv
+
+
+@register_adv_estimator("opd")
+@torch.no_grad()
+def compute_opd_advantage(
+    *,
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor | None = None,
+    teacher_log_probs: torch.Tensor | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation (Thinking Machines 2025; verl ``distillation`` with ``use_policy_gradient``):
+    ``A_t = log q_teacher(y_t) - log pi_old(y_t)`` per token, the negative per-token reverse KL
+    (:func:`rlhf.algos.distill.opd_advantages`). Task rewards are not used; no group baseline,
+    so ``n = 1`` works. Shapes ``[B, T]`` -> ``(advantages, returns)`` ``[B, T]``, equal.
+    """
+    if old_log_probs is None or teacher_log_probs is None:
+        raise ValueError("adv_estimator 'opd' needs the student's old log-probs and the teacher's log-probs: "
+                         "set distill.enabled=true with a distill.teachers entry")
+    return opd_advantages(old_log_probs, teacher_log_probs, response_mask)

@@ -25,6 +25,13 @@ def validate(cfg: Config) -> None:
     need(cfg.data.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")
     need(cfg.data.max_response_length > 0, "data.max_response_length", "must be > 0")
     need(cfg.rollout.n >= 1, "rollout.n", "must be >= 1")
+    d = cfg.distill
+    need(cfg.algorithm.adv_estimator != "opd" or d.enabled, "algorithm.adv_estimator",
+         "opd scores tokens with a teacher: set distill.enabled=true and distill.teachers.<name>.path")
+    need(not d.enabled or bool(d.teachers), "distill.teachers", "distill.enabled needs a teacher: "
+         "distill.teachers.<name>.path=DIR")
+    for name, t in d.teachers.items():
+        need(bool(t.path), f"distill.teachers.{name}.path", "is required (the teacher's HF model directory)")
     need(cfg.rollout.temperature >= 0, "rollout.temperature", "must be >= 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(0 <= cfg.rollout.over_sample_rate < 1, "rollout.over_sample_rate", "must be in [0, 1) (verl: 0 = off)")

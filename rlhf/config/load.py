@@ -84,6 +84,13 @@ def _build(cls: type, data: dict, prefix: str, root: type | None = None) -> Any:
         if dataclasses.is_dataclass(tp):
             kwargs[f.name] = _build(tp, value if value is not None else {}, dotted + ".", root)
             continue
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+            if not isinstance(value, dict):  # named sections (distill.teachers.<name>)
+                raise ConfigError(f"config key '{dotted}' must be a mapping of names to sections, got {value!r}")
+            kwargs[f.name] = {str(k): _build(args[1], v if v is not None else {}, f"{dotted}.{k}.", root)
+                              for k, v in value.items()}
+            continue
         ok, value = _type_ok(value, tp)
         if not ok:
             raise ConfigError(f"config key '{dotted}' must be {_type_name(tp)}, got {data[f.name]!r}")

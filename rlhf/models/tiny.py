@@ -38,6 +38,35 @@ def write_tiny_model(out_dir: str, *, seed: int = 0, **kw) -> Path:
     return out
 
 
+def write_permuted_vocab_copy(src: str, out_dir: str) -> Path:
+    """``src`` (a model with the char tokenizer) under another tokenizer: a char tokenizer whose characters
+    take other ids (reversed order), with the embedding and output rows moved to match. It predicts
+    exactly what ``src`` predicts while its vocabulary differs from ``src``'s: a teacher that takes the
+    cross-tokenizer path of distillation (rlhf/train/distill.py) with every span mapped."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf.data.char_tokenizer import DEFAULT_CHARS
+
+    old_vocab = AutoTokenizer.from_pretrained(src).get_vocab()
+    new_tok = build_char_tokenizer(DEFAULT_CHARS[::-1])
+    new_vocab = new_tok.get_vocab()
+    if set(old_vocab) != set(new_vocab):
+        raise ValueError(f"{src}: not the project's character tokenizer (other tokens)")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    perm = torch.tensor([old_vocab[t] for t, _ in sorted(new_vocab.items(), key=lambda kv: kv[1])])
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+        emb.copy_(emb[perm].clone())
+        if not tied:
+            head = model.get_output_embeddings().weight
+            head.copy_(head[perm].clone())
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    new_tok.save_pretrained(out)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)

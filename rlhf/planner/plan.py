@@ -109,13 +109,15 @@ def in_place_decode_kernel() -> bool:
 
 
 def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str = "cuda",
-                flash_attn: bool = True, host_memory: Optional[int] = None) -> MemoryPlan:
+                flash_attn: bool = True, host_memory: Optional[int] = None,
+                teacher_shapes: Optional[dict] = None) -> MemoryPlan:
     """The memory plan of `cfg` for `shape` on `world_size` ranks of `device` ("cuda" or "cpu").
 
     ``flash_attn``: whether the CUDA decode kernel in fp16 / bf16 reads the cache in place (flash-attn, or
     torch's paged ``varlen_attn``: :func:`in_place_decode_kernel`); else the gather kernel and its buffers are
     counted. ``host_memory``: the machine's memory, to warn when
-    the per-node host total at load exceeds it."""
+    the per-node host total at load exceeds it. ``teacher_shapes``: ``{name: ModelShape}`` of the
+    ``distill.teachers`` (frozen, sharded like the reference: their parameters are held throughout)."""
     from rlhf.models.fsdp import resolve_fsdp_unit
     from rlhf.models.parallel import ParallelDims
     from rlhf.models.parallelize import validate_layout
@@ -163,6 +165,10 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     comp["optimizer (AdamW m+v)"] = 2 * trainable_rank * mb
     need_ref = (a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora
     comp["reference"] = params_rank * mb if need_ref else 0.0
+    teachers = cfg.distill.teachers if cfg.distill.enabled and teacher_shapes else {}
+    teacher_rank = {n: _stage_params(teacher_shapes[n], pp) / tp / fsdp * DTYPE_BYTES[t.dtype or m.dtype]
+                    for n, t in teachers.items()}
+    comp["distill teachers"] = sum(b for n, b in teacher_rank.items() if not teachers[n].param_offload)
     critic = cfg.algorithm.adv_estimator == "gae"
     critic_params = (stage - (0 if s.tie_word_embeddings or pp > 1 else s.embed_params())) / tp / fsdp if critic else 0
     comp["critic (params+grads+adam)"] = 4 * critic_params * mb
@@ -190,6 +196,8 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
     comp["load (host slice being placed)"] = 0.0 if on_host else load_rank
     if on_host:
         host["load (slice being placed)"] = load_rank
+    if any(t.param_offload for t in teachers.values()):
+        host["distill teachers (offloaded)"] = sum(b for n, b in teacher_rank.items() if teachers[n].param_offload)
     if m.param_offload:
         for k in ("parameters", "gradients", "optimizer (AdamW m+v)", "reference"):
             host[k] = comp[k]
@@ -312,7 +320,7 @@ def plan_memory(shape: ModelShape, cfg: Config, *, world_size: int, device: str 
 
     acts = ckpt_acts if m.enable_gradient_checkpointing else full_acts
     training_state = {k: comp[k] for k in ("parameters", "optimizer (AdamW m+v)", "reference",
-                                           "critic (params+grads+adam)")}
+                                           "critic (params+grads+adam)", "distill teachers")}
     # What generation holds next to the training state.
     rollout_state = {"rollout weights": 0.0 if lora else rollout_copy,
                      "lora merged weights": _lora_merged(s, m, r.tp, rb) if lora else 0.0,
@@ -444,8 +452,10 @@ def machine_memory() -> Optional[int]:
 
 def plan_from_config(cfg: Config, *, world_size: int, device: str) -> MemoryPlan:
     """The plan on this machine: the decode kernel as installed here, host memory as this machine's."""
+    teachers = {n: ModelShape.from_model_dir(t.path, key=f"distill.teachers.{n}.path")
+                for n, t in cfg.distill.teachers.items()} if cfg.distill.enabled else None
     return plan_memory(ModelShape.from_model_dir(cfg.model.path), cfg, world_size=world_size, device=device,
-                       flash_attn=in_place_decode_kernel(), host_memory=machine_memory())
+                       flash_attn=in_place_decode_kernel(), host_memory=machine_memory(), teacher_shapes=teachers)
 
 
 def main(argv=None) -> None:

@@ -49,6 +49,7 @@ class RolloutBatch:
     token_level_rewards: Optional[torch.Tensor] = None  # [N, R] scores minus in-reward KL
     old_log_probs: Optional[torch.Tensor] = None        # [N, R]
     ref_log_probs: Optional[torch.Tensor] = None        # [N, R]
+    teacher_log_probs: Optional[torch.Tensor] = None    # [N, R] distillation teacher (rlhf/train/distill.py)
     values: Optional[torch.Tensor] = None               # [N, R] critic values
     advantages: Optional[torch.Tensor] = None           # [N, R]
     returns: Optional[torch.Tensor] = None              # [N, R]

@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from rlhf.schema.distill import DistillConfig
+
 
 class ConfigError(ValueError):
     """A configuration problem the user can fix; the message names the dotted key."""
@@ -468,6 +470,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -481,8 +484,12 @@ def describe(cls: type = Config, prefix: str = "") -> list[str]:
     lines = []
     for f in dataclasses.fields(cls):
         tp = typing.get_type_hints(cls)[f.name]
+        args = typing.get_args(tp)
         if dataclasses.is_dataclass(tp):
             lines += describe(tp, prefix + f.name + ".")
+        elif typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+            lines.append(f"{prefix}{f.name}: {{}}  # {f.metadata.get('doc', '')}")  # named sections
+            lines += describe(args[1], f"{prefix}{f.name}.<name>.")
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             lines.append(f"{prefix}{f.name}: {default!r}  # {f.metadata.get('doc', '')}")

@@ -234,3 +234,15 @@ def val_sampling(cfg) -> dict:
     if vk.do_sample:
         return {"n": vk.n, "temperature": vk.temperature, "top_p": vk.top_p, "top_k": vk.top_k}
     return {"n": vk.n, "temperature": cfg.rollout.val_temperature}
+
+
+def run_summary(steps: int, first_val: dict, last: dict) -> dict[str, float]:
+    """The run's ``summary/*`` metrics: steps taken and the greedy ``val/acc`` before, after and its gain."""
+    summary = {"summary/steps": float(steps)}
+    if "val/acc" in first_val:
+        summary["summary/val_acc_initial"] = first_val["val/acc"]
+    if "val/acc" in last:
+        summary["summary/val_acc_final"] = last["val/acc"]
+    if "val/acc" in first_val and "val/acc" in last:
+        summary["summary/val_acc_gain"] = last["val/acc"] - first_val["val/acc"]
+    return summary

@@ -43,10 +43,12 @@ from rlhf.rollout.engine import RolloutEngine, rollout_dtype
 from rlhf.rollout.reshard import RolloutLayout
 from rlhf.config.checks import check_startup
 from rlhf.schema.config import Config, ConfigError
-from rlhf.train.evaluation import flat_metrics, generation_rows, rollout_rows, score_batch, summarize, val_sampling
+from rlhf.train.evaluation import (flat_metrics, generation_rows, rollout_rows, run_summary, score_batch, summarize,
+                                   val_sampling)
 from rlhf.train.prompts import data_metrics, load_data, make_loader, prompt_batch, vlm_processor
 from rlhf.train.async_rl import training_side
 from rlhf.models.batch_invariant import step_metrics as invariant_step_metrics
+from rlhf.train.distill import build_distiller
 from rlhf.train.async_rl.staleness import skips_old_log_prob_pass, uses_rollout_log_probs as rollout_lp
 from rlhf.train.over_sampling import over_sampling_for, with_row_lists
 from rlhf.train.regroup import regroup_rows
@@ -109,6 +111,7 @@ class RLTrainer:
         # With LoRA the reference is the actor with its adapters disabled: no second base copy.
         self.ref = PolicyWorker(cfg.model, self.mesh, self.device, trainable=False, parallel_cfg=cfg.parallel,
                                 lora=False, actor_cfg=cfg.actor) if self.need_ref and cfg.model.lora_rank == 0 else None
+        self.distill = build_distiller(cfg, self.mesh, self.device, self.tokenizer, self.train_data)  # teachers
         # Worker processes with a per-call timeout: a hung reward function scores 0 instead of hanging the job.
         self.scorer = make_scorer(cfg.reward.reward_fn, num_workers=cfg.reward.num_workers,
                                   timeout_s=cfg.reward.timeout_s, reward_kwargs=cfg.reward.reward_kwargs,
@@ -242,8 +245,7 @@ class RLTrainer:
         """Exactly ``keep`` (default train_batch_size) kept groups, dealt to dp ranks mini-batch-major (like fresh
         prompts). Rows move with tensor collectives (rlhf/train/regroup.py); the per-row lists are rebuilt here."""
         out = regroup_rows(batch, keep_groups=keep or self.cfg.data.train_batch_size, dp_rank=self.dp_rank,
-                           dp=self.dims.dp,
-                           mini_batch_size=self.cfg.actor.ppo_mini_batch_size, group=self.dp_group)
+                           dp=self.dims.dp, mini_batch_size=self.cfg.actor.ppo_mini_batch_size, group=self.dp_group)
         return with_row_lists(out, self.train_data.examples, self.tokenizer)
 
     def remax_baseline(self, batch: RolloutBatch, step: int) -> dict[str, float]:
@@ -344,6 +346,8 @@ class RLTrainer:
             batch.ref_log_probs = ref_lp
             kl = kl_penalty(batch.old_log_probs, batch.ref_log_probs, a.kl_loss_type)
             metrics["actor/kl_to_ref"] = self._global_masked_mean(kl, mask)
+        if self.distill is not None:
+            metrics.update(self.distill.score(batch, temperature=T))
         return metrics
 
     def _global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -374,7 +378,9 @@ class RLTrainer:
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, whiten=make_global_whiten(self.dp_group),
             global_sum=lambda t: all_reduce_sum(t, self.dp_group), reward_components=batch.reward_components,
             reward_weights=alg.gdpo_reward_weights, old_log_probs=batch.old_log_probs,
-            sum_pi_squared=batch.sum_pi_squared, rollout_is_weights=self._rollout_is_weights(batch))
+            sum_pi_squared=batch.sum_pi_squared, rollout_is_weights=self._rollout_is_weights(batch),
+            teacher_log_probs=batch.teacher_log_probs)
+        metrics.update(self.distill.shape_advantages(batch) if self.distill is not None else {})
         if alg.filter_truncated:
             batch.response_mask = batch.response_mask * (~batch.truncated).float().unsqueeze(-1)
         adv = all_reduce_sum(torch.stack([(batch.advantages * batch.response_mask).sum(),
@@ -592,13 +598,7 @@ class RLTrainer:
         self.ops.close()
 
     def summarize(self, first_val: dict, last: dict) -> dict[str, float]:
-        summary = {"summary/steps": float(self.global_step)}
-        if "val/acc" in first_val:
-            summary["summary/val_acc_initial"] = first_val["val/acc"]
-        if "val/acc" in last:
-            summary["summary/val_acc_final"] = last["val/acc"]
-        if "val/acc" in first_val and "val/acc" in last:
-            summary["summary/val_acc_gain"] = last["val/acc"] - first_val["val/acc"]
+        summary = run_summary(self.global_step, first_val, last)
         self.logger.log(self.global_step, summary)
         if self.env.is_main:
             print("[rlhf] final summary: " + ", ".join(f"{k}={v:.4f}" for k, v in summary.items()), flush=True)

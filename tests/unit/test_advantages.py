@@ -211,6 +211,7 @@ def test_registry_uniform_signature_and_errors():
         token_level_rewards=r, response_mask=m, index=INDEX, values=torch.zeros_like(r),
         reward_baselines=torch.zeros(6), gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6,
         old_log_probs=torch.full_like(r, -1.0), sum_pi_squared=torch.full_like(r, 0.5),
+        teacher_log_probs=torch.full_like(r, -1.5),
     )
     for name, fn in ADV_ESTIMATOR_REGISTRY.items():
         # grpo_passk refuses groups of one (INDEX has one): pair the rows for it

@@ -217,3 +217,18 @@ def test_impossible_layout_fails_with_the_launch_error(model_dir, overrides, wor
     assert ex.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: {launch.value}"
     assert not dist.is_initialized()
+
+
+def test_distill_teachers_counted_as_parameters(model_dir, tmp_path):
+    from rlhf.simulate import simulate
+
+    teacher = tmp_path / "teacher"  # twice the student's layers
+    tiny_qwen2_config(256, hidden_size=64, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=128
+                      ).save_pretrained(teacher)
+    small = ("rollout.tp=1", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=1")
+    base = simulate(_cfg(model_dir, *small), world=1, rank=0, device="cpu").peaks["update"]["parameters"]
+    sim = simulate(_cfg(model_dir, *small, "distill.enabled=true", f"distill.teachers.t.path={teacher}"), world=1,
+                   rank=0, device="cpu")
+    extra = sim.peaks["update"]["parameters"] - base
+    assert 1.5 * base < extra < 2.5 * base  # a student-sized shard per teacher layer pair, sharded the same way
+    assert any("distill.teachers" in n for n in sim.notes)
