@@ -1,8 +1,9 @@
 """The documentation site's reference pages, generated from the code at build time so they cannot drift.
 
 ``mkdocs build`` calls :func:`pages` through ``scripts/mkdocs_hooks.py`` (a MkDocs hook: no plugin to install)
-and serves what it returns as ``docs/reference/configuration.md``, ``cli.md`` and ``metrics.md``; nothing
-generated is committed. The sources:
+and serves what it returns as ``docs/reference/configuration.md``, ``cli.md`` and ``metrics.md``. The
+configuration and metrics pages are also committed (:data:`COMMITTED`; ``python scripts/docs_reference.py docs``
+refreshes them, and a test fails when they drift), so they read on GitHub too. The sources:
 
 * configuration: the dataclasses of :mod:`rlhf.schema.config` (and SFT's in :mod:`rlhf.train.sft`): every key,
   its type, default and ``_f`` help text; the verl key that maps to it (:data:`rlhf.config.verl_keys.RULES`);
@@ -404,11 +405,20 @@ def pages() -> dict[str, str]:
             "reference/metrics.md": metrics_page()}
 
 
+# Committed under docs/ so that README's links work on GitHub and in a fresh clone; the build regenerates them
+# all and tests/unit/test_docs_reference.py fails when a committed copy drifts from the code. The CLI page is
+# not committed: argparse's help layout changes between Python versions.
+COMMITTED = ("reference/configuration.md", "reference/metrics.md")
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Write the generated reference pages to a directory.")
+    ap = argparse.ArgumentParser(description="Write the generated reference pages to a directory (docs/ refreshes "
+                                             "the committed configuration and metrics pages).")
     ap.add_argument("out", help="output directory")
     out = Path(ap.parse_args(argv).out)
     for path, text in pages().items():
+        if out.resolve() == (ROOT / "docs").resolve() and path not in COMMITTED:
+            continue
         (out / path).parent.mkdir(parents=True, exist_ok=True)
         (out / path).write_text(text)
         print(out / path)

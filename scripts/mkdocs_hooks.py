@@ -1,5 +1,6 @@
 """MkDocs hook (mkdocs.yml ``hooks:``): adds the generated reference pages (scripts/docs_reference.py) to the
-site at build time, so the configuration, CLI and metrics references are made from the code and never committed."""
+site at build time, so the configuration, CLI and metrics references are made from the code (the committed copies
+of two of them are replaced by what the code gives now)."""
 
 from __future__ import annotations
 

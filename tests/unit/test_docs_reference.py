@@ -162,3 +162,13 @@ def test_leaf_fields_cover_nested_sections():
     keys = {k for k, _, _ in ref.leaf_fields(Config)}
     assert {"rollout.multi_turn.enable", "algorithm.kl_ctrl.kl_coef", "trainer.val_kwargs.n"} <= keys
     assert not any(dataclasses.is_dataclass(tp) for _, _, tp in ref.leaf_fields(Config))
+
+
+def test_committed_reference_pages_equal_the_code():
+    """docs/reference/configuration.md and metrics.md are committed (README links to them on GitHub); a config key
+    or metric line added without refreshing them fails here."""
+    pages = ref.pages()
+    for path in ref.COMMITTED:
+        committed = (ROOT / "docs" / path).read_text()
+        assert committed == pages[path], (f"docs/{path} is stale: run `python scripts/docs_reference.py docs` and "
+                                          f"commit the result")
