@@ -119,7 +119,7 @@ def test_use_rollout_log_probs_skips_the_old_log_prob_forward(monkeypatch):
         calls.clear()
         lp = torch.tensor([[-1.0, -2.0]])
         batch = SimpleNamespace(rollout_log_probs=lp, response_mask=torch.ones(1, 2), old_log_probs=None)
-        me = SimpleNamespace(cfg=cfg, need_ref=False, dp_group=None,
+        me = SimpleNamespace(cfg=cfg, need_ref=False, dp_group=None, distill=None,
                              actor=SimpleNamespace(compute_log_probs=forward, router_replay=router_replay),
                              _global_masked_mean=lambda x, m: float((x * m).sum() / m.sum()))
         metrics = RLTrainer.compute_log_probs(me, batch)

@@ -103,16 +103,18 @@ def _estimator_inputs(holes: bool):
     """Estimator kwargs on the holed batch (garbage on every masked position) or its compacted twin."""
     mask = HOLES
     rewards = place_reward_on_last_token(SCORES, mask) - 0.1 * mask * randn(1, B, R).abs()  # outcome + token KL
-    values, lp = randn(2, B, R), -randn(3, B, R).abs()
+    values, lp, teacher = randn(2, B, R), -randn(3, B, R).abs(), -randn(5, B, R).abs()
     s2 = torch.rand(B, R, generator=torch.Generator().manual_seed(4))
     if holes:
         rewards, values, lp, s2 = garbage(rewards, 7.0), garbage(values, 100.0), garbage(lp, -3.0), garbage(s2, 0.9)
+        teacher = garbage(teacher, -9.0)
     else:
         (rewards, mask), values, lp, s2 = compact(rewards), compact(values)[0], compact(lp)[0], compact(s2)[0]
+        teacher = compact(teacher)[0]
     return mask, dict(token_level_rewards=rewards, response_mask=mask, index=INDEX, values=values,
                       reward_baselines=torch.tensor([0.5, 0.5, 0.5, -0.5, -0.5, -0.5]), gamma=0.9, lam=0.8,
                       reward_components=torch.stack([SCORES, (SCORES > 0).float()], -1), old_log_probs=lp,
-                      sum_pi_squared=s2)
+                      sum_pi_squared=s2, teacher_log_probs=teacher)
 
 
 # The plain optimal token baseline compares trajectories position by position by definition;
