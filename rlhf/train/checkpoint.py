@@ -196,10 +196,33 @@ def _my_share(names: list, group: Optional[dist.ProcessGroup], collective: bool 
     return names[dist.get_rank(group):: dist.get_world_size(group)]
 
 
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+
+def _dcp_enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` as the unpickler runs it: only a member of one of DCP's own metadata enums.
+
+    Early 3.11 releases (Debian 12's ``python3`` is 3.11.2) pickle an Enum member by name, as
+    ``builtins.getattr(cls, 'NAME')`` (later ones too, for an enum that opts into
+    ``enum.pickle_by_enum_name``); the others pickle it by value, as ``cls(value)``. A
+    checkpoint written there holds the by-name form, so the unpickler hands out this instead of
+    ``getattr``: anything but a member name of an allowed enum (a dunder, a method, another class)
+    is refused before it is looked up."""
+    import enum
+
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == _DCP_METADATA
+            and isinstance(name, str) and name in cls.__members__):
+        return cls.__members__[name]
+    what = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else type(cls).__name__
+    raise UnsafeCheckpointError(f"calls getattr({what}, {name!r}), which is not a member of a DCP metadata "
+                                f"enum (refused, nothing of it was run)")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP's ``.metadata`` is a pickle (torch loads it with ``pickle.load``). Read first with this, which
-    only builds what DCP writes there (its metadata classes, torch sizes, dtypes, layouts, paths), a
-    crafted file is refused before torch would run it."""
+    only builds what DCP writes there (its metadata classes, torch sizes, dtypes, layouts, paths, and
+    its enums' members by name through :func:`_dcp_enum_member`), a crafted file is refused before
+    torch would run it."""
 
     _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -210,7 +233,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
         if (module, name) in self._ALLOWED:
             return getattr(importlib.import_module(module), name)
-        if module == "torch.distributed.checkpoint.metadata":  # its dataclasses and enums
+        if (module, name) == ("builtins", "getattr"):  # by-name enum members (early 3.11)
+            return _dcp_enum_member
+        if module == _DCP_METADATA:  # its dataclasses and enums
             obj = getattr(importlib.import_module(module), name, None)
             if isinstance(obj, type):
                 return obj
