@@ -131,6 +131,31 @@ def test_a_reward_function_that_always_hangs_stops_the_run(tiny_assets, tmp_path
         "trainer.total_training_steps": 5, "data.val_files": ""}))
     line = _error_line(r)
     assert "no sample got a reward in 2 steps in a row (last step: 16 of 16 calls timed out" in line, line
-    lines = [l for l in r.stdout.splitlines() if "timed out on 16 (scored 0)" in l]
+    lines = [l for l in r.stdout.splitlines() if "timed out on 16 (scored 0; " in l]
     assert len(lines) == 2, r.stdout[-3000:]  # one line per step
     assert (out / "metrics.jsonl").is_file()
+
+
+def test_a_hanging_reward_with_defaults_costs_one_timeout_round_per_step(tiny_assets, tmp_path):
+    """issue 55: every call hangs, default settings (4 workers, scoring during generation, 3 failed steps)
+    but a 2 s timeout: each step tries about one call per worker, fails the rest at once (counted in
+    reward/untried), and the run stops after reward.max_failed_steps with one line."""
+    f = tmp_path / "hanging_reward.py"
+    f.write_text("import time\n\ndef reward(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    time.sleep(3600)\n")
+    out = tmp_path / "o"
+    r = run_script("train_grpo.py", grpo_args(tiny_assets, out, **{
+        "reward.reward_fn": f"{f}:reward", "reward.timeout_s": 2, "trainer.total_training_steps": 5,
+        "data.val_files": ""}))
+    line = _error_line(r)
+    assert "no sample got a reward in 3 steps in a row (last step: 16 of 16 calls timed out" in line, line
+    from rlhf.ops.metrics import read_metrics
+
+    steps = [m for m in read_metrics(out / "metrics.jsonl") if "reward/untried" in m]
+    assert [m["step"] for m in steps] == [1, 2]  # the third step ends the run before its row
+    workers = 4  # reward.num_workers' default
+    for m in steps:
+        tried = m["reward/timeouts"] - m["reward/untried"]
+        # one round: a call per worker, plus at most one more per worker started before the round ended
+        assert m["reward/timeouts"] == 16 and 1 <= tried < 2 * workers, m
+    assert len([l for l in r.stdout.splitlines() if "timed out on 16 (scored 0; " in l]) == 3
