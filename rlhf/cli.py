@@ -18,8 +18,10 @@ from rlhf.rewards.scoring import RewardFailureError
 from rlhf.schema.config import ConfigError, describe
 from rlhf.train.checkpoint import CheckpointError
 from rlhf.train.optim import NonFiniteError
+from rlhf.train.write_guard import SaveFailedError
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, CheckpointError, NonFiniteError, RewardFailureError)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, CheckpointError, NonFiniteError, RewardFailureError,
+               SaveFailedError)
 
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:
