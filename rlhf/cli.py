@@ -57,6 +57,8 @@ def run_main(fn: Callable[[], object]) -> None:
     except USER_ERRORS as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, SaveFailedError) and dist.is_initialized():
+            dist.barrier()  # raised on every rank: none exits (and has torchrun stop rank 0) before the line
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)

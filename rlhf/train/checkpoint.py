@@ -442,8 +442,9 @@ def _save_failed(problem: str, step: int, tmp: Path, stateful: dict[str, ModelOp
     keep = (f"kept: the last complete checkpoint {kept[-1][1]} (step {kept[-1][0]}); free space and rerun, "
             f"checkpoint.resume=auto continues from it") if kept else \
         "kept: no checkpoint (this was the run's first); free space and rerun"
-    raise SaveFailedError(f"checkpoint of step {step} not saved: {problem}{space_note(tmp.parent, needed)}; the "
-                          f"partial {tmp.name} was removed; {keep}")
+    note = space_note(tmp.parent, needed, like=kept[-1][1] if kept else None)
+    raise SaveFailedError(f"checkpoint of step {step} not saved: {problem}{note}; the partial {tmp.name} was "
+                          f"removed; {keep}")
 
 
 def load_rank_state(path: Path) -> Any:

@@ -83,7 +83,7 @@ def agree(problem: Optional[str], group: Optional[dist.ProcessGroup] = None) -> 
     first = next(((r, p) for r, p in enumerate(problems) if p), None)
     if first is None:
         return None
-    return first[1] if len(problems) == 1 else f"{first[1]} (rank {first[0]} of the group)"
+    return first[1] if len(problems) == 1 else f"{first[1]} (on rank {first[0]})"
 
 
 def free_bytes(path: Path) -> Optional[int]:
@@ -116,9 +116,13 @@ def full_disk(problem: str, path: Path, needed: Optional[int]) -> str:
     return problem
 
 
-def space_note(path: Path, needed: Optional[int]) -> str:
-    """`` (needs about X, Y free)`` with the parts that are known (after the partial files were removed)."""
+def space_note(path: Path, needed: Optional[int], like: Optional[Path] = None) -> str:
+    """`` (needs X, Y free)`` with the parts that are known (after the partial files were removed). ``like``:
+    an earlier copy of what was written (the last checkpoint), whose size on disk is what is needed;
+    else ``needed`` (the tensors' bytes) is a lower bound: file formats add a few KB per tensor."""
     free = free_bytes(path)
-    parts = ([f"needs about {fmt_bytes(needed)}"] if needed else []) + \
-        ([f"{fmt_bytes(free)} free"] if free is not None else [])
+    size = sum(f.stat().st_size for f in like.rglob("*") if f.is_file()) if like is not None else None
+    need = f"needs about {fmt_bytes(size)}, as {like.name} took" if size else \
+        f"needs at least {fmt_bytes(needed)}" if needed else None
+    parts = ([need] if need else []) + ([f"{fmt_bytes(free)} free"] if free is not None else [])
     return f" ({', '.join(parts)})" if parts else ""
