@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -64,6 +65,10 @@ def dry_runs(tiny_assets, tmp_path_factory):
                   for name in ("mixed", "mixed_utf8", "unusable")})
     cases["ok"] = grpo_args(tiny_assets, d / "o")
     cases["listed"] = ["--config", str(d / "list.yaml")] + grpo_args(tiny_assets, d / "o")
+    # a config.json cut off or hand-edited wrong: line 3 is `  "hidden_size": ,` (the value at column 18)
+    shutil.copytree(tiny_assets / "model", d / "bad_model")
+    (d / "bad_model" / "config.json").write_text('{\n  "vocab_size": 32,\n  "hidden_size": ,\n}\n')
+    cases["bad_config_json"] = grpo_args(tiny_assets, d / "o", **{"model.path": d / "bad_model"})
     cases["taken"] = grpo_args(tiny_assets, d / "a_file")
     cases["under_taken"] = grpo_args(tiny_assets, d / "a_file" / "run")
     results = run_script_many("train_grpo.py", [["--dry-run"] + args for args in cases.values()])
@@ -99,6 +104,12 @@ def test_bad_config_file_and_output_dir_are_one_line(dry_runs):
     line = _error_line(r["under_taken"])
     assert f"trainer.output_dir: {taken / 'run'} cannot be created: {taken} is not a directory" in line
     assert taken.read_text() == "not a directory"
+
+
+def test_a_malformed_config_json_is_one_line_naming_the_file_and_the_position(dry_runs):
+    d, r = dry_runs
+    assert _error_line(r["bad_config_json"]) == (f"error: model.path: {d / 'bad_model' / 'config.json'} is not valid "
+                                                 f"JSON: Expecting value at line 3 column 18")
 
 
 def test_a_reward_function_that_always_fails_stops_the_run_with_a_reason(tiny_assets, tmp_path):
