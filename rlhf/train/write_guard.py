@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from rlhf.models.parallel import all_gather_object
 
@@ -68,7 +69,7 @@ def attempt(fn: Callable[[], object], path: Path) -> Optional[str]:
     try:
         fn()
         return None
-    except Exception as e:  # noqa: BLE001 - any failure must reach the peers, not leave them waiting
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure must reach the peers
         if not is_write_error(_root_cause(e)):
             traceback.print_exc(file=sys.stderr)
         return describe(e, path)
