@@ -60,6 +60,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 
         if (module, name) in self._ALLOWED:
             return getattr(importlib.import_module(module), name)
+        if module == "pathlib._local" and ("pathlib", name) in self._ALLOWED:
+            # Python 3.13 moved the path classes into pathlib._local (pathlib re-exports them): a
+            # checkpoint written there names that module, one written before it names pathlib
+            return getattr(importlib.import_module("pathlib"), name)
         if (module, name) == ("builtins", "getattr"):  # by-name enum members (early 3.11)
             return _dcp_enum_member
         if module == _DCP_METADATA:  # its dataclasses and enums

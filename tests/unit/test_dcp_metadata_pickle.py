@@ -64,6 +64,20 @@ def test_dcp_metadata_loads_with_enum_members_pickled_either_way(saved, by_name)
     assert load_checkpoint(path, state) == {"global_step": 1}
 
 
+def test_dcp_metadata_written_on_python_3_13_names_pathlib_local_and_loads(saved):
+    """Python 3.13 pickles a PosixPath (DCP's storage_meta.checkpoint_id) as pathlib._local.PosixPath."""
+    path, _ = saved
+    meta_file = path / "model_optim" / ".metadata"
+    with meta_file.open("rb") as f:
+        meta = pickle.load(f)
+    data = pickle.dumps(meta, protocol=2)  # no frames: a global's module can be renamed in place
+    for module in (b"pathlib._local", b"pathlib"):
+        data = data.replace(b"c" + module + b"\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
+    assert b"cpathlib._local\nPosixPath\n" in data
+    meta_file.write_bytes(data)
+    assert read_dcp_metadata(meta_file) == meta
+
+
 def _getattr_pickle(obj, name: str) -> bytes:
     """A crafted pickle: ``getattr(obj, name)``, as the by-name Enum form writes it."""
     return pickle.dumps(_Reduce(getattr, (obj, name)))
