@@ -18,8 +18,10 @@ from rlhf.rewards.scoring import RewardFailureError
 from rlhf.schema.config import ConfigError, describe
 from rlhf.train.checkpoint import CheckpointError
 from rlhf.train.optim import NonFiniteError
+from rlhf.train.write_guard import SaveFailedError
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, CheckpointError, NonFiniteError, RewardFailureError)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, CheckpointError, NonFiniteError, RewardFailureError,
+               SaveFailedError)
 
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:
@@ -55,6 +57,8 @@ def run_main(fn: Callable[[], object]) -> None:
     except USER_ERRORS as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, SaveFailedError) and dist.is_initialized():
+            dist.barrier()  # raised on every rank: none exits (and has torchrun stop rank 0) before the line
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)

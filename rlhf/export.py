@@ -184,8 +184,17 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     def export() -> None:
-        out = export_checkpoint(args.ckpt, args.out, model_path=args.model_path, run_config=args.run_config,
-                                role=args.role)
+        from rlhf.train.write_guard import SaveFailedError, describe, is_write_error, space_note
+
+        try:
+            out = export_checkpoint(args.ckpt, args.out, model_path=args.model_path, run_config=args.run_config,
+                                    role=args.role)
+        except Exception as e:  # noqa: BLE001 - only the storage's errors become one line
+            if not is_write_error(e):
+                raise
+            raise SaveFailedError(f"export to {args.out} not written: {describe(e, Path(args.out))}"
+                                  f"{space_note(Path(args.out), None)}; the checkpoint {args.ckpt} is unchanged: "
+                                  f"free space and rerun") from None
         adapter = " (merged; PEFT adapter in adapter/)" if (out / "adapter").is_dir() else ""
         print(f"[rlhf] exported the {args.role} of {args.ckpt} to {out}{adapter}", flush=True)
 

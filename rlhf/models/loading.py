@@ -30,7 +30,20 @@ def check_model_dir(path: str, key: str = "model.path") -> Path:
         raise ConfigError(f"{key}: model directory not found: {path}")
     if not (p / "config.json").is_file():
         raise ConfigError(f"{key}: {path} has no config.json (expected a HF save_pretrained directory)")
+    if not isinstance(read_json(p / "config.json", key), dict):
+        raise ConfigError(f"{key}: {p / 'config.json'} holds no JSON object (a model config is one)")
     return p
+
+
+def read_json(f: Path, key: str):
+    """The JSON in ``f``; a malformed file is one ConfigError naming ``key``, the file and the position
+    (transformers' own error names neither the position nor, through json, the file)."""
+    try:
+        return json.loads(f.read_bytes().decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key}: {f} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: {f} is not UTF-8 text (byte {e.start})") from None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.tokenizer_path") -> PreTrainedTokenizerBase:
@@ -43,7 +56,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
                           f"copy them from the base model or set model.tokenizer_path")
     tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     cfg_file = p / "tokenizer_config.json"
-    if cfg_file.is_file() and json.loads(cfg_file.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZERS:
+    if cfg_file.is_file() and read_json(cfg_file, key).get("tokenizer_class") in _GENERIC_TOKENIZERS:
         # transformers 5 maps a model_type (e.g. qwen2) to its own tokenizer class, which
         # rebuilds the pre-tokenizer and ignores tokenizer.json. A generic tokenizer.json
         # (like the project's character tokenizer) must be loaded as written.

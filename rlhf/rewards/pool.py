@@ -349,23 +349,37 @@ class RewardPool:
             self._queue.extendleft(reversed(w.inflight))
             self._workers[self._workers.index(w)] = _Worker(self._init, self.worker_module)
             self._timeouts += timeout
-            if self.fail_fast and not self._answers and self._timeouts >= len(self._workers):
-                self._tripped = True
+            trip = (self.fail_fast and not self._tripped and not self._answers
+                    and self._timeouts >= len(self._workers))
+            self._tripped = self._tripped or trip
+        if trip:
+            self._cut_short()
 
     def set_fail_fast(self, on: bool) -> None:
-        """``on`` while the previous batches got no reward at all (the trainer's FailedStepGuard): once each
-        worker has timed out without any call answering since, queued samples time out without being
-        tried, so such a step costs about one ``timeout_s`` instead of one per sample and worker."""
+        """Called at the start of each step (the trainer's FailedStepGuard). ``on``: once as many calls as
+        there are workers have timed out in this step and none has answered (every worker hung), the
+        rest of this step's calls fail at once: the calls still running are cut short (timeouts) and
+        every queued or later submitted one is failed untried (timeouts, counted in ``n_untried``). A
+        step whose every call hangs so costs one ``timeout_s``, not (samples / workers) x ``timeout_s``.
+        Off (a pool nobody steps, e.g. the tool pool or ``python -m rlhf.eval``): every call is tried."""
         with self._lock:
             self.fail_fast, self._answers, self._timeouts, self._tripped = on, 0, 0, False
+
+    def _cut_short(self) -> None:
+        """(fail_fast tripped.) The calls still running time out now: their workers are as hung as the others."""
+        for w in list(self._workers):  # each replaced once: the replacements are not ready yet
+            if w.ready and w.inflight:
+                self._replace(w, f"cut short: {len(self._workers)} calls timed out after "
+                                 f"{self.timeout_s:g} s ({self.timeout_key}) in this step, none answered", timeout=True)
 
     def _time_out_queued(self) -> None:
         """(With the lock held.) Every queued sample times out without being tried (fail_fast tripped)."""
         while self._queue:
             job_id, i = self._queue.popleft()
             job = self._jobs[job_id]
-            job.collector.fail(i, f"timed out after {self.timeout_s:g} s ({self.timeout_key}): not tried, no call "
-                                  f"answered in this step or the previous one", timeout=True)
+            job.collector.fail(i, f"not tried: {len(self._workers)} calls timed out after "
+                                  f"{self.timeout_s:g} s ({self.timeout_key}) in this step, none answered",
+                               timeout=True, untried=True)
             self._finish_one(job)
 
     def _fail_all(self, message: str) -> None:

@@ -26,7 +26,8 @@ class ScoreResult:
     """Scores of one batch.
 
     ``scores`` is ``[B]`` float32; failed and timed-out samples score 0 and are counted in
-    ``n_errors`` / ``n_timeouts``. ``extra_metrics[k]`` is a length-``B`` list aligned with
+    ``n_errors`` / ``n_timeouts``; ``n_untried`` of the timeouts were failed without a call (the pool
+    had seen every worker hang in this step, :meth:`rlhf.rewards.pool.RewardPool.set_fail_fast`). ``extra_metrics[k]`` is a length-``B`` list aligned with
     the responses: the numeric value under key ``k`` of the dict a sample returned, NaN
     where that sample did not return ``k`` (or failed). ``preds[i]`` is the string a dict
     returned under ``"pred"`` (the extracted answer that majority voting counts), else None.
@@ -38,6 +39,7 @@ class ScoreResult:
     first_error: str | None = None
     preds: list[str | None] = field(default_factory=list)
     n_timeouts: int = 0
+    n_untried: int = 0
 
     def metric_means(self, prefix: str = "reward/") -> dict[str, float]:
         """``{prefix + key: mean over the samples that reported key}`` for the extra metrics."""
@@ -116,7 +118,7 @@ class ScoreCollector:
         self.scores = [0.0] * len(self.data_sources)
         self.preds: list[str | None] = [None] * len(self.data_sources)
         self.extra: dict[str, list[float]] = {}
-        self.n_errors = self.n_timeouts = 0
+        self.n_errors = self.n_timeouts = self.n_untried = 0
         self.first_error: str | None = None
 
     def ok(self, i: int, value: float, metrics: dict[str, float], pred: str | None) -> None:
@@ -124,10 +126,12 @@ class ScoreCollector:
         for key, v in metrics.items():
             self.extra.setdefault(key, [math.nan] * len(self.scores))[i] = v
 
-    def fail(self, i: int, msg: str, *, timeout: bool = False) -> None:
-        """Sample ``i`` scores 0 and is counted, as a timeout or as an error."""
+    def fail(self, i: int, msg: str, *, timeout: bool = False, untried: bool = False) -> None:
+        """Sample ``i`` scores 0 and is counted, as a timeout (``untried``: one failed without a call) or
+        as an error."""
         if timeout:
             self.n_timeouts += 1
+            self.n_untried += untried
         else:
             self.n_errors += 1
         if self.first_error is None:
@@ -137,7 +141,7 @@ class ScoreCollector:
         import torch
 
         return ScoreResult(torch.tensor(self.scores, dtype=torch.float32), self.extra, self.n_errors,
-                           self.first_error, self.preds, self.n_timeouts)
+                           self.first_error, self.preds, self.n_timeouts, self.n_untried)
 
 
 def aligned(responses: Sequence[str], ground_truths: Sequence[str], data_sources: Sequence[str],
@@ -236,16 +240,20 @@ class FailedStepGuard:
 
     def __init__(self, max_steps: int, timeout_s: float, scorer: Any = None) -> None:
         self.max_steps, self.timeout_s, self.in_a_row, self.scorer = max_steps, timeout_s, 0, scorer
+        self._new_step()
 
-    def update(self, n_errors: float, n_timeouts: float, n_samples: float) -> None:
-        """Global counts of one step (the same on every rank, so every rank stops together). After a step
-        without any reward, the scorer's worker pool (if any) stops trying a batch early once each of its
-        workers timed out on it without an answer: the next such step costs about one timeout, not all."""
-        all_failed = n_samples > 0 and n_errors + n_timeouts >= n_samples
-        self.in_a_row = self.in_a_row + 1 if all_failed else 0
+    def _new_step(self) -> None:
+        """The scorer's worker pool (if any) starts a step: once every worker has hung in a row in it, the
+        rest of the step's calls fail at once (counted), so a hanging reward costs one timeout per step."""
         pool = getattr(self.scorer, "inner", self.scorer)
         if hasattr(pool, "set_fail_fast"):
-            pool.set_fail_fast(self.in_a_row > 0)
+            pool.set_fail_fast(True)
+
+    def update(self, n_errors: float, n_timeouts: float, n_samples: float) -> None:
+        """Global counts of one step (the same on every rank, so every rank stops together)."""
+        all_failed = n_samples > 0 and n_errors + n_timeouts >= n_samples
+        self.in_a_row = self.in_a_row + 1 if all_failed else 0
+        self._new_step()
         if self.max_steps > 0 and self.in_a_row >= self.max_steps:
             raise RewardFailureError(
                 f"reward.reward_fn: no sample got a reward in {self.in_a_row} steps in a row (last step: "

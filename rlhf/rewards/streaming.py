@@ -43,11 +43,12 @@ class StreamingScores:
         """The scores of this rank's rows (``local_rows``: prompt positions, ``n`` samples each, in
         the batch's row order), gathered from the replicas that scored them over ``group``."""
         mine: dict[tuple[int, int], tuple] = {}
-        n_errors = n_timeouts = 0
+        n_errors = n_timeouts = n_untried = 0
         first_error: Optional[str] = None
         for rows, ticket in self.jobs:
             res = self.pool.result(ticket)
             n_errors, n_timeouts = n_errors + res.n_errors, n_timeouts + res.n_timeouts
+            n_untried += res.n_untried
             first_error = first_error or res.first_error
             for k, row in enumerate(rows):
                 extras = {key: values[k] for key, values in res.extra_metrics.items()}
@@ -63,5 +64,5 @@ class StreamingScores:
         return ScoreResult(
             scores=torch.tensor([merged[row][0] for row in order], dtype=torch.float32),
             extra_metrics={key: [merged[row][1].get(key, math.nan) for row in order] for key in keys},
-            n_errors=n_errors, first_error=first_error, n_timeouts=n_timeouts,
+            n_errors=n_errors, first_error=first_error, n_timeouts=n_timeouts, n_untried=n_untried,
             preds=[merged[row][2] for row in order])

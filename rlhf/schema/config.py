@@ -309,7 +309,9 @@ class RewardConfig:
     num_workers: int = _f(4, "Reward worker processes per rank, so a hung or crashed reward call cannot stop the "
                              "job; 0 = score in the trainer process (no timeout).")
     timeout_s: float = _f(30.0, "Seconds one reward call may take in a worker; past it the sample scores 0, is "
-                                "counted in reward/timeouts and the worker is replaced.")
+                                "counted in reward/timeouts and the worker is replaced. Once every worker has "
+                                "timed out in a training step with no call answered, the step's other calls "
+                                "fail at once (counted in reward/untried too): one timeout per step at most.")
     max_failed_steps: int = _f(3, "Training steps in a row in which every reward call failed or timed out (no "
                                   "learning signal) before the run stops with a line saying why; 0 = never.")
     score_during_generation: bool = _f(True, "With a worker pool (num_workers > 0) and no tp / pp / sp peers: "

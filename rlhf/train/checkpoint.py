@@ -24,7 +24,7 @@ import shutil
 import sys
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from rlhf.models.parallel import all_gather_object
 from rlhf.schema.config import ConfigError
+from rlhf.train.checkpoint_metadata import CheckpointError, UnsafeCheckpointError, read_dcp_metadata
+from rlhf.train.write_guard import SaveFailedError, agree, attempt, full_disk, space_note
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -90,14 +92,6 @@ def set_rng_state(st: dict) -> None:
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (corrupt, truncated, incomplete); the message names it."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file that does not load as plain data (tensors, numbers, strings, containers)."""
 
 
 # Older checkpoints kept numpy's RNG state as an ndarray; these globals rebuild only that (under
@@ -194,39 +188,6 @@ def _my_share(names: list, group: Optional[dist.ProcessGroup], collective: bool 
     if not collective or not dist.is_initialized():
         return names
     return names[dist.get_rank(group):: dist.get_world_size(group)]
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle (torch loads it with ``pickle.load``). Read first with this, which
-    only builds what DCP writes there (its metadata classes, torch sizes, dtypes, layouts, paths), a
-    crafted file is refused before torch would run it."""
-
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                *(("pathlib", n) for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
-
-    def find_class(self, module: str, name: str) -> Any:
-        import importlib
-
-        if (module, name) in self._ALLOWED:
-            return getattr(importlib.import_module(module), name)
-        if module == "torch.distributed.checkpoint.metadata":  # its dataclasses and enums
-            obj = getattr(importlib.import_module(module), name, None)
-            if isinstance(obj, type):
-                return obj
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(f"names {module}.{name}, which DCP metadata never holds "
-                                    f"(refused, nothing of it was run)")
-
-
-def read_dcp_metadata(path: Path) -> Any:
-    """The DCP ``Metadata`` in ``path``, built only from the classes DCP writes there (see above)."""
-    with Path(path).open("rb") as f:
-        meta = _MetadataUnpickler(f).load()
-    if not hasattr(meta, "state_dict_metadata"):
-        raise ValueError(f"{path} holds a {type(meta).__name__}, not DCP metadata")
-    return meta
 
 
 def _structure_problem(path: Path, group: Optional[dist.ProcessGroup] = None,
@@ -327,36 +288,96 @@ def save_checkpoint(output_dir: str, step: int, stateful: dict[str, ModelOptimSt
 
     ``rank_state``: plain data this rank keeps beside the model (tensors, numbers, strings, lists,
     tuples, dicts; numpy values become lists), e.g. the in-flight rollout batch of trainer.mode
-    one_step_off; :func:`load_rank_state` reads it back with ``weights_only=True``."""
+    one_step_off; :func:`load_rank_state` reads it back with ``weights_only=True``.
+
+    A write that fails on any rank (a full disk) raises the same :class:`SaveFailedError` on every
+    rank once they agree on it (:mod:`rlhf.train.write_guard`); the partial ``*.tmp`` is removed and
+    the complete checkpoints before it are kept."""
     root = Path(output_dir) / "checkpoints"
     final = root / f"global_step_{step}"
     tmp = root / f"global_step_{step}.tmp"
     rank = dist.get_rank()
-    if rank == 0:
+
+    def step_ok(problem: Optional[str]) -> None:
+        problem = agree(problem, group)
+        if problem is not None:
+            _save_failed(problem, step, tmp, stateful, group)
+
+    def begin() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier(group=group)
-    dcp.save({k: v for k, v in stateful.items()}, checkpoint_id=str(tmp / "model_optim"), process_group=group)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank_state is not None:
-        torch.save(to_plain(rank_state), tmp / f"rank_state{rank}.pt")
-    dist.barrier(group=group)
+
+    step_ok(attempt(begin, tmp) if rank == 0 else None)
+    # DCP agrees by itself: a write that fails on one rank raises the same CheckpointException on all
+    problem = attempt(lambda: dcp.save({k: v for k, v in stateful.items()}, checkpoint_id=str(tmp / "model_optim"),
+                                       process_group=group), tmp / "model_optim")
+
+    def own_files() -> None:
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank_state is not None:
+            torch.save(to_plain(rank_state), tmp / f"rank_state{rank}.pt")
+
+    step_ok(problem or attempt(own_files, tmp))
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-    dist.barrier(group=group)
+        problem = attempt(lambda: (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1)), tmp)
+    step_ok(problem if rank == 0 else None)
     # Checksums of every file, computed by all ranks in parallel: a resume verifies them first.
     names = _checkpoint_files(tmp)
     sums = all_gather_object({n: _crc32(tmp / n) for n in _my_share(names, group)}, group)
-    if rank == 0:
+
+    def finish() -> None:
         (tmp / CHECKSUMS).write_text(json.dumps({k: v for part in sums for k, v in part.items()}, indent=0))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         (final / "COMPLETE").write_text(str(step))
-        if max_to_keep > 0:
-            for _, old in list_checkpoints(root)[:-max_to_keep]:
-                shutil.rmtree(old, ignore_errors=True)
+
+    step_ok(attempt(finish, tmp) if rank == 0 else None)
+    if rank == 0 and max_to_keep > 0:
+        for _, old in list_checkpoints(root)[:-max_to_keep]:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=group)
     return final
+
+
+def _state_bytes(stateful: dict[str, ModelOptimState]) -> int:
+    """Bytes of this rank's shards of ``stateful``'s tensors: about what it adds to a checkpoint."""
+    from torch.distributed.tensor import DTensor
+
+    def walk(x: Any) -> int:
+        if isinstance(x, DTensor):
+            x = x.to_local()
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, dict):
+            return sum(walk(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(walk(v) for v in x)
+        return 0
+
+    return sum(walk(v.state_dict()) for v in stateful.values())
+
+
+def _save_failed(problem: str, step: int, tmp: Path, stateful: dict[str, ModelOptimState],
+                 group: Optional[dist.ProcessGroup]) -> NoReturn:
+    """Every rank: remove the partial checkpoint (rank 0), say what it needed and what is kept, raise."""
+    try:
+        needed: Optional[int] = sum(all_gather_object(_state_bytes(stateful), group))
+    except Exception:  # noqa: BLE001 - the size is a hint; the error must still be raised
+        needed = None
+    problem = full_disk(problem, tmp.parent, needed)
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / "COMPLETE").is_file():  # renamed, but its marker could not be written
+            shutil.rmtree(final, ignore_errors=True)
+    dist.barrier(group=group)
+    kept = list_checkpoints(tmp.parent)
+    keep = (f"kept: the last complete checkpoint {kept[-1][1]} (step {kept[-1][0]}); free space and rerun, "
+            f"checkpoint.resume=auto continues from it") if kept else \
+        "kept: no checkpoint (this was the run's first); free space and rerun"
+    note = space_note(tmp.parent, needed, like=kept[-1][1] if kept else None)
+    raise SaveFailedError(f"checkpoint of step {step} not saved: {problem}{note}; the partial {tmp.name} was "
+                          f"removed; {keep}")
 
 
 def load_rank_state(path: Path) -> Any:
@@ -391,23 +412,48 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: str, group: Optional[d
       writes the adapters in PEFT format to ``<out_dir>/adapter`` and the merged model
       (``W + alpha / r B A``) as a plain HF checkpoint in ``out_dir``.
 
-    The tokenizer (if given) is saved next to the model.
+    The tokenizer (if given) is saved next to the model. A write that fails on rank 0 (a full disk)
+    raises the same :class:`SaveFailedError` on every rank, naming what is kept.
     """
+    out = Path(out_dir)
+    existed = out.exists()
     pp_group = getattr(model, "pp_group", None)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        _export_pipeline(model, pp_group, out_dir)
-    elif _is_peft(model):
-        _export_lora(model, out_dir)
-    else:
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() == 0:
-            target = getattr(model, "save_pretrained", None)
-            if target is None:
-                raise TypeError(f"{type(model).__name__} has no save_pretrained")
-            model.save_pretrained(out_dir, state_dict=_clean_names(sd), safe_serialization=True)
-    if dist.get_rank() == 0 and tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+    split = pp_group is not None and dist.get_world_size(pp_group) > 1
+
+    def write() -> None:
+        if split:
+            _export_pipeline(model, pp_group, out_dir)
+        elif _is_peft(model):
+            _export_lora(model, out_dir)
+        else:
+            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if dist.get_rank() == 0:
+                target = getattr(model, "save_pretrained", None)
+                if target is None:
+                    raise TypeError(f"{type(model).__name__} has no save_pretrained")
+                model.save_pretrained(out_dir, state_dict=_clean_names(sd), safe_serialization=True)
+        if dist.get_rank() == 0 and tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+
+    problem = agree(attempt(write, out), group)  # the barrier: every rank ends the same way
+    if problem is not None:
+        _export_failed(problem, model, out, existed, split, group)
+
+
+def _export_failed(problem: str, model: torch.nn.Module, out: Path, existed: bool, split: bool,
+                   group: Optional[dist.ProcessGroup]) -> NoReturn:
+    """Every rank: remove an export directory this call created (rank 0), say what is kept, raise."""
+    needed = None if split else sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes
+    problem = full_disk(problem, out, needed)
+    if dist.get_rank() == 0 and not existed:
+        shutil.rmtree(out, ignore_errors=True)
     dist.barrier(group=group)
+    left = f"the incomplete {out} was removed" if not existed else f"{out} is incomplete"
+    kept = list_checkpoints(out.parent / "checkpoints")
+    keep = (f"kept: the checkpoints, the last {kept[-1][1]} (step {kept[-1][0]}); after freeing space, export it "
+            f"with python -m rlhf.checkpoint export --ckpt {kept[-1][1]} --out {out}") if kept else \
+        "kept: no checkpoint (none was saved: checkpoint.save_freq, checkpoint.save_final)"
+    raise SaveFailedError(f"HF export not written: {problem}{space_note(out, needed)}; {left}; {keep}")
 
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")

@@ -271,8 +271,8 @@ class RLTrainer:
         scores = res.scores.to(self.device)
         acc = torch.tensor(res.extra_metrics["acc"], device=self.device) if "acc" in res.extra_metrics \
             else (scores >= 1.0).float()
-        sums = {"reward/score_mean": scores.sum(), "reward/errors": float(res.n_errors),
-                "reward/timeouts": float(res.n_timeouts), "reward/samples": float(len(batch))}  # reduced below
+        sums = {"reward/score_mean": scores.sum(), "reward/errors": float(res.n_errors), "reward/timeouts":
+                float(res.n_timeouts), "reward/untried": float(res.n_untried), "reward/samples": float(len(batch))}
         r = self.cfg.reward
         if self.reward_model is not None:
             rm_scores = self.reward_model.score(batch).to(self.device).float()  # [N]
@@ -298,13 +298,14 @@ class RLTrainer:
             batch.reward_components = reward_components(res, self.cfg.algorithm.gdpo_reward_keys).to(self.device)
         # The reward dict's other numeric keys: means over every dp rank's samples that reported them.
         metrics = mean_of_sums(all_gather_object(res.metric_sums(), self.dp_group))
-        metrics.update(self._global_means(sums, len(batch),
-                                          totals=("reward/errors", "reward/timeouts", "reward/samples")))
+        metrics.update(self._global_means(sums, len(batch), totals=("reward/errors", "reward/timeouts",
+                                                                    "reward/untried", "reward/samples")))
         failed = metrics["reward/errors"] + metrics["reward/timeouts"]
         if failed and self.env.is_main:
             where = f"; first on this rank: {res.first_error}" if res.first_error else ""
             print(f"[rlhf] reward function failed on {int(metrics['reward/errors'])} samples and timed out on "
-                  f"{int(metrics['reward/timeouts'])} (scored 0){where}", flush=True)
+                  f"{int(metrics['reward/timeouts'])} (scored 0; {int(metrics['reward/untried'])} not tried){where}",
+                  flush=True)
         self.reward_guard.update(metrics["reward/errors"], metrics["reward/timeouts"], metrics.pop("reward/samples"))
         return metrics
 

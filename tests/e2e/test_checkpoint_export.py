@@ -128,3 +128,28 @@ def test_critic_export_is_a_value_model_a_later_run_starts_from(grpo_run, tiny_a
 
     with pytest.raises(ConfigError, match="holds no 'critic' model"):
         export_checkpoint(grpo_run / "checkpoints" / "global_step_1", tmp_path / "x", role="critic")
+
+
+def test_an_offline_export_to_a_full_disk_is_one_line(grpo_run, tmp_path, capsys):
+    """issue 55: `python -m rlhf.checkpoint export` onto a filesystem without room (a 16 KB tmpfs; the
+    export is about 100 KB): one line naming the path and what is unchanged, exit status 2."""
+    import subprocess
+
+    from rlhf.export import main
+
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    ckpt = grpo_run / "checkpoints" / "global_step_1"
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["export", "--ckpt", str(ckpt), "--out", str(mnt / "hf")])
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert e.value.code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: export to {mnt / 'hf'} not written: no space left on device writing "
+                               f"{mnt / 'hf'}"), err
+    assert f"the checkpoint {ckpt} is unchanged: free space and rerun" in err and "Traceback" not in err

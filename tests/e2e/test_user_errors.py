@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -64,6 +65,10 @@ def dry_runs(tiny_assets, tmp_path_factory):
                   for name in ("mixed", "mixed_utf8", "unusable")})
     cases["ok"] = grpo_args(tiny_assets, d / "o")
     cases["listed"] = ["--config", str(d / "list.yaml")] + grpo_args(tiny_assets, d / "o")
+    # a config.json cut off or hand-edited wrong: line 3 is `  "hidden_size": ,` (the value at column 18)
+    shutil.copytree(tiny_assets / "model", d / "bad_model")
+    (d / "bad_model" / "config.json").write_text('{\n  "vocab_size": 32,\n  "hidden_size": ,\n}\n')
+    cases["bad_config_json"] = grpo_args(tiny_assets, d / "o", **{"model.path": d / "bad_model"})
     cases["taken"] = grpo_args(tiny_assets, d / "a_file")
     cases["under_taken"] = grpo_args(tiny_assets, d / "a_file" / "run")
     results = run_script_many("train_grpo.py", [["--dry-run"] + args for args in cases.values()])
@@ -101,6 +106,12 @@ def test_bad_config_file_and_output_dir_are_one_line(dry_runs):
     assert taken.read_text() == "not a directory"
 
 
+def test_a_malformed_config_json_is_one_line_naming_the_file_and_the_position(dry_runs):
+    d, r = dry_runs
+    assert _error_line(r["bad_config_json"]) == (f"error: model.path: {d / 'bad_model' / 'config.json'} is not valid "
+                                                 f"JSON: Expecting value at line 3 column 18")
+
+
 def test_a_reward_function_that_always_fails_stops_the_run_with_a_reason(tiny_assets, tmp_path):
     """No sample gets a reward: after reward.max_failed_steps steps in a row the run stops with one
     line (it went on for every step before); the rows already logged stay."""
@@ -131,6 +142,31 @@ def test_a_reward_function_that_always_hangs_stops_the_run(tiny_assets, tmp_path
         "trainer.total_training_steps": 5, "data.val_files": ""}))
     line = _error_line(r)
     assert "no sample got a reward in 2 steps in a row (last step: 16 of 16 calls timed out" in line, line
-    lines = [l for l in r.stdout.splitlines() if "timed out on 16 (scored 0)" in l]
+    lines = [l for l in r.stdout.splitlines() if "timed out on 16 (scored 0; " in l]
     assert len(lines) == 2, r.stdout[-3000:]  # one line per step
     assert (out / "metrics.jsonl").is_file()
+
+
+def test_a_hanging_reward_with_defaults_costs_one_timeout_round_per_step(tiny_assets, tmp_path):
+    """issue 55: every call hangs, default settings (4 workers, scoring during generation, 3 failed steps)
+    but a 2 s timeout: each step tries about one call per worker, fails the rest at once (counted in
+    reward/untried), and the run stops after reward.max_failed_steps with one line."""
+    f = tmp_path / "hanging_reward.py"
+    f.write_text("import time\n\ndef reward(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    time.sleep(3600)\n")
+    out = tmp_path / "o"
+    r = run_script("train_grpo.py", grpo_args(tiny_assets, out, **{
+        "reward.reward_fn": f"{f}:reward", "reward.timeout_s": 2, "trainer.total_training_steps": 5,
+        "data.val_files": ""}))
+    line = _error_line(r)
+    assert "no sample got a reward in 3 steps in a row (last step: 16 of 16 calls timed out" in line, line
+    from rlhf.ops.metrics import read_metrics
+
+    steps = [m for m in read_metrics(out / "metrics.jsonl") if "reward/untried" in m]
+    assert [m["step"] for m in steps] == [1, 2]  # the third step ends the run before its row
+    workers = 4  # reward.num_workers' default
+    for m in steps:
+        tried = m["reward/timeouts"] - m["reward/untried"]
+        # one round: a call per worker, plus at most one more per worker started before the round ended
+        assert m["reward/timeouts"] == 16 and 1 <= tried < 2 * workers, m
+    assert len([l for l in r.stdout.splitlines() if "timed out on 16 (scored 0; " in l]) == 3

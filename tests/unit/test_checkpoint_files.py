@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -159,8 +160,8 @@ def test_a_crafted_dcp_metadata_is_refused_before_torch_unpickles_it(mesh, tmp_p
     good, latest, state = _two_checkpoints(tmp_path)
     marker = tmp_path / "pwned"
     (latest / "model_optim" / ".metadata").write_bytes(__import__("pickle").dumps(_Payload(marker)))
-    assert "names io.open" in verify_checkpoint(latest) and not marker.exists()
+    assert re.search(r"names _?io\.open", verify_checkpoint(latest)) and not marker.exists()  # _io: 3.12+
     assert find_resume_path("auto", str(tmp_path)) == good
-    with pytest.raises(CheckpointError, match="is damaged: model_optim/.metadata names io.open"):
+    with pytest.raises(CheckpointError, match=r"is damaged: model_optim/.metadata names _?io\.open"):
         find_resume_path(str(latest), str(tmp_path))
     assert not marker.exists()
