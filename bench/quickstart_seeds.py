@@ -3,7 +3,7 @@
 One quickstart run is one draw: the SFT warm start and GRPO both depend on the data order and
 the sampler's draws, and a 0.8M-parameter model trained at a high learning rate amplifies
 float rounding into visibly different models within a few dozen steps. So a claim about the
-quickstart (README's "Results", a change to SFT, sampling or a loss) is made from this script.
+quickstart (docs/getting-started/quickstart.md and docs/benchmarks.md; a change to SFT, sampling or a loss) is made from this script.
 
 For each seed ``k`` it runs the whole pipeline of ``launch/quickstart.sh`` on ``--nproc`` CPU
 ranks: SFT with ``sft.seed=k trainer.seed=k``, then GRPO from that model with

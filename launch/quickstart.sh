@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU quickstart, end to end: build the project's tiny model and task, warm-start the
 # model with SFT on a flawed teacher's demonstrations, then GRPO with a verifiable reward.
-# About 4 minutes on 2 idle CPU cores (README "Quickstart" has the measured times); it scales
+# About 4 minutes on 2 idle CPU cores (docs/getting-started/quickstart.md has the measured times); it scales
 # with the cores it gets. Extra arguments go to train_grpo.py as overrides.
 #
 #   bash launch/quickstart.sh                    # 2 processes (NPROC=1 for one)

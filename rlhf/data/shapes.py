@@ -15,7 +15,7 @@ The demonstrations come from a hasty teacher that undercounts crowded pictures: 
 probability ``teacher_miscount`` it answers ``n - 1`` when ``n >= 3``. After the supervised warm
 start the greedy policy copies the majority (``2`` for three shapes, ``3`` for four), so it scores
 about 0.5 although it can tell the counts apart; sampling gives the right count now and then,
-the signal GRPO turns into a policy that counts (README, "Vision-language quickstart").
+the signal GRPO turns into a policy that counts (docs/howto/vlm.md).
 
 Files written by :func:`make_shapes_task`: ``train.parquet`` and ``val.parquet`` (verl's
 multimodal schema) and ``sft.parquet`` (``prompt``, ``images``, ``response``).
