@@ -58,6 +58,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import importlib
 
+        # A protocol-2 pickle names builtins by its Python 2 name (pickle's fix_imports); the base class maps
+        # it back, an override must too. Still only what the checks below allow.
+        module = "builtins" if module == "__builtin__" else module
         if (module, name) in self._ALLOWED:
             return getattr(importlib.import_module(module), name)
         if module == "pathlib._local" and ("pathlib", name) in self._ALLOWED:
