@@ -201,8 +201,9 @@ class Sampler:
             ids = [getattr(self.vlm_config, k, None) for k in ("image_token_id", "video_token_id")]
             self.banned_ids = torch.tensor([i for i in ids if i is not None], dtype=torch.int64, device=self.device)
         self.config = model_config
-        # the seam: the functional decoder (fast families) or the model's own HF modules (rlhf.rollout.generic);
-        # both offer prefill / prefill_chunk / decode with one signature, which the scheduler calls
+        # the seam: the functional decoder (fast families), the model's own HF modules (rlhf.rollout.generic) or,
+        # under rollout.batch_invariant, the trainer's row-tiled forward (rlhf.models.batch_invariant); each offers
+        # prefill / prefill_chunk / decode with one signature, which the scheduler calls
         self.backend: Any = decoder
         self.path = rollout_path(model_config, max_seq_len) if self.vlm_config is None else None
         if generic_path and self.path is not None:
